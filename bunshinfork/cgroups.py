@@ -1,0 +1,213 @@
+"""One cgroup per workspace: freezer, memory accounting and limits, pids limit.
+
+Two layouts: this machine's cgroup v1 controllers (one directory per controller)
+and a unified cgroup v2 hierarchy. Both are driven through the same small API.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import CgroupError
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PARENT = "bunshin"
+V1_CONTROLLERS = ("freezer", "memory", "pids")
+
+
+def _write(path: Path, value: str) -> None:
+    try:
+        path.write_text(value)
+    except OSError as e:
+        raise CgroupError(f"cannot write {value!r} to {path}: {e.strerror}") from e
+
+
+def _is_cgroup2(path: Path) -> bool:
+    return (path / "cgroup.controllers").exists()
+
+
+def detect(root: Path = CGROUP_ROOT) -> str:
+    """'v2' on a pure cgroup v2 host, 'v1' where the v1 controllers we need are mounted."""
+    if _is_cgroup2(root):
+        return "v2"
+    if all((root / c).is_dir() for c in V1_CONTROLLERS):
+        return "v1"
+    raise CgroupError(
+        f"no usable cgroup hierarchy under {root}: need cgroup v2, or v1 with {', '.join(V1_CONTROLLERS)}"
+    )
+
+
+@dataclass
+class Cgroup:
+    """A workspace's cgroup. `paths` maps a controller (or 'unified') to its directory."""
+
+    version: str
+    paths: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def create(
+        cls,
+        name: str,
+        memory_limit: int | None = None,
+        pids_limit: int | None = None,
+        version: str = "auto",
+        root: Path = CGROUP_ROOT,
+    ) -> Cgroup:
+        version = detect(root) if version == "auto" else version
+        cg = cls(version=version)
+        try:
+            if version == "v1":
+                for ctrl in V1_CONTROLLERS:
+                    d = root / ctrl / PARENT / name
+                    d.mkdir(parents=True, exist_ok=False)
+                    cg.paths[ctrl] = str(d)
+                if memory_limit is not None:
+                    _write(Path(cg.paths["memory"]) / "memory.limit_in_bytes", str(memory_limit))
+                if pids_limit is not None:
+                    _write(Path(cg.paths["pids"]) / "pids.max", str(pids_limit))
+            elif version == "v2":
+                parent = root / PARENT
+                parent.mkdir(exist_ok=True)
+                wanted = [c for c, v in (("memory", memory_limit), ("pids", pids_limit)) if v is not None]
+                available = (root / "cgroup.controllers").read_text().split()
+                missing = [c for c in wanted if c not in available]
+                if missing:
+                    raise CgroupError(
+                        f"cgroup v2 at {root} does not offer the {', '.join(missing)} controller(s) that the "
+                        "requested limits need (they may be bound to a v1 hierarchy); drop the limits or "
+                        "use the v1 layout"
+                    )
+                for c in wanted:
+                    _write(root / "cgroup.subtree_control", f"+{c}")
+                    _write(parent / "cgroup.subtree_control", f"+{c}")
+                d = parent / name
+                d.mkdir(exist_ok=False)
+                cg.paths["unified"] = str(d)
+                if memory_limit is not None:
+                    _write(d / "memory.max", str(memory_limit))
+                    _write(d / "memory.swap.max", "0")
+                if pids_limit is not None:
+                    _write(d / "pids.max", str(pids_limit))
+            else:
+                raise CgroupError(f"unknown cgroup version {version!r}; use 'auto', 'v1' or 'v2'")
+        except FileExistsError as e:
+            cg.remove()
+            raise CgroupError(f"cgroup {e.filename} already exists; run 'bunshin gc'") from e
+        except OSError as e:
+            cg.remove()
+            raise CgroupError(f"cannot create cgroup {name}: {e}") from e
+        except CgroupError:
+            cg.remove()
+            raise
+        return cg
+
+    def _dirs(self) -> list[Path]:
+        return [Path(p) for p in self.paths.values()]
+
+    def add(self, pid: int) -> None:
+        for d in self._dirs():
+            _write(d / "cgroup.procs", str(pid))
+
+    def pids(self) -> list[int]:
+        d = Path(self.paths.get("unified") or self.paths["freezer"])
+        try:
+            return [int(x) for x in (d / "cgroup.procs").read_text().split()]
+        except FileNotFoundError:
+            return []
+
+    def freeze(self, timeout: float = 10.0) -> None:
+        self._set_frozen(True, timeout)
+
+    def thaw(self, timeout: float = 10.0) -> None:
+        self._set_frozen(False, timeout)
+
+    def frozen(self) -> bool:
+        if self.version == "v1":
+            return (Path(self.paths["freezer"]) / "freezer.state").read_text().strip() == "FROZEN"
+        events = (Path(self.paths["unified"]) / "cgroup.events").read_text()
+        return "frozen 1" in events
+
+    def _set_frozen(self, frozen: bool, timeout: float) -> None:
+        if self.version == "v1":
+            f = Path(self.paths["freezer"]) / "freezer.state"
+            want = "FROZEN" if frozen else "THAWED"
+            _write(f, want)
+            deadline = time.monotonic() + timeout
+            # v1 passes through FREEZING while tasks are still running kernel code.
+            while f.read_text().strip() != want:
+                if time.monotonic() > deadline:
+                    raise CgroupError(f"{f} did not reach {want} within {timeout}s")
+                _write(f, want)
+                time.sleep(0.002)
+        else:
+            d = Path(self.paths["unified"])
+            _write(d / "cgroup.freeze", "1" if frozen else "0")
+            deadline = time.monotonic() + timeout
+            while self.frozen() != frozen:
+                if time.monotonic() > deadline:
+                    raise CgroupError(f"{d} did not {'freeze' if frozen else 'thaw'} within {timeout}s")
+                time.sleep(0.002)
+
+    def memory_usage(self) -> int:
+        if self.version == "v1":
+            return int((Path(self.paths["memory"]) / "memory.usage_in_bytes").read_text())
+        p = Path(self.paths["unified"]) / "memory.current"
+        return int(p.read_text()) if p.exists() else 0
+
+    def memory_limit(self) -> int | None:
+        if self.version == "v1":
+            v = int((Path(self.paths["memory"]) / "memory.limit_in_bytes").read_text())
+            return None if v >= 1 << 62 else v
+        p = Path(self.paths["unified"]) / "memory.max"
+        if not p.exists():
+            return None
+        v = p.read_text().strip()
+        return None if v == "max" else int(v)
+
+    def oom_kills(self) -> int:
+        """How many processes the memory limit has killed inside this workspace."""
+        if self.version == "v1":
+            text = (Path(self.paths["memory"]) / "memory.oom_control").read_text()
+        else:
+            p = Path(self.paths["unified"]) / "memory.events"
+            text = p.read_text() if p.exists() else ""
+        for line in text.splitlines():
+            k, _, v = line.partition(" ")
+            if k == "oom_kill":
+                return int(v)
+        return 0
+
+    def remove(self, timeout: float = 10.0) -> None:
+        """Remove every directory; the kernel refuses while dying tasks linger, so retry."""
+        deadline = time.monotonic() + timeout
+        for d in self._dirs():
+            while True:
+                try:
+                    os.rmdir(d)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as e:
+                    if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                        raise CgroupError(f"cannot remove cgroup {d}: {e.strerror}") from e
+                    time.sleep(0.01)
+
+    def exists(self) -> bool:
+        return any(d.exists() for d in self._dirs())
+
+
+def leftover_cgroups(root: Path = CGROUP_ROOT) -> list[str]:
+    """Every workspace cgroup directory currently present (used by gc and the leak checks)."""
+    out: list[str] = []
+    candidates = [root / PARENT] if _is_cgroup2(root) else [root / c / PARENT for c in V1_CONTROLLERS]
+    unified = root / "unified" / PARENT
+    candidates.append(unified)
+    for parent in candidates:
+        with contextlib.suppress(FileNotFoundError):
+            out.extend(str(parent / n) for n in sorted(os.listdir(parent)) if (parent / n).is_dir())
+    return out

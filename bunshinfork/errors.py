@@ -1,0 +1,68 @@
+"""Typed errors. Every failure a user can act on has its own class and a message that says what to do."""
+
+from __future__ import annotations
+
+
+class BunshinError(Exception):
+    """Base class of every error raised by bunshinfork."""
+
+
+class SpecError(BunshinError, ValueError):
+    """The WorkspaceSpec is invalid (missing rootfs, bad limits, unknown network mode)."""
+
+
+class RootfsError(BunshinError):
+    """A root file system could not be prepared (missing directory, no Docker engine, debootstrap failed)."""
+
+
+class PrivilegeError(BunshinError, PermissionError):
+    """The caller lacks the privileges the runtime needs (root, CAP_SYS_ADMIN)."""
+
+
+class KernelFeatureError(BunshinError):
+    """A kernel feature the runtime needs is missing (namespaces, overlayfs, cgroups, btrfs)."""
+
+
+class CriuError(BunshinError):
+    """CRIU is missing, too old, or failed; the message carries the relevant part of its log."""
+
+
+class WorkspaceNotFound(BunshinError, LookupError):
+    """No workspace with that id exists under the state directory."""
+
+
+class WorkspaceStateError(BunshinError):
+    """The workspace is in the wrong state for the operation (destroyed, paused, init gone)."""
+
+
+class CommandTimeout(BunshinError, TimeoutError):
+    """A command ran longer than its timeout and was killed inside the workspace."""
+
+    def __init__(self, message: str, stdout: str = "", stderr: str = "") -> None:
+        super().__init__(message)
+        self.stdout = stdout
+        self.stderr = stderr
+
+
+class CommandError(BunshinError):
+    """The workspace's init refused or could not start a command (bad cwd, missing executable)."""
+
+
+class FileOperationError(BunshinError, OSError):
+    """A file operation inside the workspace failed."""
+
+
+class NetworkError(BunshinError):
+    """Setting up or tearing down a workspace network failed."""
+
+
+class CgroupError(BunshinError):
+    """A cgroup could not be created, configured or removed."""
+
+
+class ForkError(BunshinError):
+    """A fork of a workspace failed; the source keeps running unchanged."""
+
+
+class WorkspaceFileNotFound(FileOperationError, FileNotFoundError):
+    """The path does not exist inside the workspace."""

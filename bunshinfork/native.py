@@ -1,0 +1,128 @@
+"""Thin, typed access to the CFFI `_native` module: errno becomes OSError."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ._native import ffi, lib
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_NOEXEC = 8
+MS_REMOUNT = 32
+MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+MNT_DETACH = 2
+
+PR_SET_MEMORY_MERGE = 67
+PR_GET_MEMORY_MERGE = 68
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _check(rc: int, what: str) -> int:
+    if rc < 0:
+        err = ffi.errno
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+    return rc
+
+
+def mount(source: str | None, target: str, fstype: str | None, flags: int = 0, data: str | None = None) -> None:
+    def c(s: str | None):  # noqa: ANN202
+        return ffi.NULL if s is None else s.encode()
+
+    _check(lib.bn_mount(c(source), target.encode(), c(fstype), flags, c(data)), f"mount {target}")
+
+
+def umount2(target: str, flags: int = 0) -> None:
+    _check(lib.bn_umount2(target.encode(), flags), f"umount {target}")
+
+
+def pivot_root(new_root: str, put_old: str) -> None:
+    _check(lib.bn_pivot_root(new_root.encode(), put_old.encode()), "pivot_root")
+
+
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_IN_ROOT = 0x10
+
+
+def openat2(dirfd: int, path: str, flags: int, mode: int = 0o644,
+            resolve: int = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS) -> int:
+    # openat2 rejects a mode unless the call can create the file.
+    mode = mode if (flags & os.O_CREAT or (flags & os.O_TMPFILE) == os.O_TMPFILE) else 0
+    return _check(lib.bn_openat2(dirfd, path.encode(), flags | os.O_CLOEXEC, mode, resolve), f"open {path}")
+
+
+def setns(fd: int, nstype: int = 0) -> None:
+    _check(lib.bn_setns(fd, nstype), "setns")
+
+
+def unshare(flags: int) -> None:
+    _check(lib.bn_unshare(flags), "unshare")
+
+
+def pidfd_open(pid: int) -> int:
+    return _check(lib.bn_pidfd_open(pid, 0), f"pidfd_open {pid}")
+
+
+def pidfd_send_signal(pidfd: int, sig: int) -> None:
+    _check(lib.bn_pidfd_send_signal(pidfd, sig, 0), "pidfd_send_signal")
+
+
+def prctl(option: int, a2: int = 0, a3: int = 0, a4: int = 0, a5: int = 0) -> int:
+    return _check(lib.bn_prctl(option, a2, a3, a4, a5), f"prctl({option})")
+
+
+def sethostname(name: str) -> None:
+    _check(lib.bn_sethostname(name.encode()), "sethostname")
+
+
+@dataclass
+class Spawned:
+    pid: int
+    pidfd: int
+    sync_fd: int
+    err_fd: int
+
+
+@dataclass
+class SpawnConfig:
+    ns_flags: int
+    root: str
+    overlay_opts: str
+    hostname: str
+    init_path: str = "/.bunshin/init"
+    mount_sysfs: bool = True
+    ksm_merge: bool = False
+
+
+def spawn(cfg: SpawnConfig) -> Spawned:
+    """Clone the workspace's first process; it waits for `release` before doing anything."""
+    keep = [ffi.new("char[]", s.encode()) for s in (cfg.root, cfg.overlay_opts, cfg.hostname, cfg.init_path)]
+    c = ffi.new("struct bn_spawn_cfg *")
+    c.ns_flags = cfg.ns_flags
+    c.root, c.overlay_opts, c.hostname, c.init_path = keep
+    c.mount_sysfs = int(cfg.mount_sysfs)
+    c.ksm_merge = int(cfg.ksm_merge)
+    pidfd = ffi.new("int *")
+    sync_fd = ffi.new("int *")
+    err_fd = ffi.new("int *")
+    pid = _check(lib.bn_spawn(c, pidfd, sync_fd, err_fd), "clone3 workspace init")
+    return Spawned(pid, pidfd[0], sync_fd[0], err_fd[0])
+
+
+def release(sp: Spawned) -> str | None:
+    """Let the child run its set-up and exec the init; returns None or the step that failed."""
+    buf = ffi.new("char[]", 512)
+    rc = lib.bn_spawn_release(sp.sync_fd, sp.err_fd, buf, 512)
+    return None if rc == 0 else ffi.string(buf).decode(errors="replace")

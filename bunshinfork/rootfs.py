@@ -1,0 +1,253 @@
+"""Read-only lower layers for workspace root file systems.
+
+Four sources:
+- "host": the host's own /usr (and the merged-/usr symlinks /bin, /sbin, /lib*) under a
+  generated skeleton that hides every other top-level entry of the host (whiteouts and
+  opaque directories) and supplies a minimal /etc. The host's /etc, /root, /home and
+  /var never show through.
+- "debian": a debootstrap-built bookworm, cached after the first build.
+- a directory path.
+- "docker:IMAGE": an OCI image exported through the docker SDK, when an engine is reachable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tarfile
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from . import state
+from .errors import RootfsError
+
+CACHE = Path(os.environ.get("BUNSHIN_CACHE", "/var/cache/bunshin"))
+HOST_KEEP = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
+# Directories every workspace has; created empty and opaque so the host's never show through.
+SKELETON_DIRS = {
+    "etc": 0o755, "root": 0o700, "home": 0o755, "var": 0o755, "tmp": 0o1777, "run": 0o755,
+    "proc": 0o555, "dev": 0o755, "sys": 0o555, "mnt": 0o755, "opt": 0o755, "srv": 0o755,
+    "media": 0o755, "boot": 0o755,
+}
+VAR_DIRS = ("var/tmp", "var/log", "var/lib", "var/cache", "var/spool", "var/mail")
+# Non-secret host configuration that programs from /usr expect to find.
+HOST_ETC_COPY = (
+    "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "ssl", "python3", "python3.11",
+    "fonts", "mime.types", "protocols", "services", "ethertypes", "inputrc", "debian_version",
+    "os-release", "bash.bashrc", "X11", "gai.conf", "ca-certificates",
+)
+DEBIAN_SUITE = "bookworm"
+DEBIAN_MIRROR = "http://deb.debian.org/debian"
+
+
+@dataclass(frozen=True)
+class Rootfs:
+    kind: str  # host | debian | dir | docker
+    lowerdirs: tuple[str, ...]  # top first, as overlayfs lists them
+    digest: str
+    source: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Rootfs:
+        return cls(kind=d["kind"], lowerdirs=tuple(d["lowerdirs"]), digest=d["digest"], source=d["source"])
+
+
+def resolve(source: str) -> Rootfs:
+    """Turn a spec's rootfs string into lower layers, building and caching them as needed."""
+    if source == "host":
+        return host()
+    if source in ("debian", f"debian:{DEBIAN_SUITE}"):
+        return debian()
+    if source.startswith("docker:"):
+        return docker_image(source.removeprefix("docker:"))
+    return directory(source)
+
+
+def _generated_etc() -> dict[str, str]:
+    return {
+        "passwd": "root:x:0:0:root:/root:/bin/bash\n"
+        "daemon:x:1:1:daemon:/usr/sbin:/usr/sbin/nologin\n"
+        "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+        "group": "root:x:0:\ndaemon:x:1:\ntty:x:5:\nusers:x:100:\nnogroup:x:65534:\n",
+        "hosts": "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n",
+        "resolv.conf": "# no DNS inside the workspace unless its network mode provides one\n",
+        "nsswitch.conf": "passwd: files\ngroup: files\nshadow: files\nhosts: files dns\n"
+        "networks: files\nprotocols: files\nservices: files\nethers: files\nrpc: files\n",
+        "profile": 'export PATH="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"\n',
+        "hostname": "workspace\n",
+        "shells": "/bin/sh\n/bin/bash\n/usr/bin/bash\n",
+    }
+
+
+def _host_digest() -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps(sorted(os.listdir("/"))).encode())
+    h.update(json.dumps(_generated_etc(), sort_keys=True).encode())
+    for name in HOST_ETC_COPY:
+        p = Path("/etc") / name
+        if p.exists() or p.is_symlink():
+            st = p.lstat()
+            h.update(f"{name}:{st.st_mtime_ns}:{st.st_size}".encode())
+    h.update(b"v1")
+    return h.hexdigest()[:16]
+
+
+def _whiteout(path: Path) -> None:
+    os.mknod(path, 0o600 | 0o020000, os.makedev(0, 0))
+
+
+def _opaque(path: Path) -> None:
+    os.setxattr(path, "trusted.overlay.opaque", b"y")
+
+
+def _build_host_skeleton(dest: Path) -> None:
+    dest.mkdir(mode=0o755)
+    host_entries = set(os.listdir("/"))
+    for name in sorted(host_entries - set(HOST_KEEP) - set(SKELETON_DIRS)):
+        _whiteout(dest / name)
+    for name, mode in SKELETON_DIRS.items():
+        d = dest / name
+        d.mkdir()
+        os.chmod(d, mode)
+        _opaque(d)
+    for rel in VAR_DIRS:
+        (dest / rel).mkdir(parents=True, exist_ok=True)
+    os.chmod(dest / "var/tmp", 0o1777)
+    for name in HOST_KEEP:
+        # Hosts without merged /usr keep these as real directories; they show through as-is.
+        if name not in host_entries:
+            continue
+        if not Path("/", name).is_symlink() and not Path("/", name).is_dir():
+            _whiteout(dest / name)
+    etc = dest / "etc"
+    for name in HOST_ETC_COPY:
+        src = Path("/etc") / name
+        if src.is_symlink():
+            os.symlink(os.readlink(src), etc / name)
+        elif src.is_dir():
+            shutil.copytree(src, etc / name, symlinks=True)
+        elif src.is_file():
+            shutil.copy2(src, etc / name)
+    for name, text in _generated_etc().items():
+        (etc / name).write_text(text)
+    os.symlink("/usr/share/zoneinfo/Etc/UTC", etc / "localtime")
+
+
+def host() -> Rootfs:
+    root = state.run_root()
+    digest = _host_digest()
+    layer = root / "layers" / f"host-{digest}"
+    if not layer.is_dir():
+        layer.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=layer.parent, prefix=".build-"))
+        try:
+            _build_host_skeleton(tmp / "root")
+            try:
+                os.rename(tmp / "root", layer)
+            except OSError:
+                if not layer.is_dir():  # a concurrent builder won the race otherwise
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return Rootfs(kind="host", lowerdirs=(str(layer), "/"), digest=f"host-{digest}", source="host")
+
+
+def _dir_digest(path: Path) -> str:
+    st = path.stat()
+    h = hashlib.sha256(f"{path.resolve()}:{st.st_dev}:{st.st_ino}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def directory(path: str) -> Rootfs:
+    p = Path(path)
+    if not p.is_absolute():
+        raise RootfsError(f"rootfs {path!r} is neither 'host', 'debian', 'docker:IMAGE' nor an absolute path")
+    if not p.is_dir():
+        raise RootfsError(f"rootfs directory {path} does not exist; create it or use rootfs='host'")
+    if not any((p / sh).exists() or (p / sh).is_symlink() for sh in ("bin/sh", "usr/bin/sh")):
+        raise RootfsError(f"rootfs directory {path} has no /bin/sh; commands cannot run in it")
+    if os.stat(p).st_dev == os.stat(state.run_root()).st_dev:
+        raise RootfsError(
+            f"rootfs directory {path} lies on the same file system as {state.RUN_ROOT}; "
+            "overlayfs refuses overlapping layers, so keep it elsewhere"
+        )
+    return Rootfs(kind="dir", lowerdirs=(str(p.resolve()),), digest=f"dir-{_dir_digest(p)}", source=str(p))
+
+
+def debian(suite: str = DEBIAN_SUITE, mirror: str = DEBIAN_MIRROR) -> Rootfs:
+    """A minbase debootstrap of `suite`, built once and cached under CACHE/rootfs."""
+    dest = CACHE / "rootfs" / f"debian-{suite}"
+    if not (dest / ".bunshin-complete").exists():
+        if not shutil.which("debootstrap"):
+            raise RootfsError("debootstrap is not installed; run scripts/setup.sh or apt-get install debootstrap")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with state.lock(f"debootstrap-{suite}", root=dest.parent):
+            if not (dest / ".bunshin-complete").exists():
+                tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".debian-{suite}-"))
+                try:
+                    proc = subprocess.run(
+                        ["debootstrap", "--variant=minbase", "--include=python3", suite, str(tmp), mirror],
+                        capture_output=True, text=True, timeout=1800,
+                    )
+                    if proc.returncode != 0:
+                        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
+                        raise RootfsError(f"debootstrap {suite} failed (exit {proc.returncode}):\n{tail}")
+                    (tmp / ".bunshin-complete").write_text(suite + "\n")
+                    shutil.rmtree(dest, ignore_errors=True)
+                    os.rename(tmp, dest)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+    st = (dest / ".bunshin-complete").stat()
+    digest = hashlib.sha256(f"debian-{suite}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return Rootfs(kind="debian", lowerdirs=(str(dest),), digest=f"debian-{digest}", source=f"debian:{suite}")
+
+
+def docker_image(image: str) -> Rootfs:
+    """Export an image's file system through a reachable Docker engine, cached by image id."""
+    try:
+        import docker  # type: ignore[import-untyped]
+    except ImportError as e:
+        raise RootfsError("rootfs 'docker:...' needs the docker SDK: pip install 'bunshin[docker]'") from e
+    try:
+        client = docker.from_env(timeout=10)
+        client.ping()
+    except Exception as e:
+        raise RootfsError(
+            f"no Docker engine is reachable ({e.__class__.__name__}: {e}); start dockerd or set DOCKER_HOST, "
+            "or use rootfs='host', 'debian' or a directory"
+        ) from e
+    try:
+        try:
+            img = client.images.get(image)
+        except docker.errors.ImageNotFound:
+            img = client.images.pull(image)
+        image_id = img.id.split(":")[-1][:16]
+        dest = CACHE / "rootfs" / f"oci-{image_id}"
+        if not (dest / ".bunshin-complete").exists():
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".oci-"))
+            container = client.containers.create(img.id, command=["/bin/true"])
+            try:
+                tar_path = tmp / "fs.tar"
+                with open(tar_path, "wb") as f:
+                    for chunk in container.export():
+                        f.write(chunk)
+                (tmp / "root").mkdir()
+                with tarfile.open(tar_path) as tf:
+                    tf.extractall(tmp / "root", filter="tar")
+                (tmp / "root" / ".bunshin-complete").write_text(image + "\n")
+                shutil.rmtree(dest, ignore_errors=True)
+                os.rename(tmp / "root", dest)
+            finally:
+                container.remove(force=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+    except docker.errors.DockerException as e:
+        raise RootfsError(f"exporting docker image {image!r} failed: {e}") from e
+    return Rootfs(kind="docker", lowerdirs=(str(dest),), digest=f"oci-{image_id}", source=f"docker:{image}")

@@ -1,0 +1,86 @@
+"""WorkspaceSpec: what a workspace is made of. Validated before anything is created."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+
+from .errors import SpecError
+
+NETWORK_MODES = ("none", "bridge")
+CGROUP_VERSIONS = ("auto", "v1", "v2")
+_HOSTNAME = re.compile(r"^[a-zA-Z0-9]([a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?$")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*$")
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+MIN_MEMORY = 16 << 20
+
+
+def parse_size(value: int | str | None, what: str) -> int | None:
+    """Bytes from an int or a string such as '512M' or '2GiB'."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise SpecError(f"{what} must be a size in bytes or a string like '512M', not {value!r}")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = _SIZE.match(str(value))
+        if not m:
+            raise SpecError(f"{what}={value!r} is not a size; use bytes or a string like '512M' or '2G'")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise SpecError(f"{what} must be positive, got {value!r}")
+    return n
+
+
+@dataclass
+class WorkspaceSpec:
+    """Everything a workspace is created from.
+
+    rootfs: "host" (the host's /usr under a generated /etc; the default), "debian"
+      (debootstrap, cached), "docker:IMAGE" (needs a Docker engine), or an absolute directory.
+    memory_limit / pids_limit: enforced by the workspace's cgroup; the OOM killer acts inside it.
+    network: "none" (loopback only) or "bridge" (a veth on the bunshin0 bridge; nat=True adds
+      masquerading to the host's uplink).
+    storage_dir: where the private writable layers live; a btrfs directory makes each layer a
+      subvolume (see storage.setup_btrfs_loop). Default: the state root's tmpfs.
+    """
+
+    rootfs: str = "host"
+    hostname: str | None = None
+    memory_limit: int | str | None = None
+    pids_limit: int | None = None
+    network: str = "none"
+    nat: bool = False
+    env: dict[str, str] = field(default_factory=dict)
+    storage_dir: str | None = None
+    cgroup: str = "auto"
+    ksm: bool = False
+    mount_sysfs: bool = True
+
+    def validate(self) -> WorkspaceSpec:
+        """Return a normalised copy, or raise SpecError saying what to change."""
+        if not isinstance(self.rootfs, str) or not self.rootfs:
+            raise SpecError("rootfs must be 'host', 'debian', 'docker:IMAGE' or an absolute directory path")
+        if self.hostname is not None and not _HOSTNAME.match(self.hostname):
+            raise SpecError(f"hostname {self.hostname!r} is not a valid host name (letters, digits, '-', <= 63)")
+        mem = parse_size(self.memory_limit, "memory_limit")
+        if mem is not None and mem < MIN_MEMORY:
+            raise SpecError(f"memory_limit {mem} bytes is below the {MIN_MEMORY >> 20} MiB a workspace needs")
+        if self.pids_limit is not None and (
+            isinstance(self.pids_limit, bool) or not isinstance(self.pids_limit, int) or self.pids_limit < 4
+        ):
+            raise SpecError(f"pids_limit must be an integer >= 4 (init, shim, shell, command), got {self.pids_limit!r}")
+        if self.network not in NETWORK_MODES:
+            raise SpecError(f"unknown network mode {self.network!r}; use one of {', '.join(NETWORK_MODES)}")
+        if self.nat and self.network != "bridge":
+            raise SpecError("nat=True needs network='bridge'")
+        if self.cgroup not in CGROUP_VERSIONS:
+            raise SpecError(f"unknown cgroup layout {self.cgroup!r}; use one of {', '.join(CGROUP_VERSIONS)}")
+        for k, v in self.env.items():
+            if not isinstance(k, str) or not k or "=" in k or "\0" in k or not isinstance(v, str) or "\0" in v:
+                raise SpecError(f"env entry {k!r}={v!r} is invalid: names are non-empty without '=' or NUL")
+        return WorkspaceSpec(**{**asdict(self), "memory_limit": mem})
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,259 @@
+/*
+ * Native helpers for bunshinfork: what Python's os module lacks, and the
+ * child side of workspace creation, which must run between clone and exec
+ * without touching the Python interpreter (the parent may be multi-threaded).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/openat2.h>
+#include <linux/sched.h>
+#include <net/if.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/sysmacros.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include "native.h"
+
+#ifndef PR_SET_MEMORY_MERGE
+#define PR_SET_MEMORY_MERGE 67
+#endif
+
+int bn_pivot_root(const char *new_root, const char *put_old)
+{
+	return (int)syscall(SYS_pivot_root, new_root, put_old);
+}
+
+int bn_pidfd_open(int pid, unsigned int flags)
+{
+	return (int)syscall(SYS_pidfd_open, pid, flags);
+}
+
+int bn_pidfd_send_signal(int pidfd, int sig, unsigned int flags)
+{
+	return (int)syscall(SYS_pidfd_send_signal, pidfd, sig, NULL, flags);
+}
+
+int bn_openat2(int dirfd, const char *path, int flags, int mode, unsigned long long resolve)
+{
+	struct open_how how = {.flags = (uint64_t)flags, .mode = (uint64_t)mode, .resolve = resolve};
+	return (int)syscall(SYS_openat2, dirfd, path, &how, sizeof(how));
+}
+
+int bn_setns(int fd, int nstype) { return setns(fd, nstype); }
+int bn_unshare(int flags) { return unshare(flags); }
+int bn_umount2(const char *target, int flags) { return umount2(target, flags); }
+int bn_sethostname(const char *name) { return sethostname(name, strlen(name)); }
+
+int bn_mount(const char *source, const char *target, const char *fstype, unsigned long flags,
+	     const char *data)
+{
+	return mount(source, target, fstype, flags, data);
+}
+
+int bn_prctl(int option, unsigned long a2, unsigned long a3, unsigned long a4, unsigned long a5)
+{
+	return prctl(option, a2, a3, a4, a5);
+}
+
+/* ---- child side of bn_spawn: raw syscalls and stack buffers only ---- */
+
+struct step_err {
+	int err;
+	char step[120];
+};
+
+static void report(int fd, const char *step)
+{
+	struct step_err e = {.err = errno};
+	snprintf(e.step, sizeof(e.step), "%s", step);
+	(void)!write(fd, &e, sizeof(e));
+	_exit(127);
+}
+
+static void path_in(char *buf, size_t len, const char *root, const char *rel)
+{
+	snprintf(buf, len, "%s/%s", root, rel);
+}
+
+static int mkdir_p1(const char *path, mode_t mode)
+{
+	return (mkdir(path, mode) < 0 && errno != EEXIST) ? -1 : 0;
+}
+
+static void child_mount(int efd, const char *root, const char *rel, const char *fstype,
+			unsigned long flags, const char *data)
+{
+	char path[4096], step[160];
+	path_in(path, sizeof(path), root, rel);
+	snprintf(step, sizeof(step), "mkdir /%s", rel);
+	if (mkdir_p1(path, 0755) < 0)
+		report(efd, step);
+	snprintf(step, sizeof(step), "mount %s on /%s", fstype, rel);
+	if (mount(fstype, path, fstype, flags, data) < 0)
+		report(efd, step);
+}
+
+static const struct {
+	const char *name;
+	unsigned maj, min;
+} devices[] = {
+	{"null", 1, 3}, {"zero", 1, 5}, {"full", 1, 7}, {"random", 1, 8},
+	{"urandom", 1, 9}, {"tty", 5, 0}, {"ptmx", 5, 2},
+};
+
+static void child_setup_dev(int efd, const char *root)
+{
+	char path[4096], step[160];
+	child_mount(efd, root, "dev", "tmpfs", MS_NOSUID | MS_STRICTATIME, "mode=755,size=65536k");
+	for (size_t i = 0; i < sizeof(devices) / sizeof(devices[0]); i++) {
+		snprintf(path, sizeof(path), "%s/dev/%s", root, devices[i].name);
+		snprintf(step, sizeof(step), "mknod /dev/%s", devices[i].name);
+		if (mknod(path, S_IFCHR | 0666, makedev(devices[i].maj, devices[i].min)) < 0)
+			report(efd, step);
+		if (chmod(path, 0666) < 0)
+			report(efd, step);
+	}
+	/* A private devpts instance: /dev/ptmx resolves through its sibling pts/. */
+	child_mount(efd, root, "dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
+		    "newinstance,ptmxmode=0666,mode=0620,gid=5");
+	child_mount(efd, root, "dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=50%");
+	static const char *links[][2] = {{"/proc/self/fd", "fd"}, {"/proc/self/fd/0", "stdin"},
+					 {"/proc/self/fd/1", "stdout"}, {"/proc/self/fd/2", "stderr"}};
+	for (size_t i = 0; i < 4; i++) {
+		snprintf(path, sizeof(path), "%s/dev/%s", root, links[i][1]);
+		if (symlink(links[i][0], path) < 0)
+			report(efd, "symlink /dev entries");
+	}
+}
+
+static void child_loopback_up(int efd)
+{
+	int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+	struct ifreq ifr;
+	if (s < 0)
+		report(efd, "socket for loopback");
+	memset(&ifr, 0, sizeof(ifr));
+	strcpy(ifr.ifr_name, "lo");
+	if (ioctl(s, SIOCGIFFLAGS, &ifr) < 0)
+		report(efd, "get lo flags");
+	ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+	if (ioctl(s, SIOCSIFFLAGS, &ifr) < 0)
+		report(efd, "bring lo up");
+	close(s);
+}
+
+static void child_main(const struct bn_spawn_cfg *cfg, int sync_rd, int efd)
+{
+	char c, path[4096];
+	/* Wait until the parent has placed us in our cgroups. */
+	if (read(sync_rd, &c, 1) != 1)
+		_exit(126);
+	close(sync_rd);
+
+	if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
+		report(efd, "make / rprivate");
+	if (mount("overlay", cfg->root, "overlay", 0, cfg->overlay_opts) < 0)
+		report(efd, "mount overlay root");
+	/* /proc first: CRIU needs it mounted before the old root goes away. */
+	child_mount(efd, cfg->root, "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+	child_setup_dev(efd, cfg->root);
+	child_mount(efd, cfg->root, "tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777");
+	if (cfg->mount_sysfs)
+		child_mount(efd, cfg->root, "sys", "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+			    NULL);
+	path_in(path, sizeof(path), cfg->root, "run");
+	if (mkdir_p1(path, 0755) < 0)
+		report(efd, "mkdir /run");
+
+	if (chdir(cfg->root) < 0)
+		report(efd, "chdir to new root");
+	/* pivot_root(".", ".") stacks the old root under the new one; detach it. */
+	if (syscall(SYS_pivot_root, ".", ".") < 0)
+		report(efd, "pivot_root");
+	if (umount2(".", MNT_DETACH) < 0)
+		report(efd, "detach old root");
+	if (chdir("/") < 0)
+		report(efd, "chdir /");
+	if (cfg->hostname && sethostname(cfg->hostname, strlen(cfg->hostname)) < 0)
+		report(efd, "sethostname");
+	if (cfg->ns_flags & CLONE_NEWNET)
+		child_loopback_up(efd);
+	if (cfg->ksm_merge && prctl(PR_SET_MEMORY_MERGE, 1, 0, 0, 0) < 0)
+		report(efd, "prctl(PR_SET_MEMORY_MERGE)");
+
+	char *argv[] = {"bunshin-init", NULL};
+	char *envp[] = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", NULL};
+	execve(cfg->init_path, argv, envp);
+	report(efd, "exec init");
+}
+
+int bn_spawn(const struct bn_spawn_cfg *cfg, int *pidfd, int *sync_fd, int *err_fd)
+{
+	int sp[2], ep[2];
+	if (pipe2(sp, O_CLOEXEC) < 0)
+		return -1;
+	if (pipe2(ep, O_CLOEXEC) < 0) {
+		close(sp[0]);
+		close(sp[1]);
+		return -1;
+	}
+	struct clone_args args;
+	memset(&args, 0, sizeof(args));
+	args.flags = (uint64_t)cfg->ns_flags | CLONE_PIDFD;
+	args.pidfd = (uint64_t)(uintptr_t)pidfd;
+	args.exit_signal = SIGCHLD;
+	long pid = syscall(SYS_clone3, &args, sizeof(args));
+	if (pid < 0) {
+		int e = errno;
+		close(sp[0]);
+		close(sp[1]);
+		close(ep[0]);
+		close(ep[1]);
+		errno = e;
+		return -1;
+	}
+	if (pid == 0) {
+		close(sp[1]);
+		close(ep[0]);
+		child_main(cfg, sp[0], ep[1]);
+		_exit(127);
+	}
+	close(sp[0]);
+	close(ep[1]);
+	*sync_fd = sp[1];
+	*err_fd = ep[0];
+	return (int)pid;
+}
+
+int bn_spawn_release(int sync_fd, int err_fd, char *err, int errlen)
+{
+	struct step_err e;
+	ssize_t n;
+	int rc = 0;
+	if (write(sync_fd, "g", 1) != 1) {
+		snprintf(err, (size_t)errlen, "release child: %s", strerror(errno));
+		rc = -1;
+	}
+	close(sync_fd);
+	do
+		n = read(err_fd, &e, sizeof(e));
+	while (n < 0 && errno == EINTR);
+	if (n == (ssize_t)sizeof(e)) {
+		snprintf(err, (size_t)errlen, "%s: %s", e.step, strerror(e.err));
+		rc = -1;
+	}
+	close(err_fd);
+	return rc;
+}

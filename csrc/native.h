@@ -1,0 +1,33 @@
+/* Declarations shared by the CFFI cdef and native.c. Keep this file cdef-parsable:
+ * no preprocessor logic, no includes. */
+
+struct bn_spawn_cfg {
+	int ns_flags;            /* CLONE_NEW* flags for the workspace */
+	const char *root;        /* host path where the root overlay is mounted (inside the child's mntns) */
+	const char *overlay_opts;/* lowerdir=...,upperdir=...,workdir=... */
+	const char *hostname;
+	const char *init_path;   /* path of the init inside the new root */
+	int mount_sysfs;
+	int ksm_merge;           /* prctl(PR_SET_MEMORY_MERGE) before exec, inherited by every descendant */
+};
+
+/* Clone the workspace's first process. It blocks until bn_spawn_release() is
+ * called, so the caller can place it in its cgroups before it does anything.
+ * Returns the host pid, or -1 with errno; *pidfd, *sync_fd and *err_fd are set. */
+int bn_spawn(const struct bn_spawn_cfg *cfg, int *pidfd, int *sync_fd, int *err_fd);
+
+/* Let the child continue and wait until it has exec'd the init (returns 0) or
+ * failed (returns -1, err holds "step: strerror"). Closes both fds. */
+int bn_spawn_release(int sync_fd, int err_fd, char *err, int errlen);
+
+int bn_pivot_root(const char *new_root, const char *put_old);
+int bn_pidfd_open(int pid, unsigned int flags);
+int bn_pidfd_send_signal(int pidfd, int sig, unsigned int flags);
+/* openat2(2): RESOLVE_IN_ROOT keeps absolute symlinks and ".." inside the workspace's root. */
+int bn_openat2(int dirfd, const char *path, int flags, int mode, unsigned long long resolve);
+int bn_setns(int fd, int nstype);
+int bn_unshare(int flags);
+int bn_mount(const char *source, const char *target, const char *fstype, unsigned long flags, const char *data);
+int bn_umount2(const char *target, int flags);
+int bn_prctl(int option, unsigned long a2, unsigned long a3, unsigned long a4, unsigned long a5);
+int bn_sethostname(const char *name);

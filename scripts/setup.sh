@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# One idempotent set-up step for a fresh Debian bookworm host: apt packages,
+# CRIU 4.2.1 built from Debian's source tarball, and the project venv.
+# Used by `make demo`, `make test` and .ci/run alike.
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")/.." && pwd)
+cache=${BUNSHIN_CACHE:-/var/cache/bunshin}
+venv=${BUNSHIN_VENV:-$here/.venv}
+criu_version=4.2.1
+criu_sha256=29ec0ee09e296479fe7048c80980e8ef1d0684d0b0204c2b101dfea19f6725b9
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+[ "$(id -u)" = 0 ] || { echo "setup.sh must run as root (namespaces, mounts, cgroups)" >&2; exit 1; }
+mkdir -p "$cache"
+
+apt_packages=(
+  build-essential pkg-config git xz-utils ca-certificates
+  # CRIU build dependencies, all from bookworm
+  libprotobuf-dev libprotobuf-c-dev protobuf-c-compiler protobuf-compiler python3-protobuf
+  libnl-3-dev libnet1-dev libcap-dev libbsd-dev libaio-dev libgnutls28-dev libnftables-dev
+  uuid-dev
+  # runtime: file systems, network, rootfs builders
+  btrfs-progs libbtrfsutil-dev nftables iproute2 debootstrap util-linux kmod procps psmisc
+  python3-venv python3-dev python3-btrfsutil python3-nftables
+)
+
+missing=()
+for p in "${apt_packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  log "apt: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -q >/dev/null
+  apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# CRIU: bookworm's 3.17 fails on kernels with vvar_vclock, and 4.1.x cannot dump
+# TCP sockets on >= 6.16, so build 4.2.1 from sid's source tarball.
+# A deb-src line only: a binary line for sid would upgrade libc.
+if ! { command -v criu >/dev/null && criu --version 2>/dev/null | grep -q "Version: $criu_version" && [ -f "$cache/pycriu/rpc_pb2.py" ]; }; then
+  src=/etc/apt/sources.list.d/bunshin-sid-src.sources
+  if [ ! -f "$src" ]; then
+    cat > "$src" <<SRC
+Types: deb-src
+URIs: http://deb.debian.org/debian
+Suites: sid
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+SRC
+    apt-get update -q >/dev/null
+  fi
+  tarball=$cache/criu_${criu_version}.orig.tar.xz
+  if [ ! -f "$tarball" ]; then
+    log "fetching criu_${criu_version}.orig.tar.xz"
+    # The .debian part of this source package 404s; the orig tarball is all we need.
+    (cd "$cache" && apt-get source --download-only "criu=${criu_version}-1" >/dev/null 2>&1 || true)
+  fi
+  echo "$criu_sha256  $tarball" | sha256sum -c --quiet - || { echo "criu tarball missing or corrupt: $tarball" >&2; exit 1; }
+  build=$cache/criu-build
+  rm -rf "$build" && mkdir -p "$build"
+  tar -C "$build" -xf "$tarball"
+  srcdir=$(echo "$build"/criu-*)
+  for p in "$here"/criu/patches/*.patch; do
+    [ -e "$p" ] || continue
+    log "criu: applying $(basename "$p")"
+    patch -d "$srcdir" -p1 --quiet < "$p"
+  done
+  log "building criu $criu_version"
+  make -C "$srcdir" -j"$(nproc)" criu lib >/dev/null 2>"$build/build.log" \
+    || { tail -40 "$build/build.log" >&2; exit 1; }
+  # install-lib would pip-install pycriu into whatever python is first on PATH; the venv
+  # gets it below instead, from the generated sources kept in the cache.
+  make -C "$srcdir" install-criu install-compel PREFIX=/usr/local \
+    >/dev/null 2>>"$build/build.log" || { tail -40 "$build/build.log" >&2; exit 1; }
+  install -m 644 "$srcdir/lib/c/libcriu.so" /usr/local/lib/ && ldconfig
+  rm -rf "$cache/pycriu" && cp -r "$srcdir/lib/pycriu" "$cache/pycriu"
+  criu check >/dev/null 2>&1 || log "warning: criu check did not say 'Looks good'; run 'bunshin doctor'"
+fi
+
+# Python environment. The venv uses Debian's python3 so that bookworm's python3-btrfsutil
+# (a C extension built for that interpreter) and python3-protobuf are importable.
+if [ ! -x "$venv/bin/python" ]; then
+  log "creating venv $venv"
+  /usr/bin/python3 -m venv --system-site-packages "$venv"
+fi
+stamp=$venv/.bunshin-installed
+if [ ! -f "$stamp" ] || [ "$here/pyproject.toml" -nt "$stamp" ] || [ -n "$(find "$here/csrc" -newer "$stamp" -print -quit)" ]; then
+  log "installing bunshin into $venv"
+  "$venv/bin/pip" install -q --upgrade pip >/dev/null 2>&1
+  # The image's pip.conf names an extra local index that may be absent; its warnings are noise.
+  "$venv/bin/pip" install -q -e "$here[dev,rl]" 2>&1 | grep -v "^WARNING: Location" || true
+  "$venv/bin/python" -c "import bunshinfork._native" 
+  # pycriu ships no packaging of its own: link the generated sources into the venv.
+  site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  rm -rf "$site/pycriu" && cp -r "$cache/pycriu" "$site/pycriu"
+  touch "$stamp"
+fi
+log "ready: $("$venv/bin/python" -c 'import bunshinfork,sys; print(bunshinfork.__version__, sys.version.split()[0])') criu $(criu --version | head -1)"

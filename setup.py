@@ -1,0 +1,31 @@
+"""Builds the CFFI `_native` module and the static `bunshin-init` binary."""
+
+import os
+import subprocess
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def build_init(dest_dir: str) -> None:
+    os.makedirs(dest_dir, exist_ok=True)
+    out = os.path.join(dest_dir, "bunshin-init")
+    # Static, so it runs in any root file system, whatever its libc.
+    subprocess.check_call(
+        ["cc", "-O2", "-static", "-Wall", "-Wextra", "-o", out, os.path.join(HERE, "csrc", "init.c")]
+    )
+    subprocess.check_call(["strip", out])
+
+
+class BuildPy(build_py):
+    def run(self) -> None:
+        build_init(os.path.join(HERE, "bunshinfork", "_bin"))
+        super().run()
+
+
+setup(
+    cffi_modules=["bunshinfork/_build_native.py:ffibuilder"],
+    cmdclass={"build_py": BuildPy},
+)
