@@ -87,6 +87,11 @@ def sethostname(name: str) -> None:
     _check(lib.bn_sethostname(name.encode()), "sethostname")
 
 
+def set_hostname_in(pid: int, name: str) -> None:
+    """sethostname() inside the UTS namespace of `pid`."""
+    _check(lib.bn_set_hostname_in(pid, name.encode()), f"set hostname of {pid}")
+
+
 @dataclass
 class Spawned:
     pid: int

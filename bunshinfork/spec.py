@@ -44,6 +44,8 @@ class WorkspaceSpec:
       masquerading to the host's uplink).
     storage_dir: where the private writable layers live; a btrfs directory makes each layer a
       subvolume (see storage.setup_btrfs_loop). Default: the state root's tmpfs.
+    ksm: opt every process into kernel samepage merging (prctl PR_SET_MEMORY_MERGE), so the
+      "ksm" fork engine can merge a source with its clones. ksmd only runs during fork bursts.
     """
 
     rootfs: str = "host"
@@ -55,7 +57,7 @@ class WorkspaceSpec:
     env: dict[str, str] = field(default_factory=dict)
     storage_dir: str | None = None
     cgroup: str = "auto"
-    ksm: bool = False
+    ksm: bool = True
     mount_sysfs: bool = True
 
     def validate(self) -> WorkspaceSpec:

@@ -88,6 +88,48 @@ def remove_layer(layer: dict | Layer) -> None:
         shutil.rmtree(lay.path)
 
 
+def _copy_tree(src: str, dst: str) -> None:
+    # cp -a keeps what overlayfs needs and shutil cannot copy: sockets, whiteout device
+    # nodes and trusted.overlay.* xattrs. --reflink=auto shares extents where the fs can.
+    proc = subprocess.run(["cp", "-a", "--reflink=auto", src, dst], capture_output=True, text=True)
+    if proc.returncode != 0:
+        with contextlib.suppress(FileNotFoundError):
+            shutil.rmtree(dst)
+        raise OSError(f"copying layer {src} to {dst} failed: {proc.stderr.strip()}")
+
+
+def snapshot_layer(layer: dict | Layer, dest: str) -> Layer:
+    """A frozen, read-only copy of a layer: a btrfs snapshot, else a (reflink) copy.
+
+    Called while the workspace is frozen, so the upper directory is consistent.
+    """
+    lay = layer if isinstance(layer, Layer) else Layer(layer["kind"], layer["path"])
+    Path(dest).parent.mkdir(parents=True, exist_ok=True)
+    if lay.kind == "btrfs" and is_btrfs(Path(dest).parent):
+        btrfsutil.create_snapshot(lay.path, dest, read_only=True)
+        return Layer("btrfs", dest)
+    _copy_tree(lay.path, dest)
+    return Layer("dir", dest)
+
+
+def clone_layer(snapshot: dict | Layer, ws_id: str, storage_dir: str | None) -> Layer:
+    """A new writable layer for a clone, sharing the snapshot's blocks where possible."""
+    snap = snapshot if isinstance(snapshot, Layer) else Layer(snapshot["kind"], snapshot["path"])
+    root = storage_root(storage_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    path = str(root / ws_id)
+    if snap.kind == "btrfs" and is_btrfs(root):
+        btrfsutil.create_snapshot(snap.path, path)
+        layer = Layer("btrfs", path)
+    else:
+        _copy_tree(snap.path, path)
+        layer = Layer("dir", path)
+    # Overlay's work dir must start empty for a new mount.
+    shutil.rmtree(layer.work)
+    os.mkdir(layer.work, 0o700)
+    return layer
+
+
 # ---- loop-file btrfs ----
 
 LOOP_CTL_GET_FREE = 0x4C82

@@ -25,6 +25,7 @@ from .errors import (
 )
 from .files import Files
 from .reaper import reaper
+from .snapshot import Snapshot
 from .spec import WorkspaceSpec
 
 INIT_BINARY = Path(__file__).resolve().parent / "_bin" / "bunshin-init"
@@ -271,6 +272,20 @@ class Workspace:
         self._live_init_pid()
         self._cgroup().thaw()
 
+    def snapshot(self) -> Snapshot:
+        """Freeze briefly, capture the whole workspace, resume it; the Snapshot can fork many times."""
+        return Snapshot.take(self)
+
+    def fork(self, count: int = 1, memory: str = "auto") -> list[Workspace | Exception]:
+        """Live-fork into `count` running clones (E2B semantics: each entry is a Workspace or the
+        Exception that clone failed with; the source keeps running unchanged either way).
+
+        memory: "copy" (private copies), "ksm" (merged after the fact), "cow" (kernel module),
+        or "auto" (cow when /dev/bunshin exists, else ksm).
+        """
+        with self.snapshot() as snap:
+            return snap.fork(count, memory)
+
     def destroy(self) -> None:
         """Kill every process and remove mounts, cgroups, network, layers and state. Idempotent."""
         _cleanup(self._rec, self._pidfd)
@@ -291,6 +306,11 @@ def _seed_upper(upper: Path, hostname: str) -> None:
     bdir = upper / ".bunshin"
     bdir.mkdir(mode=0o700)
     shutil.copy2(INIT_BINARY, bdir / "init")
+    write_identity(upper, hostname)
+
+
+def write_identity(upper: Path, hostname: str) -> None:
+    """/etc/hostname and /etc/hosts naming this workspace (a clone gets its own)."""
     etc = upper / "etc"
     etc.mkdir(exist_ok=True)
     (etc / "hostname").write_text(hostname + "\n")

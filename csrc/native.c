@@ -22,6 +22,7 @@
 #include <sys/syscall.h>
 #include <sys/sysmacros.h>
 #include <sys/types.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "native.h"
@@ -65,6 +66,37 @@ int bn_mount(const char *source, const char *target, const char *fstype, unsigne
 int bn_prctl(int option, unsigned long a2, unsigned long a3, unsigned long a4, unsigned long a5)
 {
 	return prctl(option, a2, a3, a4, a5);
+}
+
+/* Set the hostname inside another process's UTS namespace. setns() is done in a forked
+ * child so the calling (possibly multi-threaded) process never changes namespace. */
+int bn_set_hostname_in(int pid, const char *name)
+{
+	char path[64];
+	snprintf(path, sizeof(path), "/proc/%d/ns/uts", pid);
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return -1;
+	pid_t child = fork();
+	if (child < 0) {
+		close(fd);
+		return -1;
+	}
+	if (child == 0) {
+		if (setns(fd, CLONE_NEWUTS) < 0 || sethostname(name, strlen(name)) < 0)
+			_exit(errno & 0xff);
+		_exit(0);
+	}
+	close(fd);
+	int status;
+	while (waitpid(child, &status, 0) < 0)
+		if (errno != EINTR)
+			return -1;
+	if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+		errno = WIFEXITED(status) ? WEXITSTATUS(status) : ECHILD;
+		return -1;
+	}
+	return 0;
 }
 
 /* ---- child side of bn_spawn: raw syscalls and stack buffers only ---- */

@@ -31,3 +31,4 @@ int bn_mount(const char *source, const char *target, const char *fstype, unsigne
 int bn_umount2(const char *target, int flags);
 int bn_prctl(int option, unsigned long a2, unsigned long a3, unsigned long a4, unsigned long a5);
 int bn_sethostname(const char *name);
+int bn_set_hostname_in(int pid, const char *name);

@@ -1,0 +1,176 @@
+"""CRIU 4.2.1 driven over its RPC protocol (criu swrk + pycriu's protobufs).
+
+pycriu's own client sends one request and reads one response; forking needs CRIU's
+notifications (post-dump runs while the tree is still frozen, which is when the file
+system must be snapshotted), so this module runs the request/notify loop itself.
+Logs are kept next to the images and quoted in errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+from . import native
+from .errors import CriuError
+
+try:
+    from pycriu import rpc_pb2 as rpc  # type: ignore[import-not-found]
+except ImportError:  # pragma: no cover - set-up installs pycriu into the venv
+    rpc = None
+
+CRIU_BIN = os.environ.get("BUNSHIN_CRIU", "criu")
+REQUIRED = (4, 2)
+
+Notify = Callable[[str, int], None]
+
+
+def _require() -> None:
+    if rpc is None:
+        raise CriuError("pycriu is not importable; run scripts/setup.sh (it installs CRIU 4.2.1 and pycriu)")
+    if shutil.which(CRIU_BIN) is None:
+        raise CriuError(f"{CRIU_BIN} not found; run scripts/setup.sh to build CRIU 4.2.1")
+
+
+def new_opts() -> rpc.criu_opts:
+    _require()
+    opts = rpc.criu_opts()
+    opts.images_dir_fd = -1  # required by the protocol; images_dir (a path) is used instead
+    return opts
+
+
+def log_tail(path: Path, lines: int = 25) -> str:
+    """The error lines of a CRIU log, or its last lines when none is marked as an error."""
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return f"(no log at {path})"
+    errors = [ln for ln in text if "Error" in ln or "error" in ln.split(":", 1)[0]]
+    return "\n".join((errors or text)[-lines:])
+
+
+class Session:
+    """One `criu swrk` process; one request at a time."""
+
+    def __init__(self, keep_fds: tuple[int, ...] = (), ksm_merge: bool = False) -> None:
+        _require()
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._sk = parent
+
+        def preexec() -> None:
+            # Restored tasks are forked from this criu process and never exec, so the
+            # KSM opt-in set here is inherited by every restored process.
+            if ksm_merge:
+                native.prctl(native.PR_SET_MEMORY_MERGE, 1)
+
+        try:
+            self._proc = subprocess.Popen(
+                [CRIU_BIN, "swrk", str(child.fileno())],
+                pass_fds=(child.fileno(), *keep_fds),
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                preexec_fn=preexec if ksm_merge else None,
+            )
+        finally:
+            child.close()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def call(self, req: rpc.criu_req, on_notify: Notify | None = None) -> rpc.criu_resp:
+        self._sk.sendall(req.SerializeToString())
+        while True:
+            try:
+                size = len(self._sk.recv(1, socket.MSG_TRUNC | socket.MSG_PEEK))
+                buf = self._sk.recv(size)
+            except OSError as e:
+                raise CriuError(f"lost the connection to criu swrk: {e}") from e
+            if not buf:
+                err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
+                raise CriuError(f"criu swrk exited without answering {err.strip()}")
+            resp = rpc.criu_resp()
+            resp.ParseFromString(buf)
+            if resp.type != rpc.NOTIFY:
+                return resp
+            ok = True
+            if on_notify is not None:
+                try:
+                    on_notify(resp.notify.script, resp.notify.pid)
+                except BaseException:
+                    ok = False
+                    self._reply_notify(False)
+                    raise
+            self._reply_notify(ok)
+
+    def _reply_notify(self, ok: bool) -> None:
+        ack = rpc.criu_req()
+        ack.type = rpc.NOTIFY
+        ack.notify_success = ok
+        with contextlib.suppress(OSError):
+            self._sk.sendall(ack.SerializeToString())
+
+    def close(self) -> None:
+        self._sk.close()
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        if self._proc.stderr:
+            self._proc.stderr.close()
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self._proc.kill()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def request(kind: str, opts: rpc.criu_opts, on_notify: Notify | None = None, keep_fds: tuple[int, ...] = (),
+            ksm_merge: bool = False, log: Path | None = None,
+            session_hook: Callable[[Session], None] | None = None) -> rpc.criu_resp:
+    """Run one DUMP or RESTORE; raise CriuError with the log's error lines on failure."""
+    req = rpc.criu_req()
+    req.type = {"dump": rpc.DUMP, "restore": rpc.RESTORE}[kind]
+    req.opts.MergeFrom(opts)
+    req.opts.notify_scripts = on_notify is not None
+    with Session(keep_fds, ksm_merge) as s:
+        if session_hook is not None:
+            session_hook(s)
+        resp = s.call(req, on_notify)
+    if not resp.success:
+        detail = resp.cr_errmsg or (os.strerror(resp.cr_errno) if resp.cr_errno else "")
+        tail = log_tail(log) if log is not None else ""
+        raise CriuError(f"criu {kind} failed{': ' + detail if detail else ''}\n{tail}".rstrip())
+    return resp
+
+
+def version() -> str:
+    _require()
+    out = subprocess.run([CRIU_BIN, "--version"], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        if line.startswith("Version:"):
+            return line.split(":", 1)[1].strip()
+    return out.strip()
+
+
+def check_version() -> None:
+    v = version()
+    try:
+        parts = tuple(int(x) for x in v.split(".")[:2])
+    except ValueError:
+        raise CriuError(f"cannot parse criu version {v!r}") from None
+    if parts < REQUIRED:
+        raise CriuError(
+            f"criu {v} is too old: bookworm's 3.17 fails on this kernel's vDSO and 4.1.x cannot dump TCP "
+            "sockets on kernels >= 6.16; run scripts/setup.sh to build 4.2.1"
+        )

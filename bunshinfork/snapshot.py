@@ -1,0 +1,332 @@
+"""Retained snapshots of a running workspace, and forking clones from them.
+
+A snapshot is taken during one short freeze: CRIU dumps the process tree (leaving it
+running) and, from CRIU's post-dump notification while the tree is still stopped, the
+private file-system layer is snapshotted. The source resumes before any clone is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from . import control, criu, native, process, rootfs, state, storage
+from . import memory as memory_engines
+from .cgroups import Cgroup
+from .errors import BunshinError, CriuError, ForkError, SpecError, WorkspaceStateError
+from .memory import ksm
+from .reaper import reaper
+
+if TYPE_CHECKING:
+    from .workspace import Workspace
+
+MAX_PARALLEL_RESTORES = 8
+_saver = ThreadPoolExecutor(max_workers=2, thread_name_prefix="bunshin-save")
+
+
+def snapshots_root() -> Path:
+    return state.run_root() / "snapshots"
+
+
+@dataclass
+class Timing:
+    frozen_seconds: float
+    dump_seconds: float
+
+
+class Snapshot:
+    """The frozen, retained state of a workspace. fork() may be called any number of times."""
+
+    def __init__(self, meta: dict, directory: Path, owned: bool = True) -> None:
+        self._meta = meta
+        self.dir = directory
+        self._owned = owned
+        self._released = False
+
+    # ---- taking ----
+
+    @classmethod
+    def take(cls, ws: Workspace) -> Snapshot:
+        rec = ws._rec
+        ws._live_init_pid()
+        if rec.network.get("mode", "none") != "none":
+            raise ForkError(
+                f"workspace {rec.id} uses network={rec.network.get('mode')!r}; forking supports "
+                "network='none' workspaces (their internal TCP connections survive)"
+            )
+        snap_id = "snap-" + secrets.token_hex(6)
+        d = snapshots_root() / snap_id
+        images = d / "images"
+        images.mkdir(parents=True)
+        fs_dest = (
+            str(storage.storage_root(rec.spec.get("storage_dir")) / "snapshots" / snap_id)
+            if rec.storage.get("kind") == "btrfs" else str(d / "fs")
+        )
+        meta = {
+            "id": snap_id, "source": rec.id, "created_at": time.time(), "owner_pid": os.getpid(),
+            "rootfs": rec.rootfs, "spec": rec.spec, "cgroup_version": rec.cgroup["version"],
+            "layer": None, "hostname": rec.hostname,
+        }
+        snap = cls(meta, d)
+        snap._write_meta()  # owner recorded first, so gc never takes a snapshot still being made
+        cg = ws._cgroup()
+        layer_box: list[storage.Layer] = []
+
+        def on_notify(script: str, _pid: int) -> None:
+            # post-dump runs while CRIU still holds every task stopped.
+            if script == "post-dump":
+                layer_box.append(storage.snapshot_layer(rec.storage, fs_dest))
+
+        freezer = cg.paths.get("freezer") or cg.paths["unified"]
+        t0 = time.monotonic()
+        try:
+            cg.freeze()
+            try:
+                criu.request("dump", process.dump_opts(rec.init_pid, images, freezer), on_notify,
+                             log=images / "dump.log")
+            finally:
+                t_dump = time.monotonic()
+                cg.thaw()
+        except BaseException as e:
+            snap._meta["layer"] = layer_box[0].to_dict() if layer_box else None
+            snap.release()
+            if isinstance(e, CriuError):
+                raise ForkError(f"snapshot of {rec.id} failed; the workspace keeps running: {e}") from e
+            raise
+        t_thawed = time.monotonic()
+        if not layer_box:
+            snap.release()
+            raise ForkError("CRIU finished the dump without a post-dump notification; no file-system snapshot")
+        meta["layer"] = layer_box[0].to_dict()
+        meta["timing"] = {"frozen_seconds": t_thawed - t0, "dump_seconds": t_dump - t0}
+        snap._write_meta()
+        return snap
+
+    def _write_meta(self) -> None:
+        (self.dir / "snapshot.json").write_text(json.dumps(self._meta, indent=1, sort_keys=True))
+
+    # ---- properties ----
+
+    @property
+    def id(self) -> str:
+        return str(self._meta["id"])
+
+    @property
+    def source_id(self) -> str:
+        return str(self._meta["source"])
+
+    @property
+    def timing(self) -> Timing:
+        t = self._meta.get("timing") or {"frozen_seconds": 0.0, "dump_seconds": 0.0}
+        return Timing(float(t["frozen_seconds"]), float(t["dump_seconds"]))
+
+    @property
+    def images_dir(self) -> Path:
+        return self.dir / "images"
+
+    @property
+    def rootfs_digest(self) -> str:
+        return str(self._meta["rootfs"].get("digest", ""))
+
+    def image_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.images_dir.iterdir() if f.is_file())
+
+    def _check_live(self) -> None:
+        if self._released:
+            raise WorkspaceStateError(f"snapshot {self.id} was released")
+
+    # ---- forking ----
+
+    def fork(self, count: int = 1, memory: str = "auto") -> list[Workspace | Exception]:
+        """Start `count` running clones. Each succeeds or fails on its own (E2B semantics):
+        a failed clone is an Exception in the list and leaves nothing behind."""
+        self._check_live()
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise SpecError(f"count must be a positive integer, got {count!r}")
+        engine = memory_engines.resolve(memory)
+        if engine == "cow":
+            raise ForkError("the cow engine is not wired into fork yet; use memory='ksm' or 'copy'")
+        use_ksm = engine == "ksm"
+        if use_ksm:
+            ksm.tuner.boost()
+        try:
+            if count == 1:
+                return [self._fork_one(use_ksm)]
+            with ThreadPoolExecutor(max_workers=min(count, MAX_PARALLEL_RESTORES),
+                                    thread_name_prefix="bunshin-restore") as pool:
+                return list(pool.map(lambda _: self._fork_one(use_ksm), range(count)))
+        finally:
+            if use_ksm:
+                ksm.tuner.release()
+
+    def _fork_one(self, use_ksm: bool) -> Workspace | Exception:
+        from .workspace import Workspace, _cleanup, write_identity
+
+        spec = self._meta["spec"]
+        rec = state.Record(
+            id=state.new_id(), status="creating", creator_pid=os.getpid(), created_at=time.time(),
+            hostname="", rootfs=self._meta["rootfs"], spec=spec, parent=self.source_id,
+        )
+        rec.hostname = rec.id
+        try:
+            rec.dir.mkdir(mode=0o700)
+            rec.save()
+            layer = storage.clone_layer(self._meta["layer"], rec.id, spec.get("storage_dir"))
+            rec.storage = layer.to_dict()
+            rec.save()
+            write_identity(Path(layer.upper), rec.hostname)
+            cg = Cgroup.create(rec.id, memory_limit=spec.get("memory_limit"), pids_limit=spec.get("pids_limit"),
+                               version=self._meta["cgroup_version"])
+            rec.cgroup = {"version": cg.version, "paths": cg.paths}
+            rec.save()
+            pid = self._restore(rec, layer, cg, use_ksm)
+            rec.init_pid = pid
+            rec.init_starttime = state.proc_starttime(pid) or 0
+            rec.save()
+            pidfd = native.pidfd_open(pid)
+            reaper.watch(pid, pidfd)
+            native.set_hostname_in(pid, rec.hostname)
+            if not control.ping(pid):
+                raise ForkError(f"clone {rec.id} was restored but its init does not answer")
+            rec.network = {"mode": "none"}
+            rec.status = "running"
+            rec.save()
+            return Workspace(rec, pidfd)
+        except BaseException as e:
+            with contextlib.suppress(BunshinError):
+                _cleanup(rec)
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            if isinstance(e, ForkError):
+                return e
+            err = ForkError(f"fork of {self.source_id} into {rec.id} failed: {e}")
+            err.__cause__ = e
+            return err
+
+    def _restore(self, rec: state.Record, layer: storage.Layer, cg: Cgroup, use_ksm: bool) -> int:
+        mountpoint = rec.dir / "rootfs"
+        mountpoint.mkdir()
+        work = rec.dir / "criu"
+        work.mkdir()
+        lower = ":".join(self._meta["rootfs"]["lowerdirs"])
+        native.mount("overlay", str(mountpoint), "overlay", 0,
+                     f"lowerdir={lower},upperdir={layer.upper},workdir={layer.work}")
+        wfd = os.open(work, os.O_DIRECTORY | os.O_RDONLY)
+        try:
+            roots = [(ctrl, "/" + os.path.relpath(p, _controller_mount(ctrl, p))) for ctrl, p in cg.paths.items()]
+            opts = process.restore_opts(self.images_dir, wfd, str(mountpoint), roots)
+            resp = criu.request("restore", opts, keep_fds=(wfd,), ksm_merge=use_ksm, log=work / "restore.log")
+            return int(resp.restore.pid)
+        finally:
+            os.close(wfd)
+            # The clone's mount namespace holds its own reference; the host needs none.
+            with contextlib.suppress(OSError):
+                native.umount2(str(mountpoint), native.MNT_DETACH)
+
+    # ---- durability ----
+
+    def save(self, path: str | os.PathLike[str]) -> Future[str]:
+        """Write a durable copy to `path` (a new directory) in the background; the source has
+        long resumed. The future's result is the path."""
+        self._check_live()
+        dest = Path(path)
+        if dest.exists():
+            raise SpecError(f"{dest} already exists; save() writes a new directory")
+
+        def write() -> str:
+            tmp = dest.with_name(dest.name + ".partial")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            try:
+                shutil.copytree(self.images_dir, tmp / "images")
+                layer = storage.Layer(**{k: self._meta["layer"][k] for k in ("kind", "path")})
+                storage._copy_tree(layer.path, str(tmp / "fs"))
+                meta = {**self._meta, "layer": {"kind": "dir", "path": "fs"}}
+                (tmp / "snapshot.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
+                os.rename(tmp, dest)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            return str(dest)
+
+        return _saver.submit(write)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Snapshot:
+        """Open a snapshot written by save(). It is used in place and never deleted by release()."""
+        d = Path(path)
+        try:
+            meta = json.loads((d / "snapshot.json").read_text())
+        except FileNotFoundError:
+            raise SpecError(f"{d} holds no saved snapshot (snapshot.json missing)") from None
+        current = rootfs.resolve(meta["rootfs"]["source"])
+        if current.digest != meta["rootfs"]["digest"]:
+            raise ForkError(
+                f"the root file system {meta['rootfs']['source']!r} changed since snapshot {meta['id']} was "
+                f"saved ({meta['rootfs']['digest']} -> {current.digest}); clones would see different files"
+            )
+        meta["rootfs"] = current.to_dict()
+        meta["layer"] = {"kind": "dir", "path": str(d / "fs")}
+        return cls(meta, d, owned=False)
+
+    def release(self) -> None:
+        """Drop the retained state (images and file-system snapshot). Idempotent."""
+        if self._released:
+            return
+        self._released = True
+        if not self._owned:
+            return
+        layer = self._meta.get("layer")
+        if layer:
+            with contextlib.suppress(Exception):
+                storage.remove_layer(layer)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> Snapshot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"<Snapshot {self.id} of {self.source_id}>"
+
+
+def _controller_mount(ctrl: str, path: str) -> str:
+    """The hierarchy's mount point, so CRIU gets a path relative to the hierarchy root."""
+    p = Path(path)
+    while p.parent != p:
+        if os.path.ismount(p):
+            return str(p)
+        p = p.parent
+    raise CriuError(f"cgroup {path} of controller {ctrl} is on no cgroup mount")
+
+
+def leftover_snapshots() -> list[str]:
+    root = state.RUN_ROOT / "snapshots"
+    return sorted(os.listdir(root)) if root.is_dir() else []
+
+
+def gc() -> list[str]:
+    """Remove retained snapshots whose owning process has died."""
+    removed = []
+    for name in leftover_snapshots():
+        d = state.RUN_ROOT / "snapshots" / name
+        try:
+            meta = json.loads((d / "snapshot.json").read_text())
+            owner = int(meta.get("owner_pid", 0))
+        except (FileNotFoundError, ValueError):
+            meta, owner = {}, 0
+        if owner and state.proc_starttime(owner) is not None:
+            continue
+        Snapshot(meta or {"id": name, "layer": None}, d).release()
+        removed.append(name)
+    return removed
