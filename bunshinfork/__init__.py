@@ -1,3 +1,37 @@
 """bunshinfork: create, run commands in, and live-fork container workspaces."""
 
+from .commands import CommandHandle, CommandResult
+from .errors import (
+    BunshinError,
+    CgroupError,
+    CommandError,
+    CommandTimeout,
+    CriuError,
+    FileOperationError,
+    ForkError,
+    KernelFeatureError,
+    NetworkError,
+    PrivilegeError,
+    RootfsError,
+    SpecError,
+    WorkspaceFileNotFound,
+    WorkspaceNotFound,
+    WorkspaceStateError,
+)
+from .files import EntryInfo
+from .snapshot import Snapshot
+from .spec import WorkspaceSpec
+from .workspace import MemoryStats, Workspace, WorkspaceInfo
+
 __version__ = "0.1.0"
+
+# E2B users know the sandbox as `Sandbox`.
+Sandbox = Workspace
+
+__all__ = [
+    "BunshinError", "CgroupError", "CommandError", "CommandHandle", "CommandResult", "CommandTimeout",
+    "CriuError", "EntryInfo", "FileOperationError", "ForkError", "KernelFeatureError", "MemoryStats",
+    "NetworkError", "PrivilegeError", "RootfsError", "Sandbox", "Snapshot", "SpecError", "Workspace",
+    "WorkspaceFileNotFound", "WorkspaceInfo", "WorkspaceNotFound", "WorkspaceSpec", "WorkspaceStateError",
+    "__version__",
+]

@@ -13,6 +13,7 @@ import os
 import secrets
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
     from .workspace import Workspace
 
 MAX_PARALLEL_RESTORES = 8
+# Called with each restore's live criu.Session right after it starts; failure-injection tests use
+# it to kill a real CRIU mid-restore. None in normal operation.
+RESTORE_HOOK: Callable[[criu.Session], None] | None = None
 _saver = ThreadPoolExecutor(max_workers=2, thread_name_prefix="bunshin-save")
 
 
@@ -223,7 +227,8 @@ class Snapshot:
         try:
             roots = [(ctrl, "/" + os.path.relpath(p, _controller_mount(ctrl, p))) for ctrl, p in cg.paths.items()]
             opts = process.restore_opts(self.images_dir, wfd, str(mountpoint), roots)
-            resp = criu.request("restore", opts, keep_fds=(wfd,), ksm_merge=use_ksm, log=work / "restore.log")
+            resp = criu.request("restore", opts, keep_fds=(wfd,), ksm_merge=use_ksm, log=work / "restore.log",
+                                session_hook=RESTORE_HOOK)
             return int(resp.restore.pid)
         finally:
             os.close(wfd)

@@ -24,6 +24,8 @@ apt_packages=(
   # runtime: file systems, network, rootfs builders
   btrfs-progs libbtrfsutil-dev nftables iproute2 debootstrap util-linux kmod procps psmisc
   python3-venv python3-dev python3-btrfsutil python3-nftables
+  # GUI stack that runs inside workspaces (fork tests keep an X server running across a fork)
+  xvfb x11-utils xauth
 )
 
 missing=()

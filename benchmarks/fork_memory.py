@@ -1,0 +1,168 @@
+"""Fork memory and latency, every engine side by side in one process (paper Fig. 12).
+
+python benchmarks/fork_memory.py --engines copy,ksm[,cow] --forks 1,2,4,8,16 --size-mib 1024 --out DIR
+
+For each engine a fresh ~size-mib source workspace (heaps of 8 python processes, a file-backed
+mapping of the shared lower layer, a small HTTP server) is forked into each count of clones.
+Reported per engine and count: system used memory (MemTotal - MemAvailable, above the
+baseline taken before the source existed), summed PSS of the family, fork latency, the
+source's freeze time, and for ksm the time until merging settles. Configurations that would
+not fit in the machine's available memory are skipped and reported as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from workloads import populate  # noqa: E402
+
+from bunshinfork import Workspace  # noqa: E402
+from bunshinfork.memory import cow, ksm  # noqa: E402
+
+
+def meminfo() -> dict[str, int]:
+    out = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        k, v = line.split(":", 1)
+        out[k] = int(v.split()[0]) * 1024
+    return out
+
+
+def used_bytes() -> int:
+    m = meminfo()
+    return m["MemTotal"] - m["MemAvailable"]
+
+
+def drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3")
+
+
+def family_pss(members: list[Workspace]) -> int:
+    return sum(w.memory().pss for w in members)
+
+
+def run_engine(engine: str, forks: list[int], size_mib: int, settle_timeout: float) -> list[dict]:
+    rows = []
+    drop_caches()
+    base = used_bytes()
+    with Workspace.create() as src:
+        procs = populate(src, size_mib)
+        time.sleep(0.5)
+        source_used = used_bytes() - base
+        source_pss = src.memory().pss
+        print(f"[{engine}] source: {procs} workers, pss {source_pss / 2**20:.0f} MiB", flush=True)
+        for n in forks:
+            # A copy clone costs about the source's memory; keep a margin for the image on tmpfs.
+            need = source_pss * (n + 2) if engine != "cow" else source_pss
+            if need > meminfo()["MemAvailable"] * 0.85:
+                rows.append({"engine": engine, "forks": n, "skipped": "insufficient memory",
+                             "needed_bytes": need})
+                print(f"[{engine}] {n:>2} forks: skipped (needs ~{need / 2**30:.1f} GiB)", flush=True)
+                continue
+            before = used_bytes()
+            t0 = time.monotonic()
+            snap = src.snapshot()
+            t_snap = time.monotonic()
+            clones = snap.fork(n, memory=engine)
+            t_fork = time.monotonic()
+            snap_timing = snap.timing
+            snap.release()
+            failed = [c for c in clones if isinstance(c, Exception)]
+            ok = [c for c in clones if not isinstance(c, Exception)]
+            settle = None
+            if engine == "ksm":
+                ts = time.monotonic()
+                ksm.tuner.wait_settled(timeout=settle_timeout)
+                settle = time.monotonic() - ts
+            time.sleep(0.5)
+            row = {
+                "engine": engine, "forks": n, "clones_ok": len(ok), "clones_failed": len(failed),
+                "errors": [str(e)[:300] for e in failed],
+                "fork_seconds": t_fork - t0, "snapshot_seconds": t_snap - t0,
+                "restore_seconds": t_fork - t_snap,
+                "freeze_seconds": snap_timing.frozen_seconds,
+                "ksm_settle_seconds": settle,
+                "system_used_bytes": used_bytes() - base, "system_used_delta_bytes": used_bytes() - before,
+                "family_pss_bytes": family_pss([src, *ok]),
+                "source_pss_bytes": source_pss, "source_used_bytes": source_used,
+                "ksm": vars(ksm.progress()) if ksm.available() else None,
+            }
+            rows.append(row)
+            print(f"[{engine}] {n:>2} forks: fork {row['fork_seconds']:.2f}s (frozen "
+                  f"{row['freeze_seconds']:.2f}s) used {row['system_used_bytes'] / 2**30:.2f} GiB "
+                  f"pss {row['family_pss_bytes'] / 2**30:.2f} GiB"
+                  + (f" settle {settle:.1f}s" if settle is not None else "")
+                  + (f" FAILED {len(failed)}" if failed else ""), flush=True)
+            for c in ok:
+                c.destroy()
+            del clones, ok
+            gc.collect()
+    return rows
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for engine in sorted({r["engine"] for r in rows}):
+        pts = [r for r in rows if r["engine"] == engine and "skipped" not in r]
+        if not pts:
+            continue
+        xs = [r["forks"] for r in pts]
+        axes[0].plot(xs, [r["system_used_bytes"] / 2**30 for r in pts], marker="o", label=f"{engine} (system)")
+        axes[0].plot(xs, [r["family_pss_bytes"] / 2**30 for r in pts], marker="x", ls="--",
+                     label=f"{engine} (PSS)")
+        axes[1].plot(xs, [r["fork_seconds"] for r in pts], marker="o", label=engine)
+    axes[0].set(xlabel="clones", ylabel="GiB", title="Memory of source + clones")
+    axes[1].set(xlabel="clones", ylabel="seconds", title="Fork latency (snapshot + restores)")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engines", default="copy,ksm")
+    ap.add_argument("--forks", default="1,2,4,8,16")
+    ap.add_argument("--size-mib", type=int, default=1024)
+    ap.add_argument("--settle-timeout", type=float, default=180.0)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    engines = [e for e in args.engines.split(",") if e]
+    if "cow" in engines and not cow.available():
+        print(f"skipping cow: {cow.unavailable_reason()}", flush=True)
+        engines.remove("cow")
+    forks = [int(x) for x in args.forks.split(",")]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for engine in engines:
+        rows += run_engine(engine, forks, args.size_mib, args.settle_timeout)
+    result = {
+        "size_mib": args.size_mib, "forks": forks, "engines": engines,
+        "machine": {"cpus": os.cpu_count(), "mem_total_bytes": meminfo()["MemTotal"], "kernel": os.uname().release},
+        "rows": rows,
+    }
+    (out / "fork_memory.json").write_text(json.dumps(result, indent=1))
+    plot(rows, out / "fork_memory.png")
+    print(f"wrote {out / 'fork_memory.json'} and {out / 'fork_memory.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
