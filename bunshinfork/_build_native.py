@@ -14,7 +14,7 @@ ffibuilder.cdef((CSRC / "native.h").read_text())
 ffibuilder.set_source(
     "bunshinfork._native",
     '#include "native.h"',
-    sources=[os.path.join(CSRC_REL, "native.c")],
+    sources=[os.path.join(CSRC_REL, "native.c"), os.path.join(CSRC_REL, "inject.c")],
     include_dirs=[CSRC_REL],
     extra_compile_args=["-O2", "-Wall"],
 )

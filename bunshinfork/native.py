@@ -20,6 +20,7 @@ MS_NOSUID = 2
 MS_NODEV = 4
 MS_NOEXEC = 8
 MS_REMOUNT = 32
+MS_NOATIME = 1024
 MS_BIND = 4096
 MS_REC = 16384
 MS_PRIVATE = 1 << 18
@@ -90,6 +91,36 @@ def sethostname(name: str) -> None:
 def set_hostname_in(pid: int, name: str) -> None:
     """sethostname() inside the UTS namespace of `pid`."""
     _check(lib.bn_set_hostname_in(pid, name.encode()), f"set hostname of {pid}")
+
+
+def _neg_errno(rc: int, what: str) -> int:
+    if rc < 0:
+        raise OSError(-rc, f"{what}: {os.strerror(-rc)}")
+    return rc
+
+
+def ptrace_seize(pid: int) -> None:
+    """PTRACE_SEIZE (with PTRACE_O_TRACECLONE) and PTRACE_INTERRUPT; wait_stop() collects the stop."""
+    _neg_errno(lib.bn_ptrace_seize(pid), f"ptrace seize {pid}")
+
+
+def ptrace_wait_stop(pid: int) -> None:
+    _neg_errno(lib.bn_ptrace_wait_stop(pid), f"wait for {pid} to stop")
+
+
+def ptrace_detach(pid: int) -> None:
+    _neg_errno(lib.bn_ptrace_detach(pid), f"ptrace detach {pid}")
+
+
+def inject_fork(pid: int) -> int:
+    """Fork a stopped tracee from inside; the child is traced by us and stopped before its first
+    instruction, and its parent gets no SIGCHLD for it."""
+    return _neg_errno(lib.bn_inject_fork(pid), f"inject fork into {pid}")
+
+
+def inject_reap(parent: int, child: int) -> None:
+    """Reap `child` (killed) inside its stopped, traced parent with an injected wait4(__WALL)."""
+    _neg_errno(lib.bn_inject_reap(parent, child), f"inject wait4({child}) into {parent}")
 
 
 @dataclass

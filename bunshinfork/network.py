@@ -1,20 +1,513 @@
 """Workspace networking. The netns itself is created with the workspace (loopback up).
 
-"none": loopback only. "bridge": see setup_bridge (pyroute2).
+"none": loopback only.
+
+"bridge": a veth pair per workspace. The host end (`bn` + 10 hex of the id) is a port of the
+host bridge `bunshin0`, which holds the gateway address .1 of the subnet (10.213.0.0/16 or
+$BUNSHIN_SUBNET); the other end is `eth0` inside the workspace, with a free address of the
+subnet and a default route via the gateway. nat=True adds one nftables masquerade table
+(`ip bunshin_nat`) shared by every NAT workspace and turns on IPv4 forwarding.
+
+The bridge, the veths and the NAT table are host-wide while workspace records live under a
+state root that tests and tools may point elsewhere (BUNSHIN_RUN_ROOT). So every host veth
+also carries its owner in its interface alias (`bunshin ws=ID ip=ADDR nat=0|1`): allocation,
+NAT refcounting and gc read that as well as the records, and the kernel drops the entry by
+itself when the workspace's netns dies.
+
+All of it is done over netlink (pyroute2) and nftables' JSON API; nothing shells out.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import hashlib
+import ipaddress
+import json
+import os
+import re
+import secrets
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from pyroute2 import IPRoute, NetlinkError
+
+from . import state
 from .errors import NetworkError
 
+BRIDGE = "bunshin0"
+DEFAULT_SUBNET = "10.213.0.0/16"
+SUBNET_ENV = "BUNSHIN_SUBNET"
+WS_IFNAME = "eth0"
+NAT_FAMILY = "ip"
+NAT_TABLE = "bunshin_nat"
+NAT_CHAIN = "postrouting"
+IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
+HOST_IF_PREFIX = "bn"
+_HOST_IF = re.compile(r"^bn[0-9a-f]{10}$")
+_WS_ID = re.compile(r"^ws-([0-9a-f]{12})$")
+_ALIAS_TAG = "bunshin"
+# Host-wide, not under the (relocatable) state root: the resources it guards are host-wide.
+_LOCK_NAME = "bunshin-network"
+_LOCK_DIR = Path("/run")
+# The pre-NAT ip_forward value, so that removing the last NAT table restores it.
+_FORWARD_SAVED = Path("/run/.bunshin-ip_forward.saved")
+
+
+# ---- names and addresses ----
+
+def host_ifname(ws_id: str) -> str:
+    """The host end of a workspace's veth: `bn` + 10 hex characters (IFNAMSIZ is 15 with the NUL)."""
+    m = _WS_ID.match(ws_id)
+    tail = m.group(1)[:10] if m else hashlib.sha256(ws_id.encode()).hexdigest()[:10]
+    return HOST_IF_PREFIX + tail
+
+
+def subnet() -> ipaddress.IPv4Network:
+    """The workspace subnet: $BUNSHIN_SUBNET, else 10.213.0.0/16."""
+    raw = os.environ.get(SUBNET_ENV, "").strip() or DEFAULT_SUBNET
+    try:
+        net = ipaddress.ip_network(raw, strict=False)
+    except ValueError:
+        raise NetworkError(
+            f"{SUBNET_ENV}={raw!r} is not a network; set it to an IPv4 CIDR such as {DEFAULT_SUBNET} "
+            "or unset it"
+        ) from None
+    if not isinstance(net, ipaddress.IPv4Network) or net.prefixlen > 30:
+        raise NetworkError(
+            f"{SUBNET_ENV}={raw!r} must be an IPv4 network of /30 or larger (gateway plus one workspace), "
+            f"such as {DEFAULT_SUBNET}"
+        )
+    return net
+
+
+def _gateway(net: ipaddress.IPv4Network) -> ipaddress.IPv4Address:
+    return net.network_address + 1
+
+
+def _lock() -> contextlib.AbstractContextManager[None]:
+    return state.lock(_LOCK_NAME, root=_LOCK_DIR)
+
+
+# ---- who holds what ----
+
+@dataclass(frozen=True)
+class _HostVeth:
+    name: str
+    index: int
+    owner: str | None  # workspace id from the alias; None for a veth bunshin did not label
+    ip: str | None
+    nat: bool
+    peer_elsewhere: bool  # the other end lives in another netns (a workspace's, normally)
+
+
+def _host_veths(ipr: IPRoute) -> list[_HostVeth]:
+    out = []
+    for link in ipr.get_links():
+        name = str(link.get("ifname"))
+        if not _HOST_IF.match(name) or _link_kind(link) != "veth":
+            continue
+        fields = _parse_alias(str(link.get("ifalias") or ""))
+        out.append(_HostVeth(
+            name=name, index=link["index"], owner=fields.get("ws"), ip=fields.get("ip"),
+            nat=fields.get("nat") == "1", peer_elsewhere=link.get("link_netnsid") is not None,
+        ))
+    return out
+
+
+def _parse_alias(alias: str) -> dict[str, str]:
+    words = alias.split()
+    if not words or words[0] != _ALIAS_TAG:
+        return {}
+    return dict(w.split("=", 1) for w in words[1:] if "=" in w)
+
+
+def _records() -> dict[str, tuple[dict[str, Any], bool]]:
+    """ws id -> (network dict, alive) for every workspace record under the state root that has one."""
+    out: dict[str, tuple[dict[str, Any], bool]] = {}
+    for ws_id in state.all_ids():
+        try:
+            rec = state.Record.load(ws_id)
+        except (OSError, ValueError, TypeError):
+            continue
+        if not rec.network:
+            continue
+        if rec.status == "running":
+            alive = rec.init_alive()
+        elif rec.status == "creating":
+            alive = rec.creator_alive()
+        else:
+            alive = False
+        out[ws_id] = (dict(rec.network), alive)
+    return out
+
+
+def _allocate(net: ipaddress.IPv4Network, taken: set[str]) -> ipaddress.IPv4Address:
+    gateway = _gateway(net)
+    for addr in net.hosts():
+        if addr != gateway and str(addr) not in taken:
+            return addr
+    raise NetworkError(
+        f"no free address left in {net} ({len(taken)} workspaces hold one); destroy workspaces, "
+        f"run 'bunshin gc', or set {SUBNET_ENV} to a larger network"
+    )
+
+
+# ---- netlink helpers ----
+
+def _lookup(ipr: IPRoute, name: str) -> int | None:
+    found = ipr.link_lookup(ifname=name)
+    return found[0] if found else None
+
+
+def _link_kind(link: Any) -> str | None:
+    kind = link.get(("linkinfo", "kind"))
+    return str(kind) if kind is not None else None
+
+
+def _delete_index(ipr: IPRoute, index: int, name: str) -> bool:
+    """Delete the link; False if it was already gone."""
+    try:
+        ipr.link("del", index=index)
+    except NetlinkError as e:
+        # A dying netns takes the veth pair with it in the background; losing that race is success.
+        if e.code == errno.ENODEV:
+            return False
+        raise NetworkError(f"cannot delete interface {name}: {e}; run 'bunshin gc' as root to retry") from e
+    return True
+
+
+def _netlink_failure(what: str, e: NetlinkError) -> NetworkError:
+    if e.code in (errno.EOPNOTSUPP, errno.EAFNOSUPPORT):
+        hint = "the kernel lacks bridge or veth support (CONFIG_BRIDGE, CONFIG_VETH); use network='none'"
+    elif e.code == errno.EPERM:
+        hint = "run as root with CAP_NET_ADMIN"
+    elif e.code == errno.EEXIST:
+        hint = "a leftover interface is in the way; run 'bunshin gc'"
+    else:
+        hint = "see 'bunshin doctor'"
+    return NetworkError(f"{what}: {e.args[-1] if e.args else e}; {hint}")
+
+
+def _bridge_mac() -> str:
+    # A fixed, locally administered MAC: otherwise the bridge takes the lowest port MAC and
+    # changes it whenever a workspace comes or goes, breaking the other workspaces' ARP
+    # entry for the gateway.
+    return "02:" + ":".join(f"{b:02x}" for b in secrets.token_bytes(5))
+
+
+def _ensure_bridge(ipr: IPRoute, net: ipaddress.IPv4Network, in_use: bool) -> int:
+    """The bridge's index, creating it and (re)addressing it as needed.
+
+    in_use: live workspaces are attached, so an address of another subnet must not be replaced.
+    """
+    gateway = str(_gateway(net))
+    idx = _lookup(ipr, BRIDGE)
+    if idx is None:
+        _check_overlap(ipr, net, None)
+        try:
+            ipr.link("add", ifname=BRIDGE, kind="bridge", address=_bridge_mac())
+        except NetlinkError as e:
+            if e.code != errno.EEXIST:
+                raise _netlink_failure(f"cannot create bridge {BRIDGE}", e) from e
+        idx = _lookup(ipr, BRIDGE)
+        if idx is None:
+            raise NetworkError(f"bridge {BRIDGE} vanished right after creation; is another tool removing it?")
+    else:
+        kind = _link_kind(ipr.get_links(idx)[0])
+        if kind != "bridge":
+            raise NetworkError(
+                f"host interface {BRIDGE} exists but is a {kind or 'non-bridge'} device; delete it "
+                "(it is not bunshin's) or run bunshin on a host where that name is free"
+            )
+    have = {(a.get("address"), a["prefixlen"]) for a in ipr.get_addr(index=idx, family=socket.AF_INET)}
+    if (gateway, net.prefixlen) not in have:
+        _check_overlap(ipr, net, idx)
+        if have and in_use:
+            old = ", ".join(f"{a}/{p}" for a, p in sorted(have))
+            raise NetworkError(
+                f"bridge {BRIDGE} serves {old} for running workspaces but {SUBNET_ENV} asks for {net}; "
+                "use the same subnet, or destroy those workspaces and run 'bunshin gc' first"
+            )
+        try:
+            for addr, plen in have:
+                ipr.addr("del", index=idx, address=addr, prefixlen=plen)
+            ipr.addr("add", index=idx, address=gateway, prefixlen=net.prefixlen)
+        except NetlinkError as e:
+            what = f"cannot give {BRIDGE} the gateway address {gateway}/{net.prefixlen}"
+            raise _netlink_failure(what, e) from e
+    ipr.link("set", index=idx, state="up")
+    return idx
+
+
+def _check_overlap(ipr: IPRoute, net: ipaddress.IPv4Network, bridge_idx: int | None) -> None:
+    """Refuse a subnet that another host interface already uses: its traffic would be hijacked."""
+    for a in ipr.get_addr(family=socket.AF_INET):
+        if a["index"] == bridge_idx:
+            continue
+        other = ipaddress.ip_interface(f"{a.get('address')}/{a['prefixlen']}").network
+        if other.overlaps(net):
+            ifname = a.get("label") or f"index {a['index']}"
+            raise NetworkError(
+                f"workspace subnet {net} overlaps {other} on host interface {ifname}; "
+                f"set {SUBNET_ENV} to an unused private range"
+            )
+
+
+@contextlib.contextmanager
+def _netns_fd(init_pid: int) -> Iterator[int]:
+    try:
+        fd = os.open(f"/proc/{init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise NetworkError(f"workspace init {init_pid} is gone; its network cannot be set up") from None
+    try:
+        own = os.stat("/proc/self/ns/net")
+        theirs = os.fstat(fd)
+        if (own.st_dev, own.st_ino) == (theirs.st_dev, theirs.st_ino):
+            # Plumbing "eth0" into our own netns would rewire the host.
+            raise NetworkError(
+                f"process {init_pid} shares this process's network namespace; a workspace needs its own "
+                "(CLONE_NEWNET), so this is a bug in the caller"
+            )
+        yield fd
+    finally:
+        os.close(fd)
+
+
+# ---- NAT (nftables) ----
+
+def _nft_available() -> bool:
+    try:
+        import nftables  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _nft(commands: list[dict[str, Any]]) -> dict[str, Any]:
+    try:
+        import nftables  # Debian's python3-nftables: only a system-site-packages venv sees it
+    except ImportError:
+        raise NetworkError(
+            "nat=True needs nftables' Python binding: apt-get install python3-nftables and use a venv "
+            "created with --system-site-packages (or create the workspace without nat)"
+        ) from None
+    nft = nftables.Nftables()
+    nft.set_json_output(True)
+    rc, out, err = nft.json_cmd({"nftables": commands})
+    if rc != 0:
+        raise NetworkError(
+            f"nftables refused {json.dumps(commands)[:200]}: {str(err).strip()}; is nf_tables with "
+            "masquerade support (CONFIG_NFT_MASQ, CONFIG_NFT_NAT) in the kernel? see 'bunshin doctor'"
+        )
+    return out if isinstance(out, dict) else {}
+
+
+def _nat_table_exists() -> bool:
+    out = _nft([{"list": {"tables": {"family": NAT_FAMILY}}}])
+    return any(
+        item.get("table", {}).get("name") == NAT_TABLE and item["table"].get("family") == NAT_FAMILY
+        for item in out.get("nftables", [])
+    )
+
+
+def nat_rules() -> list[dict[str, Any]]:
+    """The rules of bunshin's NAT table in nftables JSON form; [] when the table is absent."""
+    if not _nat_table_exists():
+        return []
+    out = _nft([{"list": {"table": {"family": NAT_FAMILY, "name": NAT_TABLE}}}])
+    return [item["rule"] for item in out.get("nftables", []) if "rule" in item]
+
+
+def _ensure_nat(net: ipaddress.IPv4Network) -> None:
+    table = {"family": NAT_FAMILY, "name": NAT_TABLE}
+    prefix = {"prefix": {"addr": str(net.network_address), "len": net.prefixlen}}
+    saddr = {"payload": {"protocol": "ip", "field": "saddr"}}
+    daddr = {"payload": {"protocol": "ip", "field": "daddr"}}
+    # add + delete + add in one transaction: atomically replaces whatever an earlier run
+    # (perhaps with another subnet) left, and never shows a moment without the rule.
+    _nft([
+        {"add": {"table": table}},
+        {"delete": {"table": table}},
+        {"add": {"table": table}},
+        {"add": {"chain": {**table, "table": NAT_TABLE, "name": NAT_CHAIN, "type": "nat",
+                           "hook": "postrouting", "prio": 100, "policy": "accept"}}},
+        {"add": {"rule": {"family": NAT_FAMILY, "table": NAT_TABLE, "chain": NAT_CHAIN,
+                          "comment": "bunshin workspaces", "expr": [
+                              {"match": {"op": "==", "left": saddr, "right": prefix}},
+                              {"match": {"op": "!=", "left": daddr, "right": prefix}},
+                              {"masquerade": None},
+                          ]}}},
+    ])
+    try:
+        current = IP_FORWARD.read_text().strip()
+        if current != "1":
+            if not _FORWARD_SAVED.exists():
+                _FORWARD_SAVED.write_text(current)
+            IP_FORWARD.write_text("1")
+    except OSError as e:
+        raise NetworkError(
+            f"cannot enable IPv4 forwarding ({IP_FORWARD}): {e}; run as root in the host's network namespace"
+        ) from e
+
+
+def _remove_nat() -> bool:
+    """Drop the NAT table and give ip_forward back its pre-NAT value; False if there was no table."""
+    removed = False
+    if _nat_table_exists():
+        _nft([{"delete": {"table": {"family": NAT_FAMILY, "name": NAT_TABLE}}}])
+        removed = True
+    with contextlib.suppress(FileNotFoundError):
+        value = _FORWARD_SAVED.read_text().strip() or "0"
+        try:
+            IP_FORWARD.write_text(value)
+        except OSError as e:
+            raise NetworkError(f"cannot restore {IP_FORWARD} to {value}: {e}; set it by hand") from e
+        _FORWARD_SAVED.unlink()
+    return removed
+
+
+def _nat_in_use(ipr: IPRoute, exclude: str) -> bool:
+    if any(v.nat and v.owner != exclude for v in _host_veths(ipr)):
+        return True
+    return any(alive and n.get("nat") for i, (n, alive) in _records().items() if i != exclude)
+
+
+# ---- public API ----
 
 def setup(ws_id: str, init_pid: int, mode: str, nat: bool = False) -> dict[str, Any]:
+    """Give the workspace whose init is `init_pid` its network; the result goes into its record."""
     if mode == "none":
+        if nat:
+            raise NetworkError("nat=True needs network='bridge'")
         return {"mode": "none"}
-    raise NetworkError(f"network mode {mode!r} is not available yet")
+    if mode == "bridge":
+        return _setup_bridge(ws_id, init_pid, nat)
+    raise NetworkError(f"unknown network mode {mode!r}; use 'none' or 'bridge'")
+
+
+def _setup_bridge(ws_id: str, init_pid: int, nat: bool) -> dict[str, Any]:
+    net = subnet()
+    host_if = host_ifname(ws_id)
+    with _lock(), _netns_fd(init_pid) as nsfd, IPRoute() as ipr:
+        records = _records()
+        veths = _host_veths(ipr)
+        in_use = any(v.peer_elsewhere for v in veths) or any(
+            alive and n.get("mode") == "bridge" for i, (n, alive) in records.items() if i != ws_id
+        )
+        br_idx = _ensure_bridge(ipr, net, in_use)
+        # Dead records keep their address until gc: their veth may still be on its way out.
+        taken = {str(n["ip"]) for i, (n, _) in records.items() if i != ws_id and n.get("ip")}
+        taken |= {v.ip for v in veths if v.ip and v.owner != ws_id}
+        ip = _allocate(net, taken)
+        result: dict[str, Any] = {
+            "mode": "bridge", "bridge": BRIDGE, "host_if": host_if, "ip": str(ip),
+            "prefixlen": net.prefixlen, "gateway": str(_gateway(net)), "nat": bool(nat),
+        }
+        try:
+            _plumb(ipr, nsfd, ws_id, result, br_idx)
+            if nat:
+                _ensure_nat(net)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                idx = _lookup(ipr, host_if)
+                if idx is not None:
+                    _delete_index(ipr, idx, host_if)
+            with contextlib.suppress(Exception):
+                if nat and not _nat_in_use(ipr, exclude=ws_id):
+                    _remove_nat()
+            raise
+    return result
+
+
+def _plumb(ipr: IPRoute, nsfd: int, ws_id: str, net: dict[str, Any], br_idx: int) -> None:
+    host_if = net["host_if"]
+    try:
+        # The peer is born inside the workspace netns as eth0, so no temporary name ever
+        # shows on the host and nothing there can race for it.
+        ipr.link("add", ifname=host_if, kind="veth", peer={"ifname": WS_IFNAME, "net_ns_fd": nsfd})
+    except NetlinkError as e:
+        raise _netlink_failure(f"cannot create veth {host_if}", e) from e
+    idx = _lookup(ipr, host_if)
+    if idx is None:
+        raise NetworkError(f"veth {host_if} vanished right after creation; did the workspace die?")
+    alias = f"{_ALIAS_TAG} ws={ws_id} ip={net['ip']} nat={int(net['nat'])}"
+    try:
+        ipr.link("set", index=idx, ifalias=alias)
+        ipr.link("set", index=idx, master=br_idx, state="up")
+    except NetlinkError as e:
+        raise _netlink_failure(f"cannot attach {host_if} to {BRIDGE}", e) from e
+    try:
+        # flags=0: never let pyroute2 create a netns should the init have died meanwhile.
+        with IPRoute(netns=nsfd, flags=0) as ns:
+            ws_idx = _lookup(ns, WS_IFNAME)
+            if ws_idx is None:
+                raise NetworkError(f"{WS_IFNAME} did not appear inside the workspace; did the workspace die?")
+            ns.addr("add", index=ws_idx, address=net["ip"], prefixlen=net["prefixlen"])
+            ns.link("set", index=ws_idx, state="up")
+            ns.route("add", dst="0.0.0.0/0", gateway=net["gateway"])
+    except NetlinkError as e:
+        raise _netlink_failure(f"cannot configure {WS_IFNAME} inside the workspace", e) from e
 
 
 def teardown(ws_id: str, record: dict[str, Any]) -> None:
-    return None
+    """Undo setup(). Idempotent: what is already gone is fine.
+
+    An empty record (setup never returned: the creator crashed or setup failed) still removes
+    a veth labelled with this workspace's id.
+    """
+    if record and record.get("mode") != "bridge":
+        return
+    host_if = str(record.get("host_if") or host_ifname(ws_id))
+    with _lock(), IPRoute() as ipr:
+        mine = [v for v in _host_veths(ipr) if v.name == host_if]
+        for v in mine:
+            # Another workspace's label means a name collision: that veth is not ours to remove.
+            if v.owner == ws_id or (record and v.owner is None):
+                _delete_index(ipr, v.index, v.name)
+        nat = bool(record.get("nat")) or any(v.nat and v.owner == ws_id for v in mine)
+        if nat and not _nat_in_use(ipr, exclude=ws_id):
+            _remove_nat()
+
+
+def leftover_interfaces() -> list[str]:
+    """Every workspace host veth currently present (used by gc and the leak checks)."""
+    with IPRoute() as ipr:
+        return sorted(v.name for v in _host_veths(ipr))
+
+
+def gc() -> list[str]:
+    """Remove workspace veths no live workspace owns; the bridge and NAT table once none needs them.
+
+    A veth whose other end still sits in another network namespace and whose owner has no
+    record under this state root is kept: it may belong to a workspace of another state root.
+    Returns what was removed: interface names, and `ip bunshin_nat` for the NAT table.
+    """
+    removed: list[str] = []
+    with _lock(), IPRoute() as ipr:
+        records = _records()
+        live = {i: n for i, (n, alive) in records.items() if alive and n.get("mode") == "bridge"}
+        keep = {str(n.get("host_if") or host_ifname(i)) for i, n in live.items()}
+        remaining: list[_HostVeth] = []
+        for v in _host_veths(ipr):
+            known_dead = v.owner is not None and v.owner in records and v.owner not in live
+            orphan = v.name not in keep and (known_dead or not v.peer_elsewhere)
+            if orphan and _delete_index(ipr, v.index, v.name):
+                removed.append(v.name)
+            elif not orphan:
+                remaining.append(v)
+        nat_needed = any(v.nat for v in remaining) or any(n.get("nat") for n in live.values())
+        # Without the binding no NAT table can have been made, and gc must still work.
+        if not nat_needed and _nft_available() and _remove_nat():
+            removed.append(f"{NAT_FAMILY} {NAT_TABLE}")
+        br = _lookup(ipr, BRIDGE)
+        if br is not None and not live and _link_kind(ipr.get_links(br)[0]) == "bridge":
+            # Any port still attached (another root's workspace, or something an admin added)
+            # keeps the bridge.
+            ports = [link for link in ipr.get_links() if link.get("master") == br]
+            if not ports and _delete_index(ipr, br, BRIDGE):
+                removed.append(BRIDGE)
+    return removed

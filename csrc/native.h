@@ -32,3 +32,13 @@ int bn_umount2(const char *target, int flags);
 int bn_prctl(int option, unsigned long a2, unsigned long a3, unsigned long a4, unsigned long a5);
 int bn_sethostname(const char *name);
 int bn_set_hostname_in(int pid, const char *name);
+
+/* ptrace syscall injection (csrc/inject.c). Negative returns are -errno. */
+int bn_ptrace_seize(int pid);
+int bn_ptrace_wait_stop(int pid);
+int bn_ptrace_detach(int pid);
+/* Inject clone(exit signal 0) into stopped tracee `pid`; returns the new, traced and
+ * stopped child's pid. */
+int bn_inject_fork(int pid);
+/* Inject wait4(child, NULL, __WALL, NULL) into stopped tracee `parent`. */
+int bn_inject_reap(int parent, int child);

@@ -1,0 +1,137 @@
+"""Snapshot holders: a copy-on-write image of each process's memory, without a visible process.
+
+While a workspace is frozen, a fork() is injected into each of its processes. With the
+bunshin module the child's mm is taken as a snapshot descriptor, and the child is killed
+and reaped inside its still-stopped parent; without it the child stays a stopped, traced
+holder process (used by tests of the injection itself).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import signal
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import native
+from ..errors import KernelFeatureError
+from . import cow
+
+WALL = 0x40000000
+# _IOW(0xB5, 1, struct bunshin_snapshot_req{s32 pid; u32 flags}) (kernel/bunshin_uapi.h)
+IOC_SNAPSHOT = (1 << 30) | (8 << 16) | (0xB5 << 8) | 1
+# _IOWR(0xB5, 3, struct bunshin_stats_req{s32 fd; u32 flags; u64 pages; u64 private_pages})
+IOC_STATS = (3 << 30) | (24 << 16) | (0xB5 << 8) | 3
+
+
+@dataclass
+class Holder:
+    parent: int  # host pid of the process the holder images
+    child: int = 0  # the holder process while it lives
+    fd: int | None = None  # snapshot descriptor (module) once taken
+    maps: list[tuple[int, int, str]] = field(default_factory=list)
+
+    def read(self, addr: int, size: int) -> bytes:
+        """Snapshot memory at `addr`: pread on the descriptor, or /proc/PID/mem of a live holder
+        (never process_vm_readv, which pins pages and unshares them)."""
+        if self.fd is not None:
+            return os.pread(self.fd, size, addr)
+        with open(f"/proc/{self.child}/mem", "rb", buffering=0) as f:
+            f.seek(addr)
+            return f.read(size)
+
+    def stats(self) -> tuple[int, int]:
+        """(pages the snapshot maps, pages only it maps): what keeping it costs."""
+        if self.fd is None:
+            raise KernelFeatureError(cow.unavailable_reason())
+        buf = bytearray(struct.pack("=iIQQ", self.fd, 0, 0, 0))
+        with open(cow.DEVICE, "rb", buffering=0) as dev:
+            fcntl.ioctl(dev.fileno(), IOC_STATS, buf)
+        _, _, pages, private = struct.unpack("=iIQQ", buf)
+        return pages, private
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if self.child:
+            _kill_holder(self.parent, self.child)
+            self.child = 0
+
+
+def threads(pid: int) -> list[int]:
+    return sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+
+
+def anon_maps(pid: int) -> list[tuple[int, int, str]]:
+    """Private anonymous ranges (and the heap/stack) of a process, as /proc/PID/maps lists them."""
+    out = []
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in parts[0].split("-"))
+        perms, name = parts[1], parts[5] if len(parts) > 5 else ""
+        if perms[3] == "p" and (not name or name in ("[heap]", "[stack]")):
+            out.append((start, end, name))
+    return out
+
+
+def _snapshot_fd(holder_pid: int) -> int:
+    # With a mutable buffer fcntl.ioctl returns the ioctl's own result: the new descriptor.
+    buf = bytearray(struct.pack("=iI", holder_pid, 0))
+    with open(cow.DEVICE, "rb", buffering=0) as dev:
+        return fcntl.ioctl(dev.fileno(), IOC_SNAPSHOT, buf, True)
+
+
+def _kill_holder(parent: int, child: int) -> None:
+    """Kill a holder and reap it inside its parent, which must be stopped and traced by us."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(child, signal.SIGKILL)
+    # As tracer we see the death first; only then is the zombie the parent's to reap.
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(child, WALL)
+    native.inject_reap(parent, child)
+
+
+def take(leaders: Iterable[int], keep_processes: bool = False) -> list[Holder]:
+    """Make a holder for each process in `leaders` (thread-group leaders, all already stopped
+    by ptrace through seize_all). With the module and keep_processes False, each holder is
+    turned into a descriptor and its process killed and reaped at once."""
+    holders = []
+    use_module = cow.available() and not keep_processes
+    for pid in leaders:
+        h = Holder(parent=pid, maps=anon_maps(pid))
+        h.child = native.inject_fork(pid)
+        if use_module:
+            try:
+                h.fd = _snapshot_fd(h.child)
+            finally:
+                _kill_holder(pid, h.child)
+                h.child = 0
+        holders.append(h)
+    return holders
+
+
+def seize_all(pids: Iterable[int]) -> list[int]:
+    """Seize every thread of every process; returns the tids. Works on frozen tasks: they
+    enter the ptrace stop as soon as they are thawed."""
+    tids = []
+    for pid in pids:
+        for tid in threads(pid):
+            native.ptrace_seize(tid)
+            tids.append(tid)
+    return tids
+
+
+def wait_all(tids: Iterable[int]) -> None:
+    for tid in tids:
+        native.ptrace_wait_stop(tid)
+
+
+def detach_all(tids: Iterable[int]) -> None:
+    for tid in tids:
+        with contextlib.suppress(OSError):
+            native.ptrace_detach(tid)
