@@ -42,7 +42,10 @@ fi
 # CRIU: bookworm's 3.17 fails on kernels with vvar_vclock, and 4.1.x cannot dump
 # TCP sockets on >= 6.16, so build 4.2.1 from sid's source tarball.
 # A deb-src line only: a binary line for sid would upgrade libc.
-if ! { command -v criu >/dev/null && criu --version 2>/dev/null | grep -q "Version: $criu_version" && [ -f "$cache/pycriu/rpc_pb2.py" ]; }; then
+# Rebuild whenever the patch set in criu/patches changes.
+patches_sum=$(cat "$here"/criu/patches/*.patch 2>/dev/null | sha256sum | cut -d' ' -f1)
+if ! { command -v criu >/dev/null && criu --version 2>/dev/null | grep -q "Version: $criu_version" \
+       && [ -f "$cache/pycriu/rpc_pb2.py" ] && [ "$(cat "$cache/criu-patches.sha256" 2>/dev/null)" = "$patches_sum" ]; }; then
   src=/etc/apt/sources.list.d/bunshin-sid-src.sources
   if [ ! -f "$src" ]; then
     cat > "$src" <<SRC
@@ -80,6 +83,7 @@ SRC
   install -m 644 "$srcdir/lib/c/libcriu.so" /usr/local/lib/ && ldconfig
   rm -rf "$cache/pycriu" && cp -r "$srcdir/lib/pycriu" "$cache/pycriu"
   criu check >/dev/null 2>&1 || log "warning: criu check did not say 'Looks good'; run 'bunshin doctor'"
+  echo "$patches_sum" > "$cache/criu-patches.sha256"
 fi
 
 # Python environment. The venv uses Debian's python3 so that bookworm's python3-btrfsutil

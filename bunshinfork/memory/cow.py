@@ -17,3 +17,21 @@ def unavailable_reason() -> str:
         "'make -C kernel' and insmod kernel/bunshin.ko on a host that can load modules; "
         "memory='auto' falls back to 'ksm'"
     )
+
+
+# _IOWR(0xB5, 2, struct bunshin_share_req) — 48 bytes, see kernel/bunshin_uapi.h.
+_SHARE_FMT = "=iiiIQQQQ"
+IOC_SHARE = (3 << 30) | (48 << 16) | (0xB5 << 8) | 2
+
+
+def share(snap_fd: int, target_pid: int, start: int, end: int, holder_pid: int = 0) -> tuple[int, int]:
+    """Map the snapshot's anonymous private VMAs in [start, end) copy-on-write into the stopped
+    `target_pid` (0: the caller). Returns (VMAs shared, VMAs skipped as not anonymous-private)."""
+    import fcntl
+    import struct
+
+    buf = bytearray(struct.pack(_SHARE_FMT, snap_fd, holder_pid, target_pid, 0, start, end, 0, 0))
+    with open(DEVICE, "rb", buffering=0) as dev:
+        fcntl.ioctl(dev.fileno(), IOC_SHARE, buf, True)
+    *_, vmas, skipped = struct.unpack(_SHARE_FMT, buf)
+    return vmas, skipped

@@ -1,0 +1,68 @@
+"""A process for the copy-on-write tests, driven line by line over stdin.
+
+source mode: allocate SIZE bytes of a seeded pattern in its own anonymous mapping.
+target mode: map anonymous memory at exactly [START, END) (MAP_FIXED_NOREPLACE), then stop
+itself so the orchestrator can share a snapshot into it.
+"""
+
+import ctypes
+import hashlib
+import mmap
+import os
+import signal
+import sys
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+MAP_FIXED_NOREPLACE = 0x100000
+
+
+def pfns(addr: int, size: int) -> list[int]:
+    out = []
+    with open("/proc/self/pagemap", "rb") as f:
+        for page in range(addr // 4096, (addr + size) // 4096):
+            f.seek(page * 8)
+            e = int.from_bytes(f.read(8), "little")
+            out.append(e & ((1 << 55) - 1) if e >> 63 else -1)
+    return out
+
+
+mode = sys.argv[1]
+if mode == "source":
+    size = int(sys.argv[2])
+    # A mapping of its own, page aligned, so the snapshot's VMA is exactly this buffer.
+    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.write(hashlib.shake_256(b"bunshin").digest(size))
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+else:
+    start, end = int(sys.argv[2]), int(sys.argv[3])
+    size = end - start
+    got = libc.mmap(start, size, mmap.PROT_READ | mmap.PROT_WRITE,
+                    mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0)
+    if got != start:
+        print("collision", flush=True)
+        sys.exit(3)
+    addr = start
+    m = (ctypes.c_char * size).from_address(addr)
+print(addr, size, flush=True)
+if mode == "target":
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+buf = (ctypes.c_char * size).from_address(addr)
+for line in sys.stdin:
+    cmd, *arg = line.split()
+    if cmd == "hash":
+        print(hashlib.sha256(bytes(buf)).hexdigest(), flush=True)
+    elif cmd == "write":  # write OFFSET TEXT
+        off = int(arg[0])
+        data = arg[1].encode()
+        ctypes.memmove(addr + off, data, len(data))
+        print("ok", flush=True)
+    elif cmd == "read":  # read OFFSET LEN
+        off, n = int(arg[0]), int(arg[1])
+        print(bytes(buf[off:off + n]).hex(), flush=True)
+    elif cmd == "pfns":
+        print(" ".join(map(str, pfns(addr, size))), flush=True)
+    elif cmd == "exit":
+        break
