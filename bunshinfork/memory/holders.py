@@ -13,7 +13,7 @@ import fcntl
 import os
 import signal
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,3 +135,51 @@ def detach_all(tids: Iterable[int]) -> None:
     for tid in tids:
         with contextlib.suppress(OSError):
             native.ptrace_detach(tid)
+
+
+TASK_SIZE = 1 << 47  # x86-64 user address space with 4-level paging
+
+
+def ns_pid(host_pid: int) -> int:
+    for line in Path(f"/proc/{host_pid}/status").read_text().splitlines():
+        if line.startswith("NSpid:"):
+            return int(line.split()[-1])
+    raise ProcessLookupError(host_pid)
+
+
+def capture_tree(pids: list[int], freeze: Callable[[], None], thaw: Callable[[], None]) -> dict[int, Holder]:
+    """Holders for every process of a frozen tree, keyed by pid inside its namespace.
+
+    The tree is frozen on entry and on return. Every thread is seized while frozen; a thaw
+    lets them reach their ptrace stop (no user code runs: the interrupt is taken on the way
+    back to user space); holders are forked and, with the module, turned into descriptors;
+    the tree is frozen again before the threads are detached into the freezer.
+    """
+    tids = seize_all(pids)
+    out: dict[int, Holder] = {}
+    try:
+        thaw()
+        wait_all(tids)
+        for h in take(pids):
+            out[ns_pid(h.parent)] = h
+        freeze()
+    except BaseException:
+        for h in out.values():
+            h.release()
+        raise
+    finally:
+        detach_all(tids)
+    return out
+
+
+def share_tree(holders_by_ns_pid: dict[int, Holder], clone_pids: list[int]) -> int:
+    """Map each holder's anonymous memory into the clone process with the same namespace pid
+    (all stopped by CRIU's leave_stopped); returns the number of VMAs shared."""
+    shared = 0
+    for pid in clone_pids:
+        h = holders_by_ns_pid.get(ns_pid(pid))
+        if h is None or h.fd is None:
+            raise KernelFeatureError(f"no memory snapshot for clone process {pid}")
+        vmas, _ = cow.share(h.fd, pid, 0, TASK_SIZE)
+        shared += vmas
+    return shared
