@@ -56,9 +56,20 @@ class Cgroup:
         memory_limit: int | None = None,
         pids_limit: int | None = None,
         version: str = "auto",
-        root: Path = CGROUP_ROOT,
+        root: Path | None = None,
     ) -> Cgroup:
+        # Looked up at call time, so a test or an embedding program can point CGROUP_ROOT elsewhere.
+        root = CGROUP_ROOT if root is None else root
         version = detect(root) if version == "auto" else version
+        # Check the layout before creating anything: on a v1 host, /sys/fs/cgroup is a plain tmpfs
+        # where a "v2" parent directory would be created as a stray, useless directory.
+        if version == "v2" and not _is_cgroup2(root):
+            raise CgroupError(f"{root} is not a cgroup v2 hierarchy; use cgroup='auto' or 'v1' on this host")
+        if version == "v1" and not all((root / c).is_dir() for c in V1_CONTROLLERS):
+            raise CgroupError(
+                f"{root} lacks the cgroup v1 controllers {', '.join(V1_CONTROLLERS)}; "
+                "use cgroup='auto' or 'v2'"
+            )
         cg = cls(version=version)
         try:
             if version == "v1":

@@ -220,7 +220,12 @@ class Commands:
                     elif kind == "F":
                         raise CommandError(f"cannot run {argv!r}: {data.decode(errors='replace')}")
                     if deadline is not None:
-                        conn.settimeout(max(deadline - time.monotonic(), 0.001))
+                        # recv's timeout only fires on silence: a command that never stops
+                        # writing must still end at the deadline.
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            raise TimeoutError
+                        conn.settimeout(remaining)
             except (TimeoutError, socket.timeout):
                 # Closing the connection makes the init kill the command's process group.
                 out.feed(b"", final=True)

@@ -15,6 +15,8 @@ from .errors import CommandError, WorkspaceStateError
 
 CTL_SOCK = "/.bunshin/ctl.sock"
 CMD_DIR = "/.bunshin/cmd"
+# How long a request waits for the init's first answer (a frozen init gives none).
+REPLY_TIMEOUT = 10.0
 
 
 def _encode(op: str, argv: Sequence[str], env: Mapping[str, str] | None, cwd: str | None,
@@ -42,7 +44,7 @@ class Connection:
 
     def __init__(self, init_pid: int, timeout: float | None = None) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        self.sock.settimeout(10.0 if timeout is None else timeout)
+        self.sock.settimeout(REPLY_TIMEOUT if timeout is None else timeout)
         path = f"/proc/{init_pid}/root{CTL_SOCK}"
         try:
             self.sock.connect(path)
@@ -93,12 +95,19 @@ class Connection:
 def simple(init_pid: int, op: str, **kw: object) -> str:
     """Send a request whose reply is a single 'X' or 'F' frame; return the X payload."""
     with Connection(init_pid) as c:
-        c.send(op, **kw)  # type: ignore[arg-type]
-        for kind, data in c.frames():
-            if kind == "F":
-                raise CommandError(data.decode(errors="replace"))
-            if kind in ("X", "P"):
-                return data.decode()
+        try:
+            c.send(op, **kw)  # type: ignore[arg-type]
+            for kind, data in c.frames():
+                if kind == "F":
+                    raise CommandError(data.decode(errors="replace"))
+                if kind in ("X", "P"):
+                    return data.decode()
+        except TimeoutError:
+            # A frozen init accepts nothing; a bare socket timeout would not say so.
+            raise WorkspaceStateError(
+                f"workspace init (pid {init_pid}) did not answer {op} within {c.sock.gettimeout()}s; "
+                "is the workspace paused?"
+            ) from None
     raise WorkspaceStateError(f"workspace init (pid {init_pid}) closed the connection without answering {op}")
 
 

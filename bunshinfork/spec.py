@@ -64,7 +64,8 @@ class WorkspaceSpec:
         """Return a normalised copy, or raise SpecError saying what to change."""
         if not isinstance(self.rootfs, str) or not self.rootfs:
             raise SpecError("rootfs must be 'host', 'debian', 'docker:IMAGE' or an absolute directory path")
-        if self.hostname is not None and not _HOSTNAME.match(self.hostname):
+        # fullmatch: `$` alone also matches before a trailing newline, which would reach sethostname.
+        if self.hostname is not None and not _HOSTNAME.fullmatch(self.hostname):
             raise SpecError(f"hostname {self.hostname!r} is not a valid host name (letters, digits, '-', <= 63)")
         mem = parse_size(self.memory_limit, "memory_limit")
         if mem is not None and mem < MIN_MEMORY:

@@ -137,8 +137,12 @@ LOOP_CONFIGURE = 0x4C0A
 LO_FLAGS_AUTOCLEAR = 4
 
 
-def _loop_attach(image: str) -> str:
-    """Attach `image` to a free loop device with autoclear: it detaches itself at the last umount."""
+def _loop_attach(image: str) -> tuple[str, int]:
+    """Attach `image` to a free loop device with autoclear; return the device and an open fd on it.
+
+    Autoclear detaches the device at its last close, not only at the last umount: the caller
+    keeps the fd open until a mount holds the device, then closes it.
+    """
     ctl = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
     try:
         for _ in range(8):
@@ -157,12 +161,12 @@ def _loop_attach(image: str) -> str:
                 cfg = struct.pack("=II", backing, 0) + bytes(info) + bytes(64)
                 buf = ctypes.create_string_buffer(cfg, len(cfg))
                 fcntl.ioctl(loop, LOOP_CONFIGURE, buf)
-                return dev
+                return dev, loop
             except OSError as e:
+                os.close(loop)
                 if e.errno != 16:  # EBUSY: another process took this device first
                     raise
             finally:
-                os.close(loop)
                 os.close(backing)
     finally:
         os.close(ctl)
@@ -190,16 +194,17 @@ def setup_btrfs_loop(image: str, mountpoint: str, size: int = 4 << 30) -> str:
             img.unlink()
             raise KernelFeatureError(f"mkfs.btrfs failed: {proc.stderr.strip()}")
     mp.mkdir(parents=True, exist_ok=True)
-    dev = _loop_attach(str(img))
+    dev, loop_fd = _loop_attach(str(img))
     try:
-        native.mount(dev, str(mp), "btrfs", 0, "noatime")
+        # noatime is a VFS flag, not a btrfs option: btrfs's fs_context parser rejects it as data.
+        native.mount(dev, str(mp), "btrfs", native.MS_NOATIME, None)
     except OSError as e:
-        # Without a mount holding it, an autoclear loop device lingers until released.
         with contextlib.suppress(OSError):
-            fd = os.open(dev, os.O_RDWR)
-            fcntl.ioctl(fd, 0x4C01)  # LOOP_CLR_FD
-            os.close(fd)
+            fcntl.ioctl(loop_fd, 0x4C01)  # LOOP_CLR_FD: detach now rather than at the close below
         raise KernelFeatureError(f"mounting btrfs image {img} on {mp} failed: {e}") from e
+    finally:
+        # The mount now holds the device; on failure this last close lets autoclear detach it.
+        os.close(loop_fd)
     return str(mp)
 
 

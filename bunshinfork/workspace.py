@@ -128,7 +128,7 @@ class Workspace:
         layer = storage.create_layer(rec.id, spec.storage_dir)
         rec.storage = layer.to_dict()
         rec.save()
-        _seed_upper(Path(layer.upper), rec.hostname)
+        _seed_upper(Path(layer.upper), rec.hostname, root_fs)
         cg = Cgroup.create(rec.id, memory_limit=spec.memory_limit, pids_limit=spec.pids_limit,
                            version=spec.cgroup)
         rec.cgroup = {"version": cg.version, "paths": cg.paths}
@@ -301,12 +301,16 @@ class Workspace:
         return f"<Workspace {self.id} init={self._rec.init_pid} {self._rec.status}>"
 
 
-def _seed_upper(upper: Path, hostname: str) -> None:
-    """Files every workspace gets in its private layer: the init binary and its identity."""
+def _seed_upper(upper: Path, hostname: str, root_fs: rootfs.Rootfs | None = None) -> None:
+    """Files every workspace gets in its private layer: the init binary, its identity, a home."""
     bdir = upper / ".bunshin"
     bdir.mkdir(mode=0o700)
     shutil.copy2(INIT_BINARY, bdir / "init")
     write_identity(upper, hostname)
+    # Commands start in /root and relative file paths resolve under it, so a directory rootfs
+    # without one would refuse every command; a rootfs that has it keeps its own.
+    if root_fs and not any(os.path.lexists(Path(lower, "root")) for lower in root_fs.lowerdirs):
+        (upper / "root").mkdir(mode=0o700)
 
 
 def write_identity(upper: Path, hostname: str) -> None:

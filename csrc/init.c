@@ -247,6 +247,17 @@ static void drain_discard(int *fds, int n)
 	}
 }
 
+static long long now_ms(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec * 1000LL + ts.tv_nsec / 1000000;
+}
+
+/* How long output is still forwarded after the command exits (see op_run). */
+#define EXIT_QUIET_MS 50
+#define EXIT_GRACE_MS 250
+
 static int op_run(int conn, struct request *rq)
 {
 	int op[2], ep[2];
@@ -265,6 +276,7 @@ static int op_run(int conn, struct request *rq)
 	int pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
 	int fds[2] = {op[0], ep[0]};
 	int status = 0, exited = 0, client = 1;
+	long long exited_at = 0;
 	char buf[65536];
 	while (!exited || fds[0] >= 0 || fds[1] >= 0) {
 		struct pollfd pf[4];
@@ -278,8 +290,17 @@ static int op_run(int conn, struct request *rq)
 		if (client)
 			idx_conn = m, pf[m++] = (struct pollfd){.fd = conn, .events = POLLIN | POLLRDHUP};
 		/* After the command exits, a daemon it left behind may hold the pipes open
-		 * forever: give its last output a moment, then stop forwarding. */
-		int timeout = exited ? 50 : (pidfd < 0 ? 100 : -1);
+		 * forever: give its last output a moment, then stop forwarding. (A pipe holds
+		 * no more than one read, so the command's own output is already in hand.) The
+		 * moment is bounded in total, or a daemon that keeps writing would hold the
+		 * reply back until the client's timeout kills it. */
+		int timeout = pidfd < 0 ? 100 : -1;
+		if (exited) {
+			long long left = exited_at + EXIT_GRACE_MS - now_ms();
+			if (left <= 0)
+				break;
+			timeout = left < EXIT_QUIET_MS ? (int)left : EXIT_QUIET_MS;
+		}
 		int r = poll(pf, m, timeout);
 		if (r < 0) {
 			if (errno == EINTR)
@@ -312,7 +333,7 @@ static int op_run(int conn, struct request *rq)
 		}
 		if ((idx_pid >= 0 && pf[idx_pid].revents) || (pidfd < 0 && !exited)) {
 			if (waitpid(pid, &status, pidfd < 0 ? WNOHANG : 0) == pid)
-				exited = 1;
+				exited = 1, exited_at = now_ms();
 		}
 	}
 	if (!exited)

@@ -1,0 +1,93 @@
+"""Small polling and inspection helpers shared by the workspace tests (no fixtures: see each module)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from bunshinfork import state
+from bunshinfork.commands import CommandResult
+from bunshinfork.errors import FileOperationError
+from bunshinfork.workspace import Workspace
+
+T = TypeVar("T")
+
+
+def wait_for(probe: Callable[[], T], timeout: float = 5.0, interval: float = 0.02) -> T:
+    """Poll until `probe` returns something truthy; return it, or fail with the last value.
+
+    Processes inside a workspace change state asynchronously (a kill, a reparenting, a
+    server binding its port), so tests poll with a deadline instead of sleeping blindly.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value or time.monotonic() > deadline:
+            assert value, f"condition not met within {timeout}s (last value {value!r})"
+            return value
+        time.sleep(interval)
+
+
+def run_ok(ws: Workspace, cmd: str | list[str], **kw: object) -> CommandResult:
+    """Run a foreground command that must succeed; the assertion shows its output when it does not."""
+    r = ws.commands.run(cmd, **kw)  # type: ignore[arg-type]
+    assert isinstance(r, CommandResult)
+    assert r.exit_code == 0, f"{cmd!r} exited {r.exit_code}\nstdout: {r.stdout}\nstderr: {r.stderr}"
+    return r
+
+
+def read_counter(ws: Workspace, path: str) -> int:
+    """The value a background `echo $i > path` loop last wrote.
+
+    The shell truncates before writing, so an empty read is a write in progress: retry it.
+    """
+    def probe() -> int | None:
+        with contextlib.suppress(FileOperationError, ValueError):
+            return int(str(ws.files.read(path)).strip())
+        return None
+
+    deadline = time.monotonic() + 5
+    while (value := probe()) is None:
+        assert time.monotonic() < deadline, f"{path} never held a number"
+        time.sleep(0.01)
+    return value
+
+
+def ws_processes(ws: Workspace) -> list[str]:
+    """Command lines of every process in the workspace, as `ps` inside it shows them."""
+    r = run_ok(ws, ["ps", "-eo", "args="])
+    return [line.strip() for line in r.stdout.splitlines()]
+
+
+def host_proc_state(pid: int) -> str | None:
+    """The one-letter state of a host pid, or None once it is gone (reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def init_gone(ws: Workspace) -> bool:
+    """The workspace's init has exited and been reaped (a recycled pid does not count as it)."""
+    return state.proc_starttime(ws.init_pid) != ws._rec.init_starttime
+
+
+def free_tcp_port() -> int:
+    """A port nothing on the host listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def host_fd_targets(pid: int) -> list[str]:
+    out = []
+    for fd in sorted(os.listdir(f"/proc/{pid}/fd"), key=int):
+        with contextlib.suppress(FileNotFoundError):
+            out.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return out
