@@ -140,6 +140,7 @@ class SpawnConfig:
     init_path: str = "/.bunshin/init"
     mount_sysfs: bool = True
     ksm_merge: bool = False
+    privileged: bool = False
 
 
 def spawn(cfg: SpawnConfig) -> Spawned:
@@ -150,6 +151,7 @@ def spawn(cfg: SpawnConfig) -> Spawned:
     c.root, c.overlay_opts, c.hostname, c.init_path = keep
     c.mount_sysfs = int(cfg.mount_sysfs)
     c.ksm_merge = int(cfg.ksm_merge)
+    c.privileged = int(cfg.privileged)
     pidfd = ffi.new("int *")
     sync_fd = ffi.new("int *")
     err_fd = ffi.new("int *")

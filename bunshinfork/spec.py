@@ -46,6 +46,9 @@ class WorkspaceSpec:
       subvolume (see storage.setup_btrfs_loop). Default: the state root's tmpfs.
     ksm: opt every process into kernel samepage merging (prctl PR_SET_MEMORY_MERGE), so the
       "ksm" fork engine can merge a source with its clones. ksmd only runs during fork bursts.
+    privileged: keep every capability and an unmasked /proc. By default root inside a workspace
+      has Docker's default capability set (no CAP_SYS_ADMIN, CAP_SYS_MODULE, CAP_MKNOD, ...)
+      and /proc/sys, /proc/sysrq-trigger and friends are read-only or masked.
     """
 
     rootfs: str = "host"
@@ -59,6 +62,7 @@ class WorkspaceSpec:
     cgroup: str = "auto"
     ksm: bool = True
     mount_sysfs: bool = True
+    privileged: bool = False
 
     def validate(self) -> WorkspaceSpec:
         """Return a normalised copy, or raise SpecError saying what to change."""

@@ -138,7 +138,7 @@ class Workspace:
         opts = f"lowerdir={':'.join(root_fs.lowerdirs)},upperdir={layer.upper},workdir={layer.work}"
         sp = native.spawn(native.SpawnConfig(
             ns_flags=NS_FLAGS, root=str(mountpoint), overlay_opts=opts, hostname=rec.hostname,
-            mount_sysfs=spec.mount_sysfs, ksm_merge=spec.ksm,
+            mount_sysfs=spec.mount_sysfs, ksm_merge=spec.ksm, privileged=spec.privileged,
         ))
         rec.init_pid = sp.pid
         rec.init_starttime = state.proc_starttime(sp.pid) or 0

@@ -186,6 +186,63 @@ static void child_loopback_up(int efd)
 	close(s);
 }
 
+/* Docker's masked and read-only /proc paths: a root process inside must not reboot the
+ * host through sysrq-trigger or retune it through /proc/sys. */
+static const char *const proc_masked[] = {"kcore", "keys", "timer_list", "sched_debug",
+					  "latency_stats", "sysrq-trigger"};
+static const char *const proc_readonly[] = {"sys", "bus", "fs", "irq"};
+
+static void child_mask_proc(int efd, const char *root)
+{
+	char path[4096], null[4096], step[160];
+	snprintf(null, sizeof(null), "%s/dev/null", root);
+	for (size_t i = 0; i < sizeof(proc_masked) / sizeof(proc_masked[0]); i++) {
+		snprintf(path, sizeof(path), "%s/proc/%s", root, proc_masked[i]);
+		if (access(path, F_OK) < 0)
+			continue;
+		snprintf(step, sizeof(step), "mask /proc/%s", proc_masked[i]);
+		if (mount(null, path, NULL, MS_BIND, NULL) < 0)
+			report(efd, step);
+	}
+	for (size_t i = 0; i < sizeof(proc_readonly) / sizeof(proc_readonly[0]); i++) {
+		snprintf(path, sizeof(path), "%s/proc/%s", root, proc_readonly[i]);
+		if (access(path, F_OK) < 0)
+			continue;
+		snprintf(step, sizeof(step), "read-only /proc/%s", proc_readonly[i]);
+		if (mount(path, path, NULL, MS_BIND | MS_REC, NULL) < 0 ||
+		    mount(NULL, path, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+			  NULL) < 0)
+			report(efd, step);
+	}
+}
+
+/* Docker's default capability set. Root inside a workspace keeps what package managers,
+ * servers and test suites need, and loses what reaches the host: mounts, modules, raw I/O,
+ * devices, the clock, reboot, and network administration. */
+static const int kept_caps[] = {
+	0 /* CHOWN */, 1 /* DAC_OVERRIDE */, 3 /* FOWNER */, 4 /* FSETID */, 5 /* KILL */,
+	6 /* SETGID */, 7 /* SETUID */, 8 /* SETPCAP */, 10 /* NET_BIND_SERVICE */, 13 /* NET_RAW */,
+	18 /* SYS_CHROOT */, 29 /* AUDIT_WRITE */, 31 /* SETFCAP */,
+};
+
+static void child_drop_caps(int efd)
+{
+	/* Only the bounding set: the init is exec'd as root, so its permitted and effective
+	 * sets become exactly what the bounding set still allows. */
+	for (int cap = 0; cap <= 63; cap++) {
+		int keep = 0;
+		for (size_t i = 0; i < sizeof(kept_caps) / sizeof(kept_caps[0]); i++)
+			keep |= kept_caps[i] == cap;
+		if (keep)
+			continue;
+		if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0) {
+			if (errno == EINVAL)
+				break; /* past the kernel's last capability */
+			report(efd, "drop capabilities");
+		}
+	}
+}
+
 static void child_main(const struct bn_spawn_cfg *cfg, int sync_rd, int efd)
 {
 	char c, path[4096];
@@ -201,6 +258,8 @@ static void child_main(const struct bn_spawn_cfg *cfg, int sync_rd, int efd)
 	/* /proc first: CRIU needs it mounted before the old root goes away. */
 	child_mount(efd, cfg->root, "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
 	child_setup_dev(efd, cfg->root);
+	if (!cfg->privileged)
+		child_mask_proc(efd, cfg->root);
 	child_mount(efd, cfg->root, "tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777");
 	if (cfg->mount_sysfs)
 		child_mount(efd, cfg->root, "sys", "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
@@ -224,6 +283,8 @@ static void child_main(const struct bn_spawn_cfg *cfg, int sync_rd, int efd)
 		child_loopback_up(efd);
 	if (cfg->ksm_merge && prctl(PR_SET_MEMORY_MERGE, 1, 0, 0, 0) < 0)
 		report(efd, "prctl(PR_SET_MEMORY_MERGE)");
+	if (!cfg->privileged)
+		child_drop_caps(efd);
 
 	char *argv[] = {"bunshin-init", NULL};
 	char *envp[] = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", NULL};

@@ -9,6 +9,7 @@ struct bn_spawn_cfg {
 	const char *init_path;   /* path of the init inside the new root */
 	int mount_sysfs;
 	int ksm_merge;           /* prctl(PR_SET_MEMORY_MERGE) before exec, inherited by every descendant */
+	int privileged;          /* keep every capability and an unmasked /proc */
 };
 
 /* Clone the workspace's first process. It blocks until bn_spawn_release() is

@@ -274,3 +274,27 @@ def test_no_connection_to_the_host_between_calls(ws: Workspace) -> None:
     # just before its shim closes the connection; allow it that moment.
     listener = {ws.init_pid: [f"socket:[{row[6]}]"]}
     wait_for(lambda: _sockets_held(ws) == listener, timeout=2)
+
+
+def test_root_inside_cannot_reach_the_host() -> None:
+    """Docker's default capabilities and masked /proc: no mounts, devices, modules or sysrq."""
+    with Workspace.create() as ws:
+        r = ws.commands.run(
+            "grep CapEff /proc/self/status;"
+            "echo b > /proc/sysrq-trigger 2>/dev/null; echo sysrq=$?;"
+            "echo 3 > /proc/sys/vm/drop_caches 2>/dev/null; echo procsys=$?;"
+            "mknod /tmp/blk b 8 0 2>/dev/null; echo mknod=$?;"
+            "mount -t tmpfs x /mnt 2>/dev/null; echo mount=$?;"
+            "touch /tmp/f && chown nobody /tmp/f && echo chown=0"
+        )
+        lines = dict(line.split("=", 1) for line in r.stdout.split()[2:])
+        eff = int(r.stdout.split()[1], 16)
+        assert not eff & (1 << 21), "CAP_SYS_ADMIN must be dropped"
+        assert not eff & (1 << 16), "CAP_SYS_MODULE must be dropped"
+        assert eff & (1 << 0), "CAP_CHOWN is kept for package managers"
+        assert lines["sysrq"] != "0" and lines["procsys"] != "0"
+        assert lines["mknod"] != "0" and lines["mount"] != "0"
+        assert lines["chown"] == "0"
+    with Workspace.create(privileged=True) as ws:
+        eff = int(ws.commands.run("grep CapEff /proc/self/status").stdout.split()[1], 16)
+        assert eff & (1 << 21)
