@@ -22,10 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from workloads import populate  # noqa: E402
+from workloads import populate
 
-from bunshinfork import Workspace  # noqa: E402
-from bunshinfork.memory import cow, ksm  # noqa: E402
+from bunshinfork import Workspace
+from bunshinfork.memory import cow, ksm
 
 
 def meminfo() -> dict[str, int]:

@@ -10,7 +10,6 @@ import contextlib
 import os
 import secrets
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -226,7 +225,7 @@ class Commands:
                         if remaining <= 0:
                             raise TimeoutError
                         conn.settimeout(remaining)
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 # Closing the connection makes the init kill the command's process group.
                 out.feed(b"", final=True)
                 err.feed(b"", final=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shutil
 import socket
 import subprocess
@@ -77,22 +78,27 @@ class Session:
             )
         finally:
             child.close()
+        # Our unreaped child, so the pid cannot have been reused yet.
+        self._pidfd = native.pidfd_open(self._proc.pid)
 
     @property
     def pid(self) -> int:
         return self._proc.pid
 
     def call(self, req: rpc.criu_req, on_notify: Notify | None = None) -> rpc.criu_resp:
-        self._sk.sendall(req.SerializeToString())
+        try:
+            self._sk.sendall(req.SerializeToString())
+        except OSError as e:
+            raise CriuError(f"lost the connection to criu swrk: {e}") from e
         while True:
+            self._wait_answer()
             try:
                 size = len(self._sk.recv(1, socket.MSG_TRUNC | socket.MSG_PEEK))
                 buf = self._sk.recv(size)
             except OSError as e:
                 raise CriuError(f"lost the connection to criu swrk: {e}") from e
             if not buf:
-                err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
-                raise CriuError(f"criu swrk exited without answering {err.strip()}")
+                raise CriuError(f"criu swrk exited without answering {self._stderr_so_far()}".rstrip())
             resp = rpc.criu_resp()
             resp.ParseFromString(buf)
             if resp.type != rpc.NOTIFY:
@@ -107,6 +113,35 @@ class Session:
                     raise
             self._reply_notify(ok)
 
+    def _wait_answer(self) -> None:
+        """Block until criu has something to say, or raise once it has died.
+
+        Tasks criu forks while restoring inherit its end of the socket (and of the stderr pipe),
+        so criu dying mid-restore does not make our end see EOF: watch the process itself.
+        """
+        p = select.poll()
+        p.register(self._sk, select.POLLIN)
+        p.register(self._pidfd, select.POLLIN)
+        while True:
+            ready = {fd for fd, _ in p.poll()}
+            if self._sk.fileno() in ready:
+                return
+            if self._pidfd in ready:
+                status = self._proc.wait()
+                how = f"killed by signal {-status}" if status < 0 else f"exit status {status}"
+                raise CriuError(f"criu swrk (pid {self._proc.pid}) died without answering ({how}) "
+                                f"{self._stderr_so_far()}".rstrip())
+
+    def _stderr_so_far(self) -> str:
+        # Non-blocking: criu's surviving helpers may hold the pipe open indefinitely.
+        if self._proc.stderr is None:
+            return ""
+        os.set_blocking(self._proc.stderr.fileno(), False)
+        try:
+            return (os.read(self._proc.stderr.fileno(), 65536) or b"").decode(errors="replace").strip()
+        except BlockingIOError:
+            return ""
+
     def _reply_notify(self, ok: bool) -> None:
         ack = rpc.criu_req()
         ack.type = rpc.NOTIFY
@@ -116,6 +151,7 @@ class Session:
 
     def close(self) -> None:
         self._sk.close()
+        os.close(self._pidfd)
         try:
             self._proc.wait(timeout=30)
         except subprocess.TimeoutExpired:

@@ -99,9 +99,9 @@ class Files:
             except OSError as e:
                 if e.errno != errno.ENOENT:
                     raise
-            with self._open(root, posixpath.dirname(prefix), os.O_PATH | os.O_DIRECTORY) as parent:
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(parts[i - 1], 0o755, dir_fd=parent)
+            with self._open(root, posixpath.dirname(prefix), os.O_PATH | os.O_DIRECTORY) as parent, \
+                    contextlib.suppress(FileExistsError):
+                os.mkdir(parts[i - 1], 0o755, dir_fd=parent)
 
     def write(self, path: str, data: str | bytes, mode: int = 0o644) -> EntryInfo:
         """Write a whole file, creating missing parent directories."""

@@ -39,7 +39,7 @@ def _check(rc: int, what: str) -> int:
 
 
 def mount(source: str | None, target: str, fstype: str | None, flags: int = 0, data: str | None = None) -> None:
-    def c(s: str | None):  # noqa: ANN202
+    def c(s: str | None):
         return ffi.NULL if s is None else s.encode()
 
     _check(lib.bn_mount(c(source), target.encode(), c(fstype), flags, c(data)), f"mount {target}")

@@ -12,6 +12,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -106,9 +107,11 @@ class Snapshot:
                 raise ForkError(f"snapshot of {rec.id} failed; the workspace keeps running: {e}") from e
             raise
         t_thawed = time.monotonic()
+        process.rearm_expired_timerfds(images)
         if not layer_box:
             snap.release()
-            raise ForkError("CRIU finished the dump without a post-dump notification; no file-system snapshot")
+            raise ForkError("CRIU finished the dump without a post-dump notification; "
+                            "no file-system snapshot")
         meta["layer"] = layer_box[0].to_dict()
         meta["timing"] = {"frozen_seconds": t_thawed - t0, "dump_seconds": t_dump - t0}
         snap._write_meta()
@@ -187,8 +190,8 @@ class Snapshot:
             rec.storage = layer.to_dict()
             rec.save()
             write_identity(Path(layer.upper), rec.hostname)
-            cg = Cgroup.create(rec.id, memory_limit=spec.get("memory_limit"), pids_limit=spec.get("pids_limit"),
-                               version=self._meta["cgroup_version"])
+            cg = Cgroup.create(rec.id, memory_limit=spec.get("memory_limit"),
+                               pids_limit=spec.get("pids_limit"), version=self._meta["cgroup_version"])
             rec.cgroup = {"version": cg.version, "paths": cg.paths}
             rec.save()
             pid = self._restore(rec, layer, cg, use_ksm)
@@ -224,12 +227,24 @@ class Snapshot:
         native.mount("overlay", str(mountpoint), "overlay", 0,
                      f"lowerdir={lower},upperdir={layer.upper},workdir={layer.work}")
         wfd = os.open(work, os.O_DIRECTORY | os.O_RDONLY)
+        restored_init: list[int] = []
+
+        def on_notify(script: str, pid: int) -> None:
+            # setup-namespaces names the restored init. rst_sibling made it our child, so if the
+            # restore fails from here on (criu killed, a later step failing) only we can reap it.
+            if script == "setup-namespaces" and pid > 0:
+                restored_init.append(pid)
+
         try:
-            roots = [(ctrl, "/" + os.path.relpath(p, _controller_mount(ctrl, p))) for ctrl, p in cg.paths.items()]
+            roots = [(ctrl, "/" + os.path.relpath(p, _controller_mount(ctrl, p)))
+                     for ctrl, p in cg.paths.items()]
             opts = process.restore_opts(self.images_dir, wfd, str(mountpoint), roots)
-            resp = criu.request("restore", opts, keep_fds=(wfd,), ksm_merge=use_ksm, log=work / "restore.log",
-                                session_hook=RESTORE_HOOK)
+            resp = criu.request("restore", opts, on_notify, keep_fds=(wfd,), ksm_merge=use_ksm,
+                                log=work / "restore.log", session_hook=RESTORE_HOOK)
             return int(resp.restore.pid)
+        except BaseException:
+            _abandon_restore(restored_init, cg, work)
+            raise
         finally:
             os.close(wfd)
             # The clone's mount namespace holds its own reference; the host needs none.
@@ -303,6 +318,33 @@ class Snapshot:
 
     def __repr__(self) -> str:
         return f"<Snapshot {self.id} of {self.source_id}>"
+
+
+def _abandon_restore(restored_init: list[int], cg: Cgroup, work: Path) -> None:
+    """Undo what a CRIU that died or failed mid-restore could not.
+
+    Its half-restored init is our child and would stay a zombie: known from setup-namespaces,
+    or before that found in the clone's cgroup, where criu moves it first. Its cgroup yard,
+    mounted in our mount namespace under the work directory, would keep the clone's state
+    directory busy.
+    """
+    me = os.getpid()
+    orphans = set(restored_init)
+    for pid in cg.pids():
+        with contextlib.suppress(OSError, ValueError):
+            if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) == me:
+                orphans.add(pid)
+    for pid in orphans:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)  # a pid namespace's init: takes every task with it
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    prefix = str(work) + "/"
+    with open("/proc/self/mountinfo") as f:
+        stale = [line.split()[4] for line in f if line.split()[4].startswith(prefix)]
+    for mp in sorted(stale, key=len, reverse=True):  # children before their parents
+        with contextlib.suppress(OSError):
+            native.umount2(mp, native.MNT_DETACH)
 
 
 def _controller_mount(ctrl: str, path: str) -> str:

@@ -92,7 +92,7 @@ def test_injected_fork_images_memory_and_stays_invisible(proc):
 
 
 def test_holder_memory_is_shared_until_written(proc):
-    p, addr, size, _ = proc
+    p, addr, _, _ = proc
     tids = stop(p.pid)
     try:
         (h,) = holders.take([p.pid], keep_processes=True)
