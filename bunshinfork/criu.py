@@ -26,6 +26,7 @@ except ImportError:  # pragma: no cover - set-up installs pycriu into the venv
     rpc = None
 
 CRIU_BIN = os.environ.get("BUNSHIN_CRIU", "criu")
+KSM_EXEC = Path(__file__).resolve().parent / "_bin" / "bunshin-init"
 REQUIRED = (4, 2)
 
 Notify = Callable[[str, int], None]
@@ -58,23 +59,23 @@ def log_tail(path: Path, lines: int = 25) -> str:
 class Session:
     """One `criu swrk` process; one request at a time."""
 
-    def __init__(self, keep_fds: tuple[int, ...] = (), ksm_merge: bool = False) -> None:
+    def __init__(self, keep_fds: tuple[int, ...] = (), ksm_merge: bool = False,
+                 env: dict[str, str] | None = None) -> None:
         _require()
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sk = parent
-
-        def preexec() -> None:
-            # Restored tasks are forked from this criu process and never exec, so the
-            # KSM opt-in set here is inherited by every restored process.
-            if ksm_merge:
-                native.prctl(native.PR_SET_MEMORY_MERGE, 1)
-
+        argv = [CRIU_BIN, "swrk", str(child.fileno())]
+        if ksm_merge:
+            # Restored tasks are forked from this criu process and never exec, so the KSM
+            # opt-in it is started with is inherited by every restored process. The init
+            # binary's exec helper sets it: a preexec_fn would make subprocess fork() this
+            # multi-threaded process and run every library's atfork handlers in it.
+            argv = [str(KSM_EXEC), "--ksm-exec", *argv]
         try:
             self._proc = subprocess.Popen(
-                [CRIU_BIN, "swrk", str(child.fileno())],
-                pass_fds=(child.fileno(), *keep_fds),
+                argv, pass_fds=(child.fileno(), *keep_fds),
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                preexec_fn=preexec if ksm_merge else None,
+                env={**os.environ, **env} if env else None,
             )
         finally:
             child.close()
@@ -173,13 +174,14 @@ class Session:
 
 def request(kind: str, opts: rpc.criu_opts, on_notify: Notify | None = None, keep_fds: tuple[int, ...] = (),
             ksm_merge: bool = False, log: Path | None = None,
-            session_hook: Callable[[Session], None] | None = None) -> rpc.criu_resp:
+            session_hook: Callable[[Session], None] | None = None,
+            env: dict[str, str] | None = None) -> rpc.criu_resp:
     """Run one DUMP or RESTORE; raise CriuError with the log's error lines on failure."""
     req = rpc.criu_req()
     req.type = {"dump": rpc.DUMP, "restore": rpc.RESTORE}[kind]
     req.opts.MergeFrom(opts)
     req.opts.notify_scripts = on_notify is not None
-    with Session(keep_fds, ksm_merge) as s:
+    with Session(keep_fds, ksm_merge, env) as s:
         if session_hook is not None:
             session_hook(s)
         resp = s.call(req, on_notify)

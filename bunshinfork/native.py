@@ -112,15 +112,19 @@ def ptrace_detach(pid: int) -> None:
     _neg_errno(lib.bn_ptrace_detach(pid), f"ptrace detach {pid}")
 
 
-def inject_fork(pid: int) -> int:
+def inject_fork(pid: int) -> tuple[int, int]:
     """Fork a stopped tracee from inside; the child is traced by us and stopped before its first
-    instruction, and its parent gets no SIGCHLD for it."""
-    return _neg_errno(lib.bn_inject_fork(pid), f"inject fork into {pid}")
+    instruction, and its parent gets no SIGCHLD for it. Returns (host pid, pid in the tracee's
+    namespace) of the child."""
+    ns_child = ffi.new("int *")
+    host = _neg_errno(lib.bn_inject_fork(pid, ns_child), f"inject fork into {pid}")
+    return host, int(ns_child[0])
 
 
-def inject_reap(parent: int, child: int) -> None:
-    """Reap `child` (killed) inside its stopped, traced parent with an injected wait4(__WALL)."""
-    _neg_errno(lib.bn_inject_reap(parent, child), f"inject wait4({child}) into {parent}")
+def inject_reap(parent: int, ns_child: int) -> None:
+    """Reap a killed child inside its stopped, traced parent with an injected wait4(__WALL);
+    `ns_child` is the child's pid as the parent sees it."""
+    _neg_errno(lib.bn_inject_reap(parent, ns_child), f"inject wait4({ns_child}) into {parent}")
 
 
 @dataclass

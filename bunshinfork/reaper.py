@@ -33,9 +33,10 @@ class _Reaper:
         os.write(self._wake_w, b"x")
 
     def reap_now(self, pid: int) -> None:
-        """Reap synchronously (used by destroy) if `pid` is our exited child."""
+        """Reap `pid` if it is our child and has exited; never blocks (a dying pid namespace's
+        init can wait on tasks that only some other party can release)."""
         with contextlib.suppress(ChildProcessError, OSError):
-            os.waitpid(pid, 0)
+            os.waitpid(pid, os.WNOHANG)
 
     def _loop(self) -> None:
         while True:

@@ -24,13 +24,15 @@ from . import control, criu, native, process, rootfs, state, storage
 from . import memory as memory_engines
 from .cgroups import Cgroup
 from .errors import BunshinError, CriuError, ForkError, SpecError, WorkspaceStateError
-from .memory import ksm
+from .memory import holders, ksm, materialize
 from .reaper import reaper
 
 if TYPE_CHECKING:
     from .workspace import Workspace
 
 MAX_PARALLEL_RESTORES = 8
+# criu/patches/0001: a cow dump writes no anonymous private pages; the holders keep them.
+COW_DUMP_ENV = {"CRIU_BUNSHIN_NO_ANON_PAGES": "1"}
 # Called with each restore's live criu.Session right after it starts; failure-injection tests use
 # it to kill a real CRIU mid-restore. None in normal operation.
 RESTORE_HOOK: Callable[[criu.Session], None] | None = None
@@ -55,12 +57,17 @@ class Snapshot:
         self.dir = directory
         self._owned = owned
         self._released = False
+        # cow snapshots: the memory of each process, keyed by its pid inside the namespace.
+        self._holders: dict[int, holders.Holder] = {}
 
     # ---- taking ----
 
     @classmethod
-    def take(cls, ws: Workspace) -> Snapshot:
+    def take(cls, ws: Workspace, memory: str = "auto") -> Snapshot:
+        """memory: "cow" (or "auto" where /dev/bunshin exists) keeps anonymous memory in
+        holders shared copy-on-write with the source; any other engine dumps it into images."""
         rec = ws._rec
+        kind = "cow" if memory_engines.resolve(memory) == "cow" else "image"
         ws._live_init_pid()
         if rec.network.get("mode", "none") != "none":
             raise ForkError(
@@ -78,7 +85,7 @@ class Snapshot:
         meta = {
             "id": snap_id, "source": rec.id, "created_at": time.time(), "owner_pid": os.getpid(),
             "rootfs": rec.rootfs, "spec": rec.spec, "cgroup_version": rec.cgroup["version"],
-            "layer": None, "hostname": rec.hostname,
+            "layer": None, "hostname": rec.hostname, "kind": kind,
         }
         snap = cls(meta, d)
         snap._write_meta()  # owner recorded first, so gc never takes a snapshot still being made
@@ -96,7 +103,11 @@ class Snapshot:
             cg.freeze()
             try:
                 criu.request("dump", process.dump_opts(rec.init_pid, images, freezer), on_notify,
-                             log=images / "dump.log")
+                             log=images / "dump.log", env=COW_DUMP_ENV if kind == "cow" else None)
+                if kind == "cow":
+                    # Still frozen (CRIU leaves a cgroup frozen that it found frozen): the holders
+                    # image exactly the state the dump describes.
+                    snap._holders = holders.capture_tree(cg.pids(), cg.freeze, cg.thaw)
             finally:
                 t_dump = time.monotonic()
                 cg.thaw()
@@ -158,9 +169,7 @@ class Snapshot:
         self._check_live()
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise SpecError(f"count must be a positive integer, got {count!r}")
-        engine = memory_engines.resolve(memory)
-        if engine == "cow":
-            raise ForkError("the cow engine is not wired into fork yet; use memory='ksm' or 'copy'")
+        engine = self._engine_for(memory)
         use_ksm = engine == "ksm"
         if use_ksm:
             ksm.tuner.boost()
@@ -173,6 +182,25 @@ class Snapshot:
         finally:
             if use_ksm:
                 ksm.tuner.release()
+
+    @property
+    def kind(self) -> str:
+        """"cow" (memory held by holders, forks share it) or "image" (memory in CRIU images)."""
+        return str(self._meta.get("kind", "image"))
+
+    def _engine_for(self, memory: str) -> str:
+        if self.kind == "cow":
+            if memory not in ("auto", "cow"):
+                raise SpecError(f"snapshot {self.id} keeps its memory for the cow engine; fork it with "
+                                f"memory='cow' or 'auto', or take the snapshot with memory={memory!r}")
+            if not self._holders:
+                raise ForkError(f"snapshot {self.id} has no memory holders left (released, or loaded from disk)")
+            return "cow"
+        if memory == "cow":
+            raise SpecError(f"snapshot {self.id} holds its memory in images; take it with memory='cow' to fork "
+                            "copy-on-write")
+        engine = memory_engines.resolve(memory)
+        return "ksm" if engine == "cow" else engine
 
     def _fork_one(self, use_ksm: bool) -> Workspace | Exception:
         from .workspace import Workspace, _cleanup, write_identity
@@ -239,9 +267,17 @@ class Snapshot:
             roots = [(ctrl, "/" + os.path.relpath(p, _controller_mount(ctrl, p)))
                      for ctrl, p in cg.paths.items()]
             opts = process.restore_opts(self.images_dir, wfd, str(mountpoint), roots)
+            # cow: the clone stays stopped until its anonymous memory is shared in.
+            opts.leave_stopped = self.kind == "cow"
             resp = criu.request("restore", opts, on_notify, keep_fds=(wfd,), ksm_merge=use_ksm,
                                 log=work / "restore.log", session_hook=RESTORE_HOOK)
-            return int(resp.restore.pid)
+            pid = int(resp.restore.pid)
+            if self.kind == "cow":
+                clone_pids = cg.pids()
+                holders.share_tree(self._holders, clone_pids)
+                for p in clone_pids:
+                    os.kill(p, signal.SIGCONT)
+            return pid
         except BaseException:
             _abandon_restore(restored_init, cg, work)
             raise
@@ -266,10 +302,14 @@ class Snapshot:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             try:
-                shutil.copytree(self.images_dir, tmp / "images")
+                if self.kind == "cow":
+                    # Holders die with this process: read their memory into complete images.
+                    materialize.complete_images(self.images_dir, tmp / "images", self._holders)
+                else:
+                    shutil.copytree(self.images_dir, tmp / "images")
                 layer = storage.Layer(**{k: self._meta["layer"][k] for k in ("kind", "path")})
                 storage._copy_tree(layer.path, str(tmp / "fs"))
-                meta = {**self._meta, "layer": {"kind": "dir", "path": "fs"}}
+                meta = {**self._meta, "layer": {"kind": "dir", "path": "fs"}, "kind": "image"}
                 (tmp / "snapshot.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
                 os.rename(tmp, dest)
             except BaseException:
@@ -302,6 +342,10 @@ class Snapshot:
         if self._released:
             return
         self._released = True
+        for h in self._holders.values():
+            with contextlib.suppress(OSError):
+                h.release()
+        self._holders = {}
         if not self._owned:
             return
         layer = self._meta.get("layer")
@@ -323,17 +367,17 @@ class Snapshot:
 def _abandon_restore(restored_init: list[int], cg: Cgroup, work: Path) -> None:
     """Undo what a CRIU that died or failed mid-restore could not.
 
-    Its half-restored init is our child and would stay a zombie: known from setup-namespaces,
-    or before that found in the clone's cgroup, where criu moves it first. Its cgroup yard,
-    mounted in our mount namespace under the work directory, would keep the clone's state
-    directory busy.
+    rst_sibling made its half-restored init our child: unless we kill and reap it, it waits
+    forever for a criu that is gone, or stays a zombie. It is known from setup-namespaces, or
+    before that recognised as our child in the clone's cgroup or holding criu's descriptors
+    into this clone's work directory. Its cgroup yard, mounted in our mount namespace under
+    the work directory, would keep the clone's state directory busy.
     """
-    me = os.getpid()
+    in_cgroup = set(cg.pids())
     orphans = set(restored_init)
-    for pid in cg.pids():
-        with contextlib.suppress(OSError, ValueError):
-            if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) == me:
-                orphans.add(pid)
+    for pid in _children():
+        if pid in in_cgroup or _holds_fd_under(pid, work):
+            orphans.add(pid)
     for pid in orphans:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)  # a pid namespace's init: takes every task with it
@@ -345,6 +389,27 @@ def _abandon_restore(restored_init: list[int], cg: Cgroup, work: Path) -> None:
     for mp in sorted(stale, key=len, reverse=True):  # children before their parents
         with contextlib.suppress(OSError):
             native.umount2(mp, native.MNT_DETACH)
+
+
+def _children() -> set[int]:
+    out: set[int] = set()
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):
+            out.update(int(p) for p in (task / "children").read_text().split())
+    return out
+
+
+def _holds_fd_under(pid: int, directory: Path) -> bool:
+    prefix = str(directory) + "/"
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(prefix):
+                return True
+    return False
 
 
 def _controller_mount(ctrl: str, path: str) -> str:

@@ -272,9 +272,13 @@ class Workspace:
         self._live_init_pid()
         self._cgroup().thaw()
 
-    def snapshot(self) -> Snapshot:
-        """Freeze briefly, capture the whole workspace, resume it; the Snapshot can fork many times."""
-        return Snapshot.take(self)
+    def snapshot(self, memory: str = "auto") -> Snapshot:
+        """Freeze briefly, capture the whole workspace, resume it; the Snapshot can fork many times.
+
+        memory="cow" (the default where /dev/bunshin exists) keeps the anonymous memory in
+        holders shared copy-on-write with the source; otherwise it goes into CRIU images.
+        """
+        return Snapshot.take(self, memory)
 
     def fork(self, count: int = 1, memory: str = "auto") -> list[Workspace | Exception]:
         """Live-fork into `count` running clones (E2B semantics: each entry is a Workspace or the
@@ -283,7 +287,7 @@ class Workspace:
         memory: "copy" (private copies), "ksm" (merged after the fact), "cow" (kernel module),
         or "auto" (cow when /dev/bunshin exists, else ksm).
         """
-        with self.snapshot() as snap:
+        with self.snapshot(memory) as snap:
             return snap.fork(count, memory)
 
     def destroy(self) -> None:

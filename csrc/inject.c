@@ -134,15 +134,17 @@ restore:
 	return ret;
 }
 
-int bn_inject_fork(int pid)
+int bn_inject_fork(int pid, int *ns_child)
 {
 	pid_t child = 0;
 	/* clone(flags = exit signal 0, no CLONE_VM): a fork the parent will never hear about. */
 	long r = inject_syscall(pid, SYS_clone, 0, 0, 0, 0, 0, 0, &child);
 	if (r < 0)
 		return (int)r;
-	if (child <= 0 || r != child)
+	if (child <= 0 || r <= 0)
 		return -ECHILD;
+	/* The tracee's clone() returns the pid in its own namespace; the event message ours. */
+	*ns_child = (int)r;
 	return child;
 }
 

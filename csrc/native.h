@@ -39,7 +39,8 @@ int bn_ptrace_seize(int pid);
 int bn_ptrace_wait_stop(int pid);
 int bn_ptrace_detach(int pid);
 /* Inject clone(exit signal 0) into stopped tracee `pid`; returns the new, traced and
- * stopped child's pid. */
-int bn_inject_fork(int pid);
-/* Inject wait4(child, NULL, __WALL, NULL) into stopped tracee `parent`. */
-int bn_inject_reap(int parent, int child);
+ * stopped child's pid on the host, and its pid in the tracee's namespace in *ns_child. */
+int bn_inject_fork(int pid, int *ns_child);
+/* Inject wait4(ns_child, NULL, __WALL, NULL) into stopped tracee `parent`; ns_child is the
+ * child's pid as the parent sees it. */
+int bn_inject_reap(int parent, int ns_child);

@@ -31,7 +31,8 @@ IOC_STATS = (3 << 30) | (24 << 16) | (0xB5 << 8) | 3
 @dataclass
 class Holder:
     parent: int  # host pid of the process the holder images
-    child: int = 0  # the holder process while it lives
+    child: int = 0  # the holder process (host pid) while it lives
+    child_ns: int = 0  # the same, as its parent sees it
     fd: int | None = None  # snapshot descriptor (module) once taken
     maps: list[tuple[int, int, str]] = field(default_factory=list)
 
@@ -59,7 +60,7 @@ class Holder:
             os.close(self.fd)
             self.fd = None
         if self.child:
-            _kill_holder(self.parent, self.child)
+            _kill_holder(self.parent, self.child, self.child_ns)
             self.child = 0
 
 
@@ -86,14 +87,14 @@ def _snapshot_fd(holder_pid: int) -> int:
         return fcntl.ioctl(dev.fileno(), IOC_SNAPSHOT, buf, True)
 
 
-def _kill_holder(parent: int, child: int) -> None:
+def _kill_holder(parent: int, child: int, child_ns: int) -> None:
     """Kill a holder and reap it inside its parent, which must be stopped and traced by us."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(child, signal.SIGKILL)
     # As tracer we see the death first; only then is the zombie the parent's to reap.
     with contextlib.suppress(ChildProcessError):
         os.waitpid(child, WALL)
-    native.inject_reap(parent, child)
+    native.inject_reap(parent, child_ns)
 
 
 def take(leaders: Iterable[int], keep_processes: bool = False) -> list[Holder]:
@@ -104,12 +105,12 @@ def take(leaders: Iterable[int], keep_processes: bool = False) -> list[Holder]:
     use_module = cow.available() and not keep_processes
     for pid in leaders:
         h = Holder(parent=pid, maps=anon_maps(pid))
-        h.child = native.inject_fork(pid)
+        h.child, h.child_ns = native.inject_fork(pid)
         if use_module:
             try:
                 h.fd = _snapshot_fd(h.child)
             finally:
-                _kill_holder(pid, h.child)
+                _kill_holder(pid, h.child, h.child_ns)
                 h.child = 0
         holders.append(h)
     return holders
