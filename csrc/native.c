@@ -69,7 +69,10 @@ int bn_prctl(int option, unsigned long a2, unsigned long a3, unsigned long a4, u
 }
 
 /* Set the hostname inside another process's UTS namespace. setns() is done in a forked
- * child so the calling (possibly multi-threaded) process never changes namespace. */
+ * child so the calling (possibly multi-threaded) process never changes namespace. The
+ * child is made with the raw syscall: fork() would run every library's atfork handlers in
+ * this multi-threaded process (OpenBLAS's, under numpy, deadlocked parallel forks), and
+ * the child makes system calls only. */
 int bn_set_hostname_in(int pid, const char *name)
 {
 	char path[64];
@@ -77,7 +80,7 @@ int bn_set_hostname_in(int pid, const char *name)
 	int fd = open(path, O_RDONLY | O_CLOEXEC);
 	if (fd < 0)
 		return -1;
-	pid_t child = fork();
+	pid_t child = (pid_t)syscall(SYS_clone, SIGCHLD, 0, NULL, NULL, 0);
 	if (child < 0) {
 		close(fd);
 		return -1;
@@ -281,7 +284,8 @@ static void child_main(const struct bn_spawn_cfg *cfg, int sync_rd, int efd)
 		report(efd, "sethostname");
 	if (cfg->ns_flags & CLONE_NEWNET)
 		child_loopback_up(efd);
-	if (cfg->ksm_merge && prctl(PR_SET_MEMORY_MERGE, 1, 0, 0, 0) < 0)
+	/* Kernels before 6.4 lack the prctl (EINVAL): the workspace runs, unmerged. */
+	if (cfg->ksm_merge && prctl(PR_SET_MEMORY_MERGE, 1, 0, 0, 0) < 0 && errno != EINVAL)
 		report(efd, "prctl(PR_SET_MEMORY_MERGE)");
 	if (!cfg->privileged)
 		child_drop_caps(efd);
