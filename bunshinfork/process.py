@@ -20,6 +20,12 @@ except ImportError:  # pragma: no cover - set-up installs pycriu into the venv
     fdinfo_pb2 = None
 
 GHOST_LIMIT = 512 << 20  # deleted-but-open files up to this size travel inside the image
+IMG_COMMON_MAGIC, FILES_MAGIC = 0x54564319, 0x56303138  # criu/include/magic.h
+# An inotify watch is dumped by file handle; overlayfs cannot reopen handles of some of its
+# files (a GTK editor watching the file it edits under /root), and CRIU's fallback then
+# looks for the inode only under system paths (/etc, /var/log, ...). These are where a
+# workspace's own files live.
+IRMAP_SCAN_PATHS = ("/root", "/home", "/tmp", "/opt")
 
 
 def _common(opts: criu.rpc.criu_opts) -> None:
@@ -41,6 +47,7 @@ def dump_opts(init_pid: int, images: Path, freezer: str) -> criu.rpc.criu_opts:
     opts.leave_running = True
     opts.freeze_cgroup = freezer
     opts.ghost_limit = GHOST_LIMIT
+    opts.irmap_scan_paths.extend(IRMAP_SCAN_PATHS)
     opts.log_file = "dump.log"
     return opts
 
@@ -77,7 +84,9 @@ def rearm_expired_timerfds(images: Path) -> int:
     if fdinfo_pb2 is None or not path.exists():
         return 0
     data = path.read_bytes()
-    head, pos = 8, 8  # IMG_COMMON magic, then the FILES magic
+    if data[:8] != struct.pack("<II", IMG_COMMON_MAGIC, FILES_MAGIC):
+        return 0  # not the image layout this parser knows: leave it alone
+    head = pos = 8
     entries: list[bytes] = []
     changed = 0
     while pos < len(data):
@@ -88,7 +97,8 @@ def rearm_expired_timerfds(images: Path) -> int:
         fe.ParseFromString(raw)
         if fe.type == fdinfo_pb2.TIMERFD and fe.HasField("tfd"):
             t = fe.tfd
-            if t.vsec == 0 and t.vnsec == 0 and (t.isec or t.insec):
+            # ticks > 0 tells "expired, unread" from "disarmed": settime() to zero clears ticks.
+            if t.vsec == 0 and t.vnsec == 0 and (t.isec or t.insec) and t.ticks > 0:
                 t.vsec, t.vnsec = t.isec, t.insec
                 raw = fe.SerializeToString()
                 changed += 1

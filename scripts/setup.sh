@@ -26,6 +26,10 @@ apt_packages=(
   python3-venv python3-dev python3-btrfsutil python3-nftables
   # GUI stack that runs inside workspaces (fork tests keep an X server running across a fork)
   xvfb x11-utils xauth
+  # workspace templates (bunshinfork/templates): desktop apps and computer-use tools, the
+  # noVNC live view, and the web shop's database, its driver and a browser
+  openbox xterm mousepad chromium xdotool xclip wmctrl imagemagick fonts-dejavu-core
+  x11vnc novnc websockify postgresql python3-psycopg2
 )
 
 missing=()
@@ -103,5 +107,15 @@ if [ ! -f "$stamp" ] || [ "$here/pyproject.toml" -nt "$stamp" ] || [ -n "$(find 
   site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   rm -rf "$site/pycriu" && cp -r "$cache/pycriu" "$site/pycriu"
   touch "$stamp"
+fi
+
+# torch for bunshinrl.grpo (GRPO training, the demo, benchmarks/grpo_train.py): the CPU build,
+# pinned and installed here rather than through pyproject, so that no extra can ever pull CUDA
+# wheels into a CPU install. bunshinrl itself imports torch only when training.
+torch_version=2.13.0
+if ! "$venv/bin/python" -c "import torch" >/dev/null 2>&1; then
+  log "installing torch==$torch_version (CPU build)"
+  "$venv/bin/pip" install -q "torch==$torch_version" 2>&1 | grep -v "^WARNING: Location" || true
+  "$venv/bin/python" -c "import torch" || { echo "torch==$torch_version did not install" >&2; exit 1; }
 fi
 log "ready: $("$venv/bin/python" -c 'import bunshinfork,sys; print(bunshinfork.__version__, sys.version.split()[0])') criu $(criu --version | head -1)"

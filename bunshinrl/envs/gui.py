@@ -1,0 +1,168 @@
+"""Desktop task: edit a text file in the GUI editor and save it; the reward reads the file.
+
+    env = make_env(target="Meeting moved to Friday 10:00")
+    ws = env.create()                       # Xvfb + openbox + xterm + mousepad on notes.txt
+    for clone in ws.fork(8): ...            # one rollout per clone, tools act on the clone
+    env.call(clone, "click", x=900, y=500); env.call(clone, "type_text", text="...")
+    env.reward(clone)                       # 1.0 when notes.txt holds exactly the target
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+from bunshinfork import BunshinError, Workspace
+from bunshinfork.templates import GuiWorkspace, start_gui
+
+from . import TaskEnv
+
+NOTES = "/root/Desktop/notes.txt"
+INITIAL_TEXT = "TODO: replace this line\n"
+DEFAULT_TARGET = "Meeting moved to Friday 10:00"
+
+
+def _gui(ws: Workspace) -> GuiWorkspace:
+    return GuiWorkspace.attach(ws)
+
+
+def _tool(fn: Callable[..., str]) -> Callable[..., str]:
+    """An agent sees a tool's failure as its observation, not as an exception of the rollout."""
+
+    def wrapped(ws: Workspace, **args: Any) -> str:
+        try:
+            return fn(ws, **args)
+        except (BunshinError, ValueError, TypeError) as e:
+            return f"ERROR: {e}"
+
+    wrapped.__name__ = fn.__name__
+    wrapped.__doc__ = fn.__doc__
+    return wrapped
+
+
+@_tool
+def screenshot(ws: Workspace) -> str:
+    """The screen as a PNG data URL."""
+    return "data:image/png;base64," + base64.b64encode(_gui(ws).screenshot()).decode()
+
+
+@_tool
+def click(ws: Workspace, x: int, y: int, button: int = 1, count: int = 1) -> str:
+    """Click at (x, y): button 1 left, 2 middle, 3 right; count 2 for a double click."""
+    _gui(ws).click(int(x), int(y), int(button), int(count))
+    return f"clicked button {button} x{count} at ({x}, {y})"
+
+
+@_tool
+def move(ws: Workspace, x: int, y: int) -> str:
+    """Move the pointer to (x, y)."""
+    _gui(ws).move(int(x), int(y))
+    return f"pointer at ({x}, {y})"
+
+
+@_tool
+def drag(ws: Workspace, x1: int, y1: int, x2: int, y2: int) -> str:
+    """Press the left button at (x1, y1), move to (x2, y2), release."""
+    _gui(ws).drag(int(x1), int(y1), int(x2), int(y2))
+    return f"dragged ({x1}, {y1}) -> ({x2}, {y2})"
+
+
+@_tool
+def type_text(ws: Workspace, text: str) -> str:
+    """Type text into the focused window (newlines press Return)."""
+    _gui(ws).type(str(text))
+    return f"typed {len(text)} characters"
+
+
+@_tool
+def key(ws: Workspace, combo: str) -> str:
+    """Press keys, xdotool names: "ctrl+s", "Return", "ctrl+a BackSpace"."""
+    _gui(ws).key(str(combo))
+    return f"pressed {combo}"
+
+
+@_tool
+def scroll(ws: Workspace, x: int, y: int, dy: int = 0, dx: int = 0) -> str:
+    """Scroll at (x, y) by wheel clicks: dy > 0 down, dx > 0 right."""
+    _gui(ws).scroll(int(x), int(y), int(dy), int(dx))
+    return f"scrolled dy={dy} dx={dx} at ({x}, {y})"
+
+
+@_tool
+def clipboard_get(ws: Workspace) -> str:
+    """The clipboard's text."""
+    return _gui(ws).clipboard_get()
+
+
+@_tool
+def clipboard_set(ws: Workspace, text: str) -> str:
+    """Put text on the clipboard."""
+    _gui(ws).clipboard_set(str(text))
+    return f"clipboard holds {len(text)} characters"
+
+
+@_tool
+def list_windows(ws: Workspace) -> str:
+    """Top-level windows: id, position, size, title; one a line."""
+    g = _gui(ws)
+    active = g.active_window()
+    return "\n".join(f"{w.id} at ({w.x}, {w.y}) size {w.width}x{w.height} {w.title!r}"
+                     + ("  [active]" if w.title == active else "") for w in g.windows())
+
+
+@_tool
+def activate_window(ws: Workspace, title: str) -> str:
+    """Raise and focus the first window whose title contains `title`."""
+    w = _gui(ws).activate(str(title))
+    return f"activated {w.title!r}"
+
+
+TOOLS: dict[str, Callable[..., str]] = {
+    f.__name__: f for f in (screenshot, click, move, drag, type_text, key, scroll, clipboard_get, clipboard_set,
+                            list_windows, activate_window)
+}
+
+
+def reward_for(target: str) -> Callable[[Workspace], float]:
+    """1.0: notes.txt holds exactly the target (one trailing newline allowed); 0.5: the target is
+    one of its lines but something else is left; 0.0 otherwise (never saved, wrong text)."""
+
+    def reward(ws: Workspace) -> float:
+        try:
+            text = str(ws.files.read(NOTES))
+        except BunshinError:
+            return 0.0
+        if text.rstrip("\n") == target:
+            return 1.0
+        if target in (line.strip() for line in text.splitlines()):
+            return 0.5
+        return 0.0
+
+    return reward
+
+
+def reward(ws: Workspace) -> float:
+    """The reward of the default task (make_env() with no arguments)."""
+    return reward_for(DEFAULT_TARGET)(ws)
+
+
+def make_env(target: str = DEFAULT_TARGET, initial_text: str = INITIAL_TEXT, width: int = 1280, height: int = 800,
+             apps: tuple[str, ...] = ("terminal", "editor"), **spec: Any) -> TaskEnv:
+    """The desktop editing task. `spec` holds WorkspaceSpec fields for the workspace."""
+    if "\n" in target:
+        raise ValueError("target must be a single line")
+
+    def setup(ws: Workspace) -> None:
+        # Written before the editor starts, so the editor opens it with this content.
+        ws.files.write(NOTES, initial_text)
+        start_gui(ws, apps=apps, width=width, height=height)
+
+    prompt = (f"A desktop is open ({width}x{height}). The text editor (Mousepad) shows {NOTES}. "
+              f"Replace the whole content of that file with exactly this line:\n{target}\n"
+              "and save it (Ctrl+S). Use the tools to look at the screen and to click and type.")
+    fp = hashlib.sha256(repr(("gui-v1", target, initial_text, width, height, apps)).encode()).hexdigest()[:16]
+    return TaskEnv(name="gui-edit-notes", prompt=prompt, setup=setup, tools=dict(TOOLS), reward=reward_for(target),
+                   fingerprint=fp, spec=dict(spec),
+                   tool_descriptions={name: (fn.__doc__ or "").strip() for name, fn in TOOLS.items()})
