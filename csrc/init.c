@@ -29,6 +29,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -44,6 +45,9 @@
 #define CMD_DIR CTL_DIR "/cmd"
 #define MAX_REQ (1 << 20)
 #define MAX_ITEMS 4096
+#ifndef PR_SET_MEMORY_MERGE
+#define PR_SET_MEMORY_MERGE 67
+#endif
 
 static const int forwarded[] = {SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2};
 
@@ -437,10 +441,28 @@ static int listen_ctl(void)
 	return fd;
 }
 
+/*
+ * Second personality, used on the host: `bunshin-init --ksm-exec PROGRAM ARGS...` opts
+ * itself into KSM and execs PROGRAM, which keeps the opt-in and hands it to every process
+ * it forks. This is how CRIU is started for ksm forks: Python could only do the prctl in a
+ * preexec_fn, which makes subprocess fork() the multi-threaded caller and run every
+ * library's atfork handlers there.
+ */
+static int ksm_exec(char **argv)
+{
+	if (prctl(PR_SET_MEMORY_MERGE, 1, 0, 0, 0) < 0) {
+		perror("bunshin-init --ksm-exec: prctl(PR_SET_MEMORY_MERGE)");
+		return 126;
+	}
+	execvp(argv[0], argv);
+	fprintf(stderr, "bunshin-init --ksm-exec: exec %s: %s\n", argv[0], strerror(errno));
+	return 127;
+}
+
 int main(int argc, char **argv)
 {
-	(void)argc;
-	(void)argv;
+	if (argc > 2 && !strcmp(argv[1], "--ksm-exec"))
+		return ksm_exec(argv + 2);
 	setsid();
 	/* Nothing from the creator may stay open inside the workspace. */
 	int devnull = open("/dev/null", O_RDWR);

@@ -1,0 +1,139 @@
+"""Fork isolation as a Hypothesis state machine.
+
+A small fork family (a source and up to three clones, forked from any member at any time)
+gets random file writes, background processes, writes to a long-running process's memory and
+messages over its unix socket, each aimed at one member. Every member is compared against a
+model of its own after every step: nothing done to one member may show in its parent, its
+siblings or its clones, and everything a member held when it was forked must be in the clone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fork_support import agent, forked, start_agent
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from bunshinfork.workspace import Workspace
+
+MAX_MEMBERS = 4
+FILE_DIR = "/root/family"
+MARKER = "bunshin-marker-"
+names = st.sampled_from(["a", "b", "c"])
+words = st.text(alphabet="xyz01", max_size=6)
+member_index = st.integers(min_value=0, max_value=MAX_MEMBERS - 1)
+
+
+@dataclass
+class Model:
+    files: dict[str, str] = field(default_factory=dict)
+    markers: set[str] = field(default_factory=set)
+    kv: dict[str, str] = field(default_factory=dict)
+    messages: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Member:
+    ws: Workspace
+    model: Model
+
+
+def markers(ws: Workspace) -> set[str]:
+    """argv[0] of every marked process, read from the host: bash's `exec -a` sets it."""
+    out = set()
+    for pid in ws._cgroup().pids():
+        with contextlib.suppress(OSError):
+            argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+            if argv0.startswith(MARKER):
+                out.add(argv0[len(MARKER):])
+    return out
+
+
+def files(ws: Workspace) -> dict[str, str]:
+    if not ws.files.exists(FILE_DIR):
+        return {}
+    return {e.name: str(ws.files.read(e.path)) for e in ws.files.list(FILE_DIR)}
+
+
+class ForkFamily(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.members: list[Member] = []
+        self.tags = itertools.count()
+
+    def pick(self, i: int) -> Member:
+        return self.members[i % len(self.members)]
+
+    @initialize()
+    def source(self) -> None:
+        ws = Workspace.create()
+        self.members.append(Member(ws, Model()))
+        start_agent(ws, 1)
+
+    @precondition(lambda self: len(self.members) < MAX_MEMBERS)
+    @rule(i=member_index)
+    def fork(self, i: int) -> None:
+        parent = self.pick(i)
+        (clone,) = forked(parent.ws.fork(1, memory="copy"))
+        self.members.append(Member(clone, copy.deepcopy(parent.model)))
+        event(f"family of {len(self.members)}")
+
+    @rule(i=member_index, name=names, content=words)
+    def write_file(self, i: int, name: str, content: str) -> None:
+        m = self.pick(i)
+        m.ws.files.write(f"{FILE_DIR}/{name}", content)
+        m.model.files[name] = content
+
+    @rule(i=member_index)
+    def start_process(self, i: int) -> None:
+        m = self.pick(i)
+        tag = str(next(self.tags))
+        m.ws.commands.run(f"exec -a {MARKER}{tag} sleep 100000", background=True)
+        m.model.markers.add(tag)
+
+    @rule(i=member_index, key=names, value=words)
+    def write_memory(self, i: int, key: str, value: str) -> None:
+        m = self.pick(i)
+        agent(m.ws, "set", k=key, v=value)
+        m.model.kv[key] = value
+
+    @rule(i=member_index, text=words)
+    def send_message(self, i: int, text: str) -> None:
+        m = self.pick(i)
+        agent(m.ws, "msg", m=text)
+        m.model.messages.append(text)
+
+    @invariant()
+    def every_member_matches_its_own_model(self) -> None:
+        for m in self.members:
+            assert m.ws.is_running(), f"{m.ws.id} died"
+            assert files(m.ws) == m.model.files, f"files of {m.ws.id}"
+            assert agent(m.ws, "state") == {"kv": m.model.kv, "messages": m.model.messages}, m.ws.id
+            # A process started a moment ago may still be bash, about to exec its marked sleep.
+            deadline = time.monotonic() + 5
+            while (seen := markers(m.ws)) != m.model.markers and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert seen == m.model.markers, f"processes of {m.ws.id}"
+
+    def teardown(self) -> None:
+        errors = []
+        for m in self.members:
+            try:
+                m.ws.destroy()
+            except Exception as e:  # destroy the rest before reporting
+                errors.append(e)
+        assert not errors, errors
+
+
+ForkFamily.TestCase.settings = settings(
+    max_examples=12, stateful_step_count=20, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+test_fork_family_isolation = ForkFamily.TestCase
