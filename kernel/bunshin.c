@@ -55,6 +55,7 @@ static typeof(&copy_page_range) p_copy_page_range;
 static typeof(&split_vma) p_split_vma;
 static typeof(&walk_page_range) p_walk_page_range;
 static typeof(&access_remote_vm) p_access_remote_vm;
+static typeof(&unlink_anon_vmas) p_unlink_anon_vmas;
 static typeof(&flush_tlb_mm_range) p_flush_tlb_mm_range;
 
 static unsigned long lookup_name(const char *name)
@@ -88,6 +89,7 @@ static int resolve_symbols(void)
 	RESOLVE(p_split_vma, "split_vma");
 	RESOLVE(p_walk_page_range, "walk_page_range");
 	RESOLVE(p_access_remote_vm, "access_remote_vm");
+	RESOLVE(p_unlink_anon_vmas, "unlink_anon_vmas");
 	RESOLVE(p_flush_tlb_mm_range, "flush_tlb_mm_range");
 	return 0;
 }
@@ -284,7 +286,7 @@ static void copy_thp_advice(struct vm_area_struct *dst, struct vm_area_struct *s
  * Make dst's VMA at [src->vm_start, src->vm_end) pristine and exactly aligned to src,
  * then fork src's pages into it. Both mmap locks are held for writing.
  */
-static int share_vma(struct mm_struct *dst_mm, struct vm_area_struct *src)
+static int share_vma(struct mm_struct *dst_mm, struct vm_area_struct *src, u32 flags)
 {
 	struct vm_area_struct *dst = find_vma(dst_mm, src->vm_start);
 	int ret;
@@ -293,9 +295,18 @@ static int share_vma(struct mm_struct *dst_mm, struct vm_area_struct *src)
 		return -ENOENT; /* the target has no mapping covering the snapshot's VMA */
 	if (!vma_is_anonymous(dst) || (dst->vm_flags & VM_SHARED))
 		return -EINVAL;
+	if ((flags & BUNSHIN_SHARE_RESET) && (dst->anon_vma || !list_empty(&dst->anon_vma_chain))) {
+		/* The caller declared the target's content disposable: drop its pages, then its
+		 * anon_vma links, which leaves the VMA as a fresh mmap would. */
+		zap_page_range(dst, dst->vm_start, dst->vm_end - dst->vm_start);
+		p_unlink_anon_vmas(dst);
+	}
 	/* Pages or an anon_vma already there would be silently mixed with the snapshot's. */
-	if (dst->anon_vma || !list_empty(&dst->anon_vma_chain))
+	if (dst->anon_vma || !list_empty(&dst->anon_vma_chain)) {
+		pr_info_ratelimited("bunshin: target VMA %lx-%lx is not pristine (has an anon_vma)\n",
+				    dst->vm_start, dst->vm_end);
 		return -EBUSY;
+	}
 	/* The target's mapping may have merged with untouched neighbours: cut it to size. */
 	if (dst->vm_start < src->vm_start) {
 		ret = split_at(dst_mm, dst, src->vm_start, 1);
@@ -381,6 +392,7 @@ static long do_share(struct bunshin_share_req *req)
 		goto out;
 	}
 	if (!task_quiescent(target)) {
+		pr_info_ratelimited("bunshin: target %d is running; stop it first\n", req->target_pid);
 		put_task_struct(target);
 		ret = -EBUSY; /* a running target could fault the range in while we map it */
 		goto out;
@@ -410,7 +422,7 @@ static long do_share(struct bunshin_share_req *req)
 				ret = -ERANGE; /* ranges cover whole VMAs, as /proc/PID/maps lists them */
 				break;
 			}
-			ret = share_vma(dst_mm, src);
+			ret = share_vma(dst_mm, src, req->flags);
 			if (ret)
 				break;
 			req->vmas++;

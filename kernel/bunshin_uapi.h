@@ -12,6 +12,11 @@
 
 #define BUNSHIN_IOC_MAGIC 0xB5
 
+/* bunshin_share_req.flags: discard whatever the target's VMA already holds (pages, anon_vma)
+ * instead of refusing with EBUSY. For clones restored by CRIU, whose anonymous memory is by
+ * construction the snapshot's, and which CRIU's restorer may have touched. */
+#define BUNSHIN_SHARE_RESET 1u
+
 /* Take a reference on the mm of `pid` (a stopped holder, e.g. an injected fork
  * child) and return it as a snapshot descriptor. pread() on it reads the
  * snapshot's memory at offset == virtual address. */

@@ -2,9 +2,8 @@
 # shellcheck shell=dash disable=SC2013,SC2016  # busybox ash: like dash, plus pipefail
 # /init of the bunshin test guest (see kernel/README.md).  Runs under the static
 # busybox in the initramfs: boots the host root read-only over virtio-9p under a
-# tmpfs overlay, runs one command chrooted into it, writes the results to the
-# "out" 9p share and powers off.  PID 1 stays here so it can always report back,
-# whatever the command does to its root.
+# tmpfs overlay, switch_roots into it to run one command, writes the results to the
+# "out" 9p share and powers off.
 
 /bin/busybox mkdir -p /sbin /usr/bin /usr/sbin
 /bin/busybox --install -s
@@ -92,24 +91,35 @@ else
 	die "no command (bunshin_guest.cmd= or cmd.sh in the out share)"
 fi
 
+# What CRIU needs and Debian builds as modules: socket diagnostics (dumping sockets),
+# veth and tun (kerndat probes), nf_tables (--network-lock nftables).
+chroot $r /sbin/modprobe -a unix_diag inet_diag tcp_diag udp_diag netlink_diag af_packet_diag \
+	raw_diag veth tun nf_tables nft_ct 2>/dev/null || true
+
 cut -d' ' -f1 /proc/uptime >/out/boot_seconds
 [ -n "$quiet" ] || echo "bunshin-guest: running command (uptime $(cut -d' ' -f1 /proc/uptime)s)"
 
+# Stage 2 runs as PID 1 inside the new root. switch_root, not chroot: CRIU refuses a task
+# whose root differs from its mount namespace's root ("another root than mntns").
+g=/run/bunshin-guest
+cp /bin/busybox $r$g/busybox
+cat >$r$g/stage2.sh <<STAGE2
+set -o pipefail
 # tee keeps the console live for the CLI while the out share gets a copy that
 # kernel messages cannot interleave with.
-set -o pipefail
-chroot $r /usr/bin/env -i \
+/usr/bin/env -i \
 	PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
 	HOME=/root TERM=dumb LANG=C.UTF-8 BUNSHIN_GUEST=1 \
-	BUNSHIN_GUEST_OUT=/run/bunshin-guest/out \
-	/bin/sh -c 'cd "$1" 2>/dev/null || { echo "bunshin-guest: no $1 in the guest (under /tmp?), running in /"; cd /; }
-		exec /bin/sh /run/bunshin-guest/cmd.sh </dev/null' sh "$cwd" 2>&1 \
-	| tee /out/output
-rc=$?
+	BUNSHIN_GUEST_OUT=$g/out \
+	/bin/sh -c 'cd "\$1" 2>/dev/null || { echo "bunshin-guest: no \$1 in the guest (under /tmp?), running in /"; cd /; }
+		exec /bin/sh $g/cmd.sh </dev/null' sh "$cwd" 2>&1 \
+	| $g/busybox tee $g/out/output
+rc=\$?
 set +o pipefail
-
-cut -d' ' -f1 /proc/uptime >/out/end_seconds
-dmesg >/out/dmesg
-echo "$rc" >/out/status
-sync
-poweroff -f
+$g/busybox cut -d' ' -f1 /proc/uptime >$g/out/end_seconds
+$g/busybox dmesg >$g/out/dmesg
+echo "\$rc" >$g/out/status
+$g/busybox sync
+$g/busybox poweroff -f
+STAGE2
+exec switch_root $r $g/busybox sh $g/stage2.sh

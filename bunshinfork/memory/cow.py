@@ -24,13 +24,19 @@ _SHARE_FMT = "=iiiIQQQQ"
 IOC_SHARE = (3 << 30) | (48 << 16) | (0xB5 << 8) | 2
 
 
-def share(snap_fd: int, target_pid: int, start: int, end: int, holder_pid: int = 0) -> tuple[int, int]:
+SHARE_RESET = 1  # BUNSHIN_SHARE_RESET: the target's existing anonymous content is disposable
+
+
+def share(snap_fd: int, target_pid: int, start: int, end: int, holder_pid: int = 0,
+          reset: bool = False) -> tuple[int, int]:
     """Map the snapshot's anonymous private VMAs in [start, end) copy-on-write into the stopped
-    `target_pid` (0: the caller). Returns (VMAs shared, VMAs skipped as not anonymous-private)."""
+    `target_pid` (0: the caller). Returns (VMAs shared, VMAs skipped as not anonymous-private).
+    reset: discard what the target's VMAs already hold instead of refusing with EBUSY."""
     import fcntl
     import struct
 
-    buf = bytearray(struct.pack(_SHARE_FMT, snap_fd, holder_pid, target_pid, 0, start, end, 0, 0))
+    flags = SHARE_RESET if reset else 0
+    buf = bytearray(struct.pack(_SHARE_FMT, snap_fd, holder_pid, target_pid, flags, start, end, 0, 0))
     with open(DEVICE, "rb", buffering=0) as dev:
         fcntl.ioctl(dev.fileno(), IOC_SHARE, buf, True)
     *_, vmas, skipped = struct.unpack(_SHARE_FMT, buf)

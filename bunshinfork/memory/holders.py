@@ -181,6 +181,8 @@ def share_tree(holders_by_ns_pid: dict[int, Holder], clone_pids: list[int]) -> i
         h = holders_by_ns_pid.get(ns_pid(pid))
         if h is None or h.fd is None:
             raise KernelFeatureError(f"no memory snapshot for clone process {pid}")
-        vmas, _ = cow.share(h.fd, pid, 0, TASK_SIZE)
+        # CRIU's restorer may have touched the clone's anonymous memory; the snapshot is what
+        # the process had at freeze time, so whatever is there now is discarded.
+        vmas, _ = cow.share(h.fd, pid, 0, TASK_SIZE, reset=True)
         shared += vmas
     return shared
