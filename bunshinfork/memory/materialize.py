@@ -20,6 +20,7 @@ except ImportError:  # pragma: no cover - set-up installs pycriu into the venv
 
 PAGE = 4096
 PE_PRESENT = 4
+PROT_READ = 1
 VMA_ANON_PRIVATE = 1 << 9
 VMA_AREA_VSYSCALL = 1 << 2
 VMA_AREA_VDSO = 1 << 3
@@ -54,7 +55,7 @@ def _existing_pages(images: Path, pagemap: dict) -> list[tuple[int, int, bytes |
 
 def _holder_pages(h: Holder, start: int, end: int) -> list[tuple[int, int, bytes]]:
     """Runs of non-zero pages of [start, end) in the snapshot; untouched memory restores as zeros."""
-    runs: list[tuple[int, int, bytes]] = []
+    runs: list[tuple[int, list[bytes]]] = []
     zero = bytes(PAGE)
     addr = start
     while addr < end:
@@ -65,13 +66,12 @@ def _holder_pages(h: Holder, start: int, end: int) -> list[tuple[int, int, bytes
             if page == zero:
                 continue
             va = addr + off
-            if runs and runs[-1][0] + runs[-1][1] * PAGE == va:
-                v, n, d = runs[-1]
-                runs[-1] = (v, n + 1, d + page)
+            if runs and runs[-1][0] + len(runs[-1][1]) * PAGE == va:
+                runs[-1][1].append(page)
             else:
-                runs.append((va, 1, page))
+                runs.append((va, [page]))
         addr += size
-    return runs
+    return [(va, len(pages), b"".join(pages)) for va, pages in runs]
 
 
 def complete_images(src: Path, dest: Path, holders_by_ns_pid: dict[int, Holder]) -> None:
@@ -90,7 +90,8 @@ def complete_images(src: Path, dest: Path, holders_by_ns_pid: dict[int, Holder])
         merged = _existing_pages(dest, pagemap)
         for v in vmas:
             st = v["status"]
-            if st & VMA_ANON_PRIVATE and not st & SPECIAL and v["end"] <= TASK_SIZE:
+            # PROT_NONE ranges are reservations (malloc arenas, guard pages): nothing to read.
+            if st & VMA_ANON_PRIVATE and not st & SPECIAL and v["end"] <= TASK_SIZE and v["prot"] & PROT_READ:
                 merged += _holder_pages(h, v["start"], v["end"])
         merged.sort(key=lambda r: r[0])
         head = pagemap["entries"][0]

@@ -1,0 +1,92 @@
+"""Forks with memory="cow" (the bunshin module): run in the guest kernel by `make test-guest`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bunshinfork import Snapshot, Workspace
+from bunshinfork.memory import cow
+
+pytestmark = [
+    pytest.mark.cow,
+    pytest.mark.skipif(not cow.available(), reason="needs /dev/bunshin (run `make test-guest`)"),
+]
+WORKER = """
+import hashlib
+b = bytearray(hashlib.shake_256(b"x").digest(32 << 20))
+open("/root/ready", "w").write(hashlib.sha256(b).hexdigest())
+while True:
+    # Reopened per request: the fifo has a new writer for every command.
+    for line in open("/root/cmd"):
+        if line.strip() == "write":
+            b[0:4] = b"mine"
+        open("/root/hash", "w").write(hashlib.sha256(b).hexdigest())
+"""
+
+
+def ask(ws: Workspace, request: str) -> str:
+    if ws.files.exists("/root/hash"):
+        ws.files.remove("/root/hash")
+    ws.commands.run(f"echo {request} > /root/cmd", timeout=60)
+    return wait_for(ws, "/root/hash")
+
+
+def wait_for(ws: Workspace, path: str) -> str:
+    while not ws.files.exists(path):
+        pass
+    return str(ws.files.read(path))
+
+
+def test_cow_clones_share_memory_and_stay_isolated(tmp_path: Path) -> None:
+    with Workspace.create() as ws:
+        ws.commands.run("mkfifo /root/cmd")
+        ws.files.write("/root/worker.py", WORKER)
+        ws.commands.run("python3 /root/worker.py", background=True)
+        want = wait_for(ws, "/root/ready")
+        ws.files.write("/root/file", "source")
+        snap = ws.snapshot(memory="cow")
+        clones: list[Workspace | Exception] = []
+        try:
+            assert snap.kind == "cow"
+            # No anonymous pages were written to the image: the holders keep them.
+            assert snap.image_bytes() < 8 << 20
+            clones = snap.fork(2)
+            saved = snap.save(tmp_path / "saved").result(timeout=300)
+        except BaseException:
+            for c in clones:
+                if isinstance(c, Workspace):
+                    c.destroy()
+            raise
+        finally:
+            snap.release()
+        try:
+            assert all(isinstance(c, Workspace) for c in clones), clones
+            a, b = clones
+            for c in clones:
+                m = c.memory()
+                # The 32 MiB pattern is mapped, not copied: almost nothing is private to a clone.
+                assert m.rss > 32 << 20 and m.uss < 16 << 20, m
+                assert c.files.read("/root/file") == "source"
+                assert ask(c, "hash") == want
+            # A clone's write is private to it: its sibling and the source still see the pattern.
+            assert ask(a, "write") != want
+            assert ask(b, "hash") == want
+            assert ask(ws, "hash") == want
+            a.files.write("/root/file", "clone a")
+            assert ws.files.read("/root/file") == "source" and b.files.read("/root/file") == "source"
+            # The durable save read the holders' memory into complete images: a copy fork of it
+            # has the pattern as it was at the snapshot.
+            loaded = Snapshot.load(saved)
+            (c,) = loaded.fork(1, memory="copy")
+            try:
+                assert isinstance(c, Workspace), c
+                assert ask(c, "hash") == want
+            finally:
+                if isinstance(c, Workspace):
+                    c.destroy()
+        finally:
+            for c in clones:
+                if isinstance(c, Workspace):
+                    c.destroy()
