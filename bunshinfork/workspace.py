@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,6 +90,7 @@ class Workspace:
     def __init__(self, record: state.Record, pidfd: int | None = None) -> None:
         self._rec = record
         self._pidfd = pidfd
+        self._lock = threading.Lock()
         self._shell_path: str | None = None
         self.commands = Commands(self)
         self.files = Files(self)
@@ -292,8 +294,11 @@ class Workspace:
 
     def destroy(self) -> None:
         """Kill every process and remove mounts, cgroups, network, layers and state. Idempotent."""
-        _cleanup(self._rec, self._pidfd)
-        self._pidfd = None
+        # Concurrent destroys of one object must not close the pidfd twice: the second close
+        # could hit a descriptor another thread has been handed since.
+        with self._lock:
+            pidfd, self._pidfd = self._pidfd, None
+            _cleanup(self._rec, pidfd)
 
     def __enter__(self) -> Workspace:
         return self
