@@ -9,6 +9,7 @@ setup:
 
 demo: setup
 	$(PY) -m bunshinfork.demo
+	$(PY) -m bunshinrl.demo
 
 lint: setup
 	.venv/bin/ruff check bunshinfork bunshinrl tests benchmarks

@@ -14,15 +14,24 @@ pytestmark = [
     pytest.mark.skipif(not cow.available(), reason="needs /dev/bunshin (run `make test-guest`)"),
 ]
 WORKER = """
-import hashlib
+import hashlib, os
+
+
+def publish(path, text):
+    # Written aside and renamed, so a reader never sees a half-written file.
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.rename(path + ".tmp", path)
+
+
 b = bytearray(hashlib.shake_256(b"x").digest(32 << 20))
-open("/root/ready", "w").write(hashlib.sha256(b).hexdigest())
+publish("/root/ready", hashlib.sha256(b).hexdigest())
 while True:
     # Reopened per request: the fifo has a new writer for every command.
     for line in open("/root/cmd"):
         if line.strip() == "write":
             b[0:4] = b"mine"
-        open("/root/hash", "w").write(hashlib.sha256(b).hexdigest())
+        publish("/root/hash", hashlib.sha256(b).hexdigest())
 """
 
 
@@ -36,7 +45,9 @@ def ask(ws: Workspace, request: str) -> str:
 def wait_for(ws: Workspace, path: str) -> str:
     while not ws.files.exists(path):
         pass
-    return str(ws.files.read(path))
+    text = str(ws.files.read(path))
+    assert len(text) == 64, text
+    return text
 
 
 def test_cow_clones_share_memory_and_stay_isolated(tmp_path: Path) -> None:

@@ -1,0 +1,153 @@
+"""Workspace states as retained bunshinfork snapshots, in memory and as on-disk deltas."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Generic, Protocol, TypeVar
+
+from bunshinfork import ForkError, Snapshot, Workspace
+
+from .delta import DeltaStore
+from .store import BlobStore
+
+P = TypeVar("P")
+
+
+@dataclass(frozen=True)
+class Persisted:
+    ref: str
+    stored_bytes: int  # what this state added to the store (its delta)
+    logical_bytes: int  # what a restore reads back
+
+
+class StateBackend(Protocol, Generic[P]):
+    """What the prefix cache needs from a state representation. `P` is a resident state."""
+
+    @property
+    def persists(self) -> bool: ...
+    def size(self, payload: P) -> int: ...
+    def fork(self, payload: P) -> Workspace: ...
+    def release(self, payload: P) -> None: ...
+    def persist(self, payload: P, parent_ref: str | None) -> Persisted: ...
+    def load(self, ref: str) -> P: ...
+
+
+class SharedSnapshot:
+    """A retained Snapshot with reference counting, so the prefix cache and a speculative branch
+    can both fork from one post-call capture; the last release() releases it."""
+
+    def __init__(self, snap: Snapshot, owned_dir: Path | None = None) -> None:
+        self.snap = snap
+        self._owned_dir = owned_dir  # a directory restored from disk, removed with the snapshot
+        self._refs = 1
+        self._lock = threading.Lock()
+        self.bytes = _tree_bytes(snap.dir)
+
+    def acquire(self) -> SharedSnapshot:
+        with self._lock:
+            if self._refs <= 0:
+                raise RuntimeError(f"{self.snap} was already released")
+            self._refs += 1
+        return self
+
+    def release(self) -> None:
+        with self._lock:
+            self._refs -= 1
+            last = self._refs == 0
+        if last:
+            self.snap.release()
+            if self._owned_dir is not None:
+                shutil.rmtree(self._owned_dir, ignore_errors=True)
+
+    def fork(self, memory: str) -> Workspace:
+        out = self.snap.fork(1, memory)[0]
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    @classmethod
+    def take(cls, ws: Workspace) -> SharedSnapshot:
+        return cls(take_snapshot(ws))
+
+
+SNAPSHOT_ATTEMPTS = 4
+
+
+def take_snapshot(ws: Workspace) -> Snapshot:
+    """ws.snapshot(), retried on a transient failure.
+
+    A foreground command's shim inside the workspace replies before it closes the host's control
+    connection and exits, so a snapshot taken right after a command returns can find that shim
+    still holding a socket whose peer is outside the workspace, which CRIU refuses to dump. The
+    workspace keeps running when a snapshot fails, so a short wait and a retry are safe.
+    """
+    for attempt in range(SNAPSHOT_ATTEMPTS):
+        try:
+            return ws.snapshot()
+        except ForkError:
+            if attempt == SNAPSHOT_ATTEMPTS - 1 or not ws.is_running():
+                raise
+            time.sleep(0.02 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def _tree_bytes(path: Path) -> int:
+    """Measured bytes of a snapshot: its CRIU images plus its saved file-system layer."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+            except FileNotFoundError:
+                continue
+    return total
+
+
+class SnapshotBackend:
+    """Resident states are SharedSnapshots; on-disk states are delta chains in a blob store."""
+
+    def __init__(self, memory: str = "ksm", store_dir: str | os.PathLike[str] | None = None) -> None:
+        self.memory = memory
+        self.deltas = DeltaStore(BlobStore(Path(store_dir) / "blobs")) if store_dir is not None else None
+        self._scratch = Path(store_dir) / "scratch" if store_dir is not None else None
+
+    @property
+    def persists(self) -> bool:
+        return self.deltas is not None
+
+    def size(self, payload: SharedSnapshot) -> int:
+        return payload.bytes
+
+    def fork(self, payload: SharedSnapshot) -> Workspace:
+        return payload.fork(self.memory)
+
+    def release(self, payload: SharedSnapshot) -> None:
+        payload.release()
+
+    def persist(self, payload: SharedSnapshot, parent_ref: str | None) -> Persisted:
+        assert self.deltas is not None and self._scratch is not None
+        self._scratch.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=self._scratch, prefix="save-"))
+        try:
+            saved = payload.snap.save(tmp / "s").result()
+            ref, stored = self.deltas.save(saved, parent_ref)
+            return Persisted(ref, stored, self.deltas.delta_bytes(ref))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def load(self, ref: str) -> SharedSnapshot:
+        assert self.deltas is not None and self._scratch is not None
+        dest = self._scratch / f"load-{secrets.token_hex(6)}"
+        try:
+            self.deltas.restore(ref, dest)
+            return SharedSnapshot(Snapshot.load(dest), owned_dir=dest)
+        except BaseException:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise

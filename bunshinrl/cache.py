@@ -1,0 +1,438 @@
+"""ToolPrefixCache: reuse the observations and workspace states of tool-call prefixes seen before.
+
+A sample walks the tree as its policy emits calls; every matched call is skipped and its recorded
+observation returned. On the first miss the state of the deepest hit is reconstructed and forked,
+and the sample runs the missed call for real, adding a node. Node states live in memory within a
+byte budget (ancestor-aware LRU), on disk as deduplicated deltas, or as metadata only, rebuilt
+by forking a retained ancestor and replaying the calls in between, whichever is recorded cheaper.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from bunshinfork import Workspace
+
+from ._async import run_blocking
+from .backend import StateBackend
+from .guard import DeterminismGuard
+from .lru import AncestorLRU
+from .signature import ToolCall
+from .tools import Tool
+from .tree import Node, PrefixTree
+
+
+class ReplayDiverged(RuntimeError):
+    """Replaying a recorded call observed something else: the tool is not deterministic. The
+    half-rebuilt workspace is attached for the caller to destroy."""
+
+    def __init__(self, message: str, workspace: Workspace) -> None:
+        super().__init__(message)
+        self.workspace = workspace
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How to rebuild a node's state: fork `source` (loading it from disk first if `load`),
+    then replay the calls of `replay` in order."""
+
+    source: Node
+    load: bool
+    replay: tuple[Node, ...]
+    seconds: float  # estimated
+
+
+def _ewma(old: float, new: float, weight: float = 0.3) -> float:
+    return (1 - weight) * old + weight * new
+
+
+class ToolPrefixCache:
+    """A tool-prefix tree whose node states are kept resident, on disk or as metadata.
+
+    capacity_bytes bounds the measured bytes of resident states (snapshot images plus saved
+    layers). snapshot_every > 1 makes snapshots sparse: only every n-th depth, and calls slower
+    than snapshot_slower_than seconds, are captured; the rest are replayed when needed.
+    background=False persists states synchronously (deterministic tests).
+    """
+
+    def __init__(self, backend: StateBackend[Any], capacity_bytes: int, *, guard: DeterminismGuard | None = None,
+                 snapshot_every: int = 1, snapshot_slower_than: float | None = None,
+                 background: bool = True) -> None:
+        if snapshot_every < 1:
+            raise ValueError("snapshot_every must be >= 1")
+        self.backend = backend
+        self.tree = PrefixTree()
+        self.lru = AncestorLRU(capacity_bytes)
+        self.guard = guard or DeterminismGuard()
+        self.guard.on_nondeterministic(self.invalidate_tool)
+        self.snapshot_every = snapshot_every
+        self.snapshot_slower_than = snapshot_slower_than
+        self._lock = threading.RLock()
+        # One writer keeps persists in insertion order, so a parent's delta exists before its child's.
+        self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bunshinrl-persist") if background else None
+        self._jobs: set[Future[Any]] = set()
+        self.fork_seconds = 0.15
+        self.load_seconds_per_byte = 1 / 150e6
+        self.counters = {"hits": 0, "misses": 0, "forks": 0, "loads": 0, "replayed_calls": 0,
+                         "persisted": 0, "evicted": 0, "persist_failures": 0}
+
+    # ---- roots and lookups ----
+
+    def root(self, task_id: str, template_digest: str) -> Node | None:
+        with self._lock:
+            node = self.tree.root(task_id, template_digest)
+            if node is not None and (node.resident or node.disk_ref or node.capturing):
+                return node
+            return None
+
+    def add_root(self, task_id: str, template_digest: str, payload: Any) -> Node:
+        """Register a task's initialized workspace state (the cache takes the payload reference)."""
+        with self._lock:
+            node = self.tree.root(task_id, template_digest, create=True)
+            assert node is not None
+            if node.resident:
+                self.backend.release(payload)
+                return node
+        self.attach(node, payload)
+        return node
+
+    def lookup(self, node: Node, call: ToolCall, tool: Tool) -> Node | None:
+        """The child reached by `call`, completed or still running; None for a miss or a tool whose
+        results may not be reused."""
+        if not self.guard.reusable(tool):
+            return None
+        with self._lock:
+            child = self.tree.child(node, call)
+            if child is None or (child.result.done() and child.result.exception() is not None):
+                self.counters["misses"] += 1
+                return None
+            child.hits += 1
+            self.counters["hits"] += 1
+            self.lru.touch(child)
+            return child
+
+    def walk(self, task_id: str, template_digest: str, calls: list[ToolCall],
+             tools: Mapping[str, Tool]) -> tuple[Node | None, list[str]]:
+        """Follow `calls` from the task's root: the deepest completed node and the observations
+        of the matched calls (fewer than len(calls) at the first miss)."""
+        node = self.tree.root(task_id, template_digest)
+        obs: list[str] = []
+        if node is None:
+            return None, obs
+        for c in calls:
+            child = self.lookup(node, c, tools[c.name])
+            if child is None or not child.done:
+                break
+            node = child
+            obs.append(child.result.result())
+        return node, obs
+
+    # ---- recording ----
+
+    def begin(self, parent: Node, call: ToolCall) -> tuple[Node, bool]:
+        """The node `call` creates, added before the call runs so that concurrent samples wait for
+        it rather than run it again; True when this caller created it and must complete() it."""
+        with self._lock:
+            existing = self.tree.child(parent, call)
+            if existing is not None:
+                return existing, False
+            node = self.tree.add_child(parent, call)
+            self.lru.touch(node)
+            return node, True
+
+    def should_capture(self, node: Node) -> bool:
+        if node.parent is None or self.snapshot_every == 1 or node.depth % self.snapshot_every == 0:
+            return True
+        return self.snapshot_slower_than is not None and node.exec_seconds >= self.snapshot_slower_than
+
+    def complete(self, node: Node, observation: str, exec_seconds: float) -> bool:
+        """Record the observation; True when the caller should capture the state and attach() it."""
+        with self._lock:
+            node.exec_seconds = exec_seconds
+            capture = self.should_capture(node)
+            if capture:
+                node.capturing = Future()
+            else:
+                node.sparse = True
+        node.result.set_result(observation)
+        return capture
+
+    def abandon(self, node: Node, error: BaseException) -> None:
+        """The call that was to create `node` failed: forget it; waiting samples see `error`."""
+        with self._lock:
+            if not node.result.done() and not node.children:
+                self.tree.remove(node)
+        if not node.result.done():
+            node.result.set_exception(error)
+        if node.capturing is not None and not node.capturing.done():
+            node.capturing.set_result(None)
+
+    def attach(self, node: Node, payload: Any | None) -> None:
+        """Hand the captured state of `node` to the cache (None: the capture failed)."""
+        victims: list[tuple[Node, Any]] = []
+        persist_only = False
+        size = self.backend.size(payload) if payload is not None else 0
+        with self._lock:
+            if payload is None or node.removed:
+                node.sparse = node.sparse or payload is None
+            elif node.resident:
+                victims.append((node, payload))  # a second capture of a known state: keep the first
+            elif self.lru.may_hold(node) and size <= self.lru.capacity:
+                self.lru.add(node, payload, size)
+                if self.backend.persists and node.disk_ref is None:
+                    node.pins += 1
+                    self._submit(self._persist, node, payload, False)
+            elif self.backend.persists and node.disk_ref is None:
+                # Its ancestors are not resident (or it alone exceeds the budget): keep it on disk only.
+                persist_only = True
+            else:
+                victims.append((node, payload))
+            victims += self._evict_locked()
+        if persist_only:
+            self._submit(self._persist, node, payload, True)
+        elif payload is not None and node.removed:
+            self.backend.release(payload)
+        if node.capturing is not None and not node.capturing.done():
+            node.capturing.set_result(None)
+        self._release(victims)
+
+    def _persist(self, node: Node, payload: Any, release_after: bool) -> None:
+        with self._lock:
+            parent_ref = next((a.disk_ref for a in node.ancestors() if a.disk_ref), None)
+        try:
+            saved = self.backend.persist(payload, parent_ref)
+        except Exception:
+            with self._lock:
+                self.counters["persist_failures"] += 1
+            saved = None
+        with self._lock:
+            if saved is not None:
+                node.disk_ref, node.disk_bytes, node.load_bytes = saved.ref, saved.stored_bytes, saved.logical_bytes
+                self.counters["persisted"] += 1
+            if not release_after:
+                node.pins -= 1
+            victims = self._evict_locked()
+        if release_after:
+            self.backend.release(payload)
+        self._release(victims)
+
+    # ---- eviction ----
+
+    def _can_drop(self, node: Node) -> bool:
+        if node.disk_ref is not None:
+            return True
+        # Without a copy on disk a state can only be rebuilt by replay from a retained ancestor;
+        # a root has none, and a node whose persist is still queued is pinned.
+        return node.parent is not None and not self.backend.persists
+
+    def _evict_locked(self) -> list[tuple[Node, Any]]:
+        out = self._sweep_removed_locked()
+        evicted = self.lru.evict(self._can_drop)
+        self.counters["evicted"] += len(evicted)
+        return out + evicted
+
+    def _sweep_removed_locked(self) -> list[tuple[Node, Any]]:
+        # Invalidated nodes that were pinned (a fork in flight) are dropped once the pin is gone.
+        out = []
+        while True:
+            gone = [n for n in self.lru.resident if n.removed and n.pins == 0 and n.resident_below == 0]
+            if not gone:
+                return out
+            out += [(n, self.lru.drop(n)) for n in gone]
+
+    def _release(self, victims: list[tuple[Node, Any]]) -> None:
+        for _node, payload in victims:
+            if self._bg is not None:
+                self._submit(self.backend.release, payload)
+            else:
+                self.backend.release(payload)
+
+    def _submit(self, fn: Any, *args: Any) -> None:
+        if self._bg is None:
+            fn(*args)
+            return
+        fut = self._bg.submit(fn, *args)
+        with self._lock:
+            self._jobs.add(fut)
+        fut.add_done_callback(self._job_done)
+
+    def _job_done(self, fut: Future[Any]) -> None:
+        with self._lock:
+            self._jobs.discard(fut)
+
+    def touch(self, node: Node) -> None:
+        with self._lock:
+            self.lru.touch(node)
+
+    # ---- reconstruction ----
+
+    def _load_estimate(self, node: Node) -> float:
+        return 0.02 + node.load_bytes * self.load_seconds_per_byte
+
+    def plan(self, node: Node) -> Plan:
+        """The cheapest recorded way to rebuild `node`: fork a resident state, or restore one from
+        disk, then replay the calls below it; replay wins over a disk restore when it is faster."""
+        with self._lock:
+            replay: list[Node] = []
+            best: Plan | None = None
+            cur: Node | None = node
+            replay_s = 0.0
+            while cur is not None:
+                if cur.resident or (cur.capturing is not None and not cur.capturing.done()):
+                    cand = Plan(cur, False, tuple(reversed(replay)), replay_s)
+                    return cand if best is None or cand.seconds <= best.seconds else best
+                if cur.disk_ref is not None:
+                    cand = Plan(cur, True, tuple(reversed(replay)), replay_s + self._load_estimate(cur))
+                    if best is None or cand.seconds < best.seconds:
+                        best = cand
+                replay.append(cur)
+                replay_s += cur.exec_seconds
+                cur = cur.parent
+            if best is None:
+                raise LookupError(f"{node} has no retained ancestor to rebuild it from")
+            return best
+
+    async def materialize(self, node: Node, tools: Mapping[str, Tool]) -> Workspace:
+        """A new running workspace in `node`'s state (the caller destroys it)."""
+        if not node.done:
+            raise ValueError(f"{node} has no recorded observation yet")
+        while True:
+            plan = self.plan(node)
+            cap = plan.source.capturing
+            if not plan.source.resident and not plan.load and cap is not None and not cap.done():
+                await asyncio.wrap_future(cap)  # its snapshot is being taken right now
+                continue
+            with self._lock:
+                # Pinned before the lock is let go, so eviction cannot release it under the fork.
+                ok = plan.source.resident if not plan.load else plan.source.disk_ref is not None
+                if ok and not plan.load:
+                    plan.source.pins += 1
+            if ok:
+                break
+        ws = await self._fork_source(plan)
+        try:
+            for step in plan.replay:
+                await self._replay(ws, step, tools)
+        except ReplayDiverged:
+            raise
+        except BaseException:
+            await run_blocking(ws.destroy)
+            raise
+        with self._lock:
+            self.lru.touch(node)
+        return ws
+
+    async def _fork_source(self, plan: Plan) -> Workspace:
+        src = plan.source
+        temp = None
+        victims: list[tuple[Node, Any]] = []
+        if plan.load:
+            t0 = time.monotonic()
+            loaded = await run_blocking(self.backend.load, src.disk_ref)  # type: ignore[arg-type]
+            took = time.monotonic() - t0
+            size = self.backend.size(loaded)
+            with self._lock:
+                self.counters["loads"] += 1
+                if src.load_bytes:
+                    self.load_seconds_per_byte = _ewma(self.load_seconds_per_byte, took / src.load_bytes)
+                if not src.resident and not src.removed and self.lru.may_hold(src) and size <= self.lru.capacity:
+                    self.lru.add(src, loaded, size)  # promoted back to memory
+                    src.pins += 1
+                    payload = loaded
+                    victims = self._evict_locked()
+                else:
+                    payload = temp = loaded
+            self._release(victims)
+        else:
+            payload = src.payload
+        try:
+            t0 = time.monotonic()
+            ws = await run_blocking(self.backend.fork, payload)
+            with self._lock:
+                self.fork_seconds = _ewma(self.fork_seconds, time.monotonic() - t0)
+                self.counters["forks"] += 1
+            return ws
+        finally:
+            if temp is not None:
+                await run_blocking(self.backend.release, temp)
+            else:
+                self._unpin(src)
+
+    def _unpin(self, node: Node) -> None:
+        with self._lock:
+            node.pins -= 1
+            victims = self._evict_locked()
+        self._release(victims)
+
+    async def _replay(self, ws: Workspace, node: Node, tools: Mapping[str, Tool]) -> None:
+        assert node.call is not None
+        t0 = time.monotonic()
+        fresh = await tools[node.call.name].run(ws, node.call.args)
+        took = time.monotonic() - t0
+        recorded = node.result.result()
+        with self._lock:
+            self.counters["replayed_calls"] += 1
+            node.exec_seconds = _ewma(node.exec_seconds, took)
+        if not self.guard.check(node.call, recorded, fresh, source="replay"):
+            raise ReplayDiverged(f"replaying {node.call.key} observed something else than recorded", ws)
+
+    # ---- maintenance ----
+
+    def invalidate_tool(self, name: str) -> None:
+        """Forget every subtree below a call of `name` (it turned out non-deterministic)."""
+        with self._lock:
+            doomed = [n for n in self.tree.nodes() if n.call is not None and n.call.name == name]
+            for top in doomed:
+                if top.removed:
+                    continue
+                self.tree.remove(top)
+            victims = self._sweep_removed_locked()
+        self._release(victims)
+
+    def drain(self) -> None:
+        """Wait for queued persists and releases."""
+        while True:
+            with self._lock:
+                jobs = list(self._jobs)
+            if not jobs:
+                return
+            for j in jobs:
+                with contextlib.suppress(Exception):
+                    j.result()
+
+    def close(self) -> None:
+        """Release every resident state (states on disk stay in the store)."""
+        self.drain()
+        with self._lock:
+            victims = []
+            for n in sorted(self.lru.resident, key=lambda n: -n.depth):
+                victims.append((n, self.lru.drop(n)))
+        for _n, payload in victims:
+            self.backend.release(payload)
+        if self._bg is not None:
+            self._bg.shutdown(wait=True)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            nodes = list(self.tree.nodes())
+            return {
+                **self.counters,
+                "nodes": len(nodes),
+                "resident": sum(n.resident for n in nodes),
+                "on_disk": sum(n.disk_ref is not None for n in nodes),
+                "metadata_only": sum(not n.resident and n.disk_ref is None for n in nodes),
+                "resident_bytes": self.lru.resident_bytes,
+                "capacity_bytes": self.lru.capacity,
+                "disk_stored_bytes": sum(n.disk_bytes for n in nodes),
+            }
+
+    def check(self) -> list[str]:
+        with self._lock:
+            return self.lru.violations()

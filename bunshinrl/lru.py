@@ -1,0 +1,92 @@
+"""Ancestor-aware LRU over the resident nodes of a prefix tree.
+
+The resident set is kept ancestor-closed: a resident node's captured ancestors are resident too
+(sparse nodes, which never had a snapshot, are the only gaps). Reconstruction then always finds
+a resident ancestor on the path, and a lookup walking down from the root meets resident states
+first. Touching a node refreshes its ancestors as well, so an ancestor is never older than its
+descendants, and eviction only takes nodes with no resident descendant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .tree import Node
+
+
+class AncestorLRU:
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 0:
+            raise ValueError("capacity_bytes must be >= 0")
+        self.capacity = capacity_bytes
+        self.resident: set[Node] = set()
+        self.resident_bytes = 0
+        self._clock = 0
+
+    def touch(self, node: Node) -> None:
+        self._clock += 1
+        node.last_used = self._clock
+        for a in node.ancestors():
+            a.last_used = self._clock
+
+    def may_hold(self, node: Node) -> bool:
+        """Whether making `node` resident keeps the set ancestor-closed."""
+        return all(a.resident or a.sparse for a in node.ancestors())
+
+    def add(self, node: Node, payload: Any, size: int) -> None:
+        if node.resident:
+            raise ValueError(f"{node} is already resident")
+        if not self.may_hold(node):
+            raise ValueError(f"{node} has a captured ancestor that is not resident")
+        node.payload, node.payload_bytes = payload, size
+        self.resident.add(node)
+        self.resident_bytes += size
+        for a in node.ancestors():
+            a.resident_below += 1
+        self.touch(node)
+
+    def drop(self, node: Node) -> Any:
+        """Make `node` non-resident and return its payload for the caller to release."""
+        if node.resident_below:
+            raise ValueError(f"{node} still has resident descendants")
+        payload = node.payload
+        node.payload = None
+        self.resident.discard(node)
+        self.resident_bytes -= node.payload_bytes
+        node.payload_bytes = 0
+        for a in node.ancestors():
+            a.resident_below -= 1
+        return payload
+
+    def evict(self, can_drop: Callable[[Node], bool]) -> list[tuple[Node, Any]]:
+        """Drop least recently used leaves of the resident set until it fits the capacity.
+
+        Pinned nodes (being forked or persisted) and nodes `can_drop` refuses are skipped; when
+        nothing can go the set stays over capacity until the next call.
+        """
+        out = []
+        while self.resident_bytes > self.capacity:
+            leaves = [n for n in self.resident if n.resident_below == 0 and n.pins == 0 and can_drop(n)]
+            if not leaves:
+                break
+            victim = min(leaves, key=lambda n: (n.last_used, -n.depth))
+            out.append((victim, self.drop(victim)))
+        return out
+
+    def violations(self) -> list[str]:
+        """Invariant breaches, for tests: ancestor closure, recency order, counters."""
+        bad = []
+        for n in self.resident:
+            for a in n.ancestors():
+                if not (a.resident or a.sparse):
+                    bad.append(f"{n} is resident but its ancestor {a} is not")
+                if a.last_used < n.last_used:
+                    bad.append(f"{a} was used less recently than its descendant {n}")
+        for n in list(self.resident) + [a for r in self.resident for a in r.ancestors()]:
+            below = sum(1 for m in self.resident if n in m.ancestors())
+            if below != n.resident_below:
+                bad.append(f"{n} counts {n.resident_below} resident descendants, has {below}")
+        if sum(n.payload_bytes for n in self.resident) != self.resident_bytes:
+            bad.append("resident_bytes does not match the resident payloads")
+        return bad

@@ -1,0 +1,330 @@
+"""Speculative tool execution: run the calls the policy is predicted to make while it reasons.
+
+After a real call, the workspace is snapshotted and a chain of K predicted calls runs while the
+policy reasons. When the policy emits its next call the signatures are compared: a match adopts
+the speculative observation and workspace (waiting only for whatever part of the call is still
+running); the first mismatch aborts the chain, destroys the speculative workspace with everything
+it wrote or started, and the real call runs from the state before the mismatched speculation: a
+fork of the pre-speculation snapshot, or of the checkpoint taken after the last adopted call.
+Only slow calls are chained: a checkpoint between two calls costs more than a fast call saves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bunshinfork import Workspace
+
+from ._async import run_blocking
+from .backend import SharedSnapshot
+from .guard import DeterminismGuard
+from .metrics import WorkspaceRegistry
+from .selector import SelectorContext, ToolSelector
+from .signature import ToolCall
+from .tail import TailPolicy
+from .tools import Tool
+
+
+class SpeculationError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class SpecHit:
+    observation: str
+    exec_seconds: float  # how long the speculative execution took
+    waited_seconds: float  # how much of it the caller still had to wait for
+    index: int  # position in the chain
+
+
+def _check_isolated(ws: Workspace) -> None:
+    mode = ws.info().network.get("mode", "none")
+    if mode != "none":
+        # A speculative call must not reach anything a rollback could not undo.
+        raise SpeculationError(f"workspace {ws.id} has network={mode!r}; speculation needs network='none'")
+
+
+class SpeculativeBranch:
+    """One chain of predicted calls, from the state the sample's workspace had at launch.
+
+    Once that state is snapshotted, the workspace the sample had and any fork restored from the
+    snapshot are interchangeable copies of it. The chain runs in the workspace that exists
+    already, so it starts at once; a fork of the snapshot is restored only when a mismatch needs
+    the pre-speculation state back. With the roles the other way round every speculation would
+    first wait for a restore, which under CPU contention takes about as long as the policy
+    reasons, and predictions are mostly right (restoring for each would cost a restore per hit).
+    The branch owns the workspace and the snapshot until close(), which returns the workspace the
+    sample continues with and discards the rest.
+    """
+
+    def __init__(self, owner: Speculator, ws: Workspace, snapshot: SharedSnapshot, calls: Sequence[ToolCall],
+                 tools: Mapping[str, Tool]) -> None:
+        loop = asyncio.get_running_loop()
+        self._owner = owner
+        self.calls = list(calls)
+        self._live: Workspace | None = ws  # runs the chain
+        self._snap: SharedSnapshot | None = snapshot  # the pre-speculation state, until call 0 resolves
+        self._tools = tools
+        self._results: list[asyncio.Future[tuple[str, float]]] = [loop.create_future() for _ in self.calls]
+        self._checkpoints: list[asyncio.Future[SharedSnapshot]] = [loop.create_future() for _ in self.calls[1:]]
+        self._released: set[int] = set()
+        self._started: list[float | None] = [None] * len(self.calls)
+        self._finished: list[float | None] = [None] * len(self.calls)
+        self._live_destroy: asyncio.Future[None] | None = None
+        self._next = 0
+        self._aborted = False
+        self._closed = False
+        self.wasted_seconds = 0.0
+        owner.workspaces.add(ws)
+        self._runner = asyncio.create_task(self._run())
+
+    # ---- the speculative chain ----
+
+    async def _run(self) -> None:
+        ws = self._live
+        assert ws is not None
+        for j, call in enumerate(self.calls):
+            if self._aborted:
+                return
+            self._started[j] = time.monotonic()
+            try:
+                obs = await self._tools[call.name].run(ws, call.args)
+            except BaseException as e:
+                self._fail_from(j, e)
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+                return
+            self._finished[j] = time.monotonic()
+            self._results[j].set_result((obs, self._finished[j] - self._started[j]))  # type: ignore[operator]
+            if j < len(self._checkpoints) and not self._aborted:
+                # The rollback point should the policy take this call and then deviate.
+                try:
+                    cp = await run_blocking(SharedSnapshot.take, ws)
+                except BaseException as e:
+                    self._fail_from(j, e)
+                    if isinstance(e, asyncio.CancelledError):
+                        raise
+                    return
+                self._checkpoints[j].set_result(cp)
+
+    def _fail_from(self, j: int, error: BaseException) -> None:
+        """Calls from j on will not run; the checkpoint after call j (if any) will not exist."""
+        for f in [*self._results[j:], *self._checkpoints[j:]]:
+            if not f.done():
+                f.set_exception(SpeculationError(f"speculative chain stopped: {error!r}"))
+
+    # ---- resolution ----
+
+    @property
+    def exhausted(self) -> bool:
+        return self._next >= len(self.calls)
+
+    @property
+    def adopted(self) -> int:
+        return self._next
+
+    @property
+    def completed(self) -> int:
+        """How many speculative calls have finished executing."""
+        return sum(f is not None for f in self._finished)
+
+    async def resolve(self, call: ToolCall) -> SpecHit | None:
+        """The speculative observation of `call` if it is the next predicted call; None when the
+        chain mismatches (or failed), after which only close() may be called."""
+        j = self._next
+        if self._closed or self._aborted or j >= len(self.calls):
+            return None
+        if self.calls[j] != call:
+            self._owner.stats["mismatches"] += 1
+            return None
+        t0 = time.monotonic()
+        try:
+            obs, took = await self._results[j]
+        except SpeculationError:
+            self._owner.stats["mismatches"] += 1
+            return None
+        self._owner.stats["hits"] += 1
+        waited = time.monotonic() - t0
+        self._next = j + 1
+        if j == 0:
+            self._owner._track(self._release_snapshot())  # the pre-speculation state is history now
+        else:
+            self._release_checkpoint(j - 1)
+        return SpecHit(obs, took, waited, j)
+
+    async def state_after(self, index: int) -> SharedSnapshot | None:
+        """A reference to the checkpoint taken after adopted call `index` (None for the last call
+        of the chain or a failed checkpoint); the caller releases it."""
+        if index >= len(self._checkpoints):
+            return None
+        try:
+            cp = await self._checkpoints[index]
+        except SpeculationError:
+            return None
+        if index in self._released:
+            return None
+        return cp.acquire()
+
+    def _release_checkpoint(self, i: int) -> None:
+        f = self._checkpoints[i]
+        if i not in self._released and f.done() and not f.cancelled() and f.exception() is None:
+            self._released.add(i)
+            f.result().release()
+
+    async def close(self) -> Workspace:
+        """Stop speculating; return the workspace in the state after the last adopted call (the
+        pre-speculation state when none was adopted). Everything speculative is discarded."""
+        if self._closed:
+            raise SpeculationError("branch already closed")
+        self._closed = True
+        try:
+            return await self._close()
+        finally:
+            self._owner._track(self._cleanup(abort_time=time.monotonic()))
+
+    async def _close(self) -> Workspace:
+        last = self._next - 1
+        if self.exhausted:
+            await self._runner
+            return self._take_live()
+        self._aborted = True
+        if last < 0:
+            self._kill_live()
+            return await self._take_rollback()
+        try:
+            # The rollback point must exist before the speculative workspace may go.
+            cp = await self._checkpoints[last]
+        except Exception:
+            # The chain stops at a failed checkpoint, so the workspace is still right after the
+            # last adopted call: it is the rollback state itself.
+            await asyncio.wait([self._runner])
+            if self._started[last + 1] is None and self._live is not None and self._live.is_running():
+                return self._take_live()
+            raise
+        self._kill_live()
+        return await run_blocking(cp.fork, self._owner.memory)
+
+    async def _take_rollback(self) -> Workspace:
+        assert self._snap is not None
+        return await run_blocking(self._snap.fork, self._owner.memory)
+
+    async def _release_snapshot(self) -> None:
+        snap, self._snap = self._snap, None
+        if snap is not None:
+            await run_blocking(snap.release)
+
+    def _take_live(self) -> Workspace:
+        ws, self._live = self._live, None
+        assert ws is not None
+        self._owner.workspaces.discard(ws)  # the caller's now
+        return ws
+
+    def _kill_live(self) -> None:
+        """Destroy the speculative workspace right away (killing the call it runs); the sample does
+        not wait for this. Exactly one destroy per workspace: concurrent destroys of one race."""
+        ws, self._live = self._live, None
+        if ws is not None:
+            self._live_destroy = asyncio.ensure_future(self._destroy(ws))
+
+    async def _destroy(self, ws: Workspace) -> None:
+        try:
+            await run_blocking(ws.destroy)
+        finally:
+            self._owner.workspaces.discard(ws)
+
+    async def _cleanup(self, abort_time: float) -> None:
+        # Every step runs even if an earlier one fails: a skipped release would leak a snapshot.
+        with contextlib.suppress(BaseException):
+            await self._runner
+        if self._live_destroy is not None:
+            with contextlib.suppress(Exception):
+                await self._live_destroy
+        if self._live is not None:
+            with contextlib.suppress(Exception):
+                await self._destroy(self._live)
+            self._live = None
+        await self._release_snapshot()
+        for i in range(len(self._checkpoints)):
+            with contextlib.suppress(Exception):
+                self._release_checkpoint(i)
+        for f in [*self._results, *self._checkpoints]:
+            if f.done() and not f.cancelled():
+                f.exception()  # retrieved: a failed speculation is expected, not an error to log
+        for j in range(self._next, len(self.calls)):
+            start, end = self._started[j], self._finished[j]
+            if start is not None:
+                self.wasted_seconds += (end if end is not None else abort_time) - start
+        self._owner._record_waste(self.wasted_seconds)
+
+
+class Speculator:
+    """Predicts K-call chains with a ToolSelector and runs them in forks, for tail samples only.
+
+    memory: the fork engine for speculative forks. min_probability: shorter chains rather than
+    guesses the selector itself doubts.
+    """
+
+    def __init__(self, selector: ToolSelector | None = None, *, depth: int = 2, memory: str = "ksm",
+                 tail: TailPolicy | None = None, guard: DeterminismGuard | None = None,
+                 min_probability: float = 0.5) -> None:
+        if depth < 1:
+            raise ValueError("depth must be >= 1")
+        self.selector = selector
+        self.depth = depth
+        self.memory = memory
+        self.tail = tail
+        self.guard = guard or DeterminismGuard()
+        self.min_probability = min_probability
+        self._tasks: set[asyncio.Future[Any]] = set()
+        self.workspaces = WorkspaceRegistry()  # speculative forks alive right now (memory sampling)
+        self.stats = {"launched": 0, "hits": 0, "mismatches": 0, "wasted_seconds": 0.0}
+
+    def predict(self, task_id: str, sample: int, calls: Sequence[ToolCall],
+                tools: Mapping[str, Tool], real_calls: int = 0) -> list[ToolCall]:
+        """The chain worth speculating from here: empty when the selector has no guess, the first
+        guess is an unreusable tool, or the tail policy does not consider this sample slow.
+        real_calls: how many calls this rollout has executed for real so far."""
+        if self.selector is None or not hasattr(self.selector, "classes_"):
+            return []
+        chain = self.selector.predict_chain(SelectorContext(task_id, tuple(calls)), self.depth,
+                                            self.min_probability)
+        keep: list[ToolCall] = []
+        for c in chain:
+            tool = tools.get(c.name)
+            if tool is None or not self.guard.reusable(tool):
+                break  # a non-deterministic call's result could never be adopted
+            if keep and self.tail is not None and not self.tail.is_slow(c):
+                break  # the checkpoint before it would cost more than running it later saves
+            keep.append(c)
+        if self.tail is not None and not self.tail.should_speculate(task_id, sample, keep, real_calls):
+            return []
+        return keep
+
+    async def launch(self, ws: Workspace, calls: Sequence[ToolCall], tools: Mapping[str, Tool],
+                     snapshot: SharedSnapshot | None = None) -> SpeculativeBranch:
+        """Snapshot `ws` (or use `snapshot`, a capture of ws's current state the caller already
+        holds) and start running `calls`. The branch owns `ws` until its close()."""
+        if not calls:
+            raise ValueError("nothing to speculate")
+        _check_isolated(ws)
+        snap = snapshot.acquire() if snapshot is not None else await run_blocking(SharedSnapshot.take, ws)
+        self.stats["launched"] += 1
+        return SpeculativeBranch(self, ws, snap, calls, tools)
+
+    def _track(self, aw: Any) -> None:
+        fut = asyncio.ensure_future(aw)
+        self._tasks.add(fut)
+        fut.add_done_callback(self._tasks.discard)
+
+    def _record_waste(self, seconds: float) -> None:
+        self.stats["wasted_seconds"] += seconds
+
+    async def drain(self) -> None:
+        """Wait until every discarded branch is torn down."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)

@@ -1,0 +1,102 @@
+"""Tail-aware speculation: spend speculative forks only where recorded timings say they pay off.
+
+An epoch ends with its slowest rollout, and speculation costs CPU and memory, so it is reserved
+for samples that were slow before and for tools whose recorded executions are slow.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from collections import defaultdict
+from collections.abc import Sequence
+
+from .signature import ToolCall
+
+
+class TailPolicy:
+    """slow_tool_seconds: a call is slow when its mean recorded time reaches this (None: when it
+    is in the upper tool_quantile of tools). A call's own record (same tool and arguments) is
+    used when there is one, else its tool's: query("/report") and query("/stats") differ. A
+    sample is in the tail when its task's mean recorded rollout time is at least the
+    task_quantile of all tasks' (GRPO samples of a task are exchangeable, so the task is what
+    history can tell about a sample); without any record every sample qualifies.
+
+    online_real_calls: with a prefix cache, a sample that has already run this many calls for real
+    in the current rollout counts as tail too: it left what the cache knows early and has the
+    rest of its trajectory to execute, so it is the one that will finish last.
+    """
+
+    def __init__(self, slow_tool_seconds: float | None = 0.5, tool_quantile: float = 0.7,
+                 task_quantile: float = 0.0, online_real_calls: int | None = None) -> None:
+        self.slow_tool_seconds = slow_tool_seconds
+        self.tool_quantile = tool_quantile
+        self.task_quantile = task_quantile
+        self.online_real_calls = online_real_calls
+        self._tools: dict[str, list[float]] = defaultdict(list)
+        self._calls: dict[str, list[float]] = defaultdict(list)
+        self._tasks: dict[str, list[float]] = defaultdict(list)
+        self._lock = threading.Lock()
+
+    def record_tool(self, name: str, seconds: float) -> None:
+        with self._lock:
+            self._tools[name].append(seconds)
+
+    def record_call(self, call: ToolCall, seconds: float) -> None:
+        with self._lock:
+            self._tools[call.name].append(seconds)
+            self._calls[call.key].append(seconds)
+
+    def record_rollout(self, task_id: str, sample: int, seconds: float) -> None:
+        with self._lock:
+            self._tasks[task_id].append(seconds)
+
+    def tool_seconds(self, name: str) -> float | None:
+        with self._lock:
+            times = self._tools.get(name)
+            return statistics.fmean(times) if times else None
+
+    def call_seconds(self, call: ToolCall) -> float | None:
+        with self._lock:
+            times = self._calls.get(call.key)
+            if times:
+                return statistics.fmean(times)
+        return self.tool_seconds(call.name)
+
+    def is_slow(self, call: ToolCall) -> bool:
+        return self._slow(self.call_seconds(call))
+
+    def is_slow_tool(self, name: str) -> bool:
+        return self._slow(self.tool_seconds(name))
+
+    def _slow(self, mean: float | None) -> bool:
+        if mean is None:
+            return False
+        if self.slow_tool_seconds is not None:
+            return mean >= self.slow_tool_seconds
+        with self._lock:
+            means = sorted(statistics.fmean(v) for v in self._tools.values())
+        return mean >= _quantile(means, self.tool_quantile)
+
+    def is_tail_sample(self, task_id: str, sample: int) -> bool:
+        with self._lock:
+            own = self._tasks.get(task_id)
+            if not own:
+                return True
+            means = sorted(statistics.fmean(v) for v in self._tasks.values())
+        return statistics.fmean(own) >= _quantile(means, self.task_quantile)
+
+    def should_speculate(self, task_id: str, sample: int, chain: Sequence[ToolCall], real_calls: int = 0) -> bool:
+        """Speculate when the next predicted call is slow (a fast one saves less than the fork
+        costs, and the call after it is predicted again once it has run) for a tail sample."""
+        if not chain or not self.is_slow(chain[0]):
+            return False
+        online = self.online_real_calls is not None and real_calls >= self.online_real_calls
+        return online or self.is_tail_sample(task_id, sample)
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    i = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    return sorted_values[i]

@@ -1,0 +1,140 @@
+"""Per-sample timelines and per-epoch results of a rollout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .policy import Step
+from .selector import Trajectory
+
+# reason: the policy generating; tool: a real call on the critical path; cache_hit / spec_hit:
+# a call served without running it then (the span is any wait for a call still in flight);
+# materialize: rebuilding a cached state on a miss; audit: a re-execution checking a hit;
+# post_wait: the next call waiting for the previous one's capture or speculative fork.
+KINDS = ("reason", "tool", "cache_hit", "spec_hit", "spec_miss", "materialize", "audit", "setup", "post_wait")
+
+
+@dataclass
+class Event:
+    kind: str
+    start: float
+    end: float
+    detail: str = ""
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class SampleTimeline:
+    task_id: str
+    sample: int
+    epoch: int
+    started: float = 0.0
+    finished: float = 0.0
+    events: list[Event] = field(default_factory=list)
+    steps: list[Step] = field(default_factory=list)
+    answer: str | None = None
+    errors: list[str] = field(default_factory=list)
+    wasted_seconds: float = 0.0  # speculative execution whose result was discarded
+
+    def add(self, kind: str, start: float, end: float, detail: str = "") -> None:
+        self.events.append(Event(kind, start, end, detail))
+
+    def count(self, kind: str) -> int:
+        return sum(e.kind == kind for e in self.events)
+
+    def seconds(self, kind: str) -> float:
+        return sum(e.seconds for e in self.events if e.kind == kind)
+
+    @property
+    def tool_calls(self) -> int:
+        return len(self.steps)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "task": self.task_id, "sample": self.sample, "finished": round(self.finished, 3),
+            "tool_calls": self.tool_calls, "cache_hits": self.count("cache_hit"), "spec_hits": self.count("spec_hit"),
+            "real_calls": self.count("tool"), "reasoning_seconds": round(self.seconds("reason"), 3),
+            "tool_seconds": round(self.seconds("tool"), 3),
+            "wait_seconds": round(sum(self.seconds(k) for k in ("cache_hit", "spec_hit", "spec_miss",
+                                                                 "materialize", "post_wait")), 3),
+            "waits": {k: round(self.seconds(k), 3) for k in ("cache_hit", "spec_hit", "spec_miss",
+                                                             "materialize", "post_wait")},
+            "wasted_seconds": round(self.wasted_seconds, 3), "errors": list(self.errors),
+        }
+
+
+@dataclass
+class EpochResult:
+    epoch: int
+    seconds: float
+    samples: list[SampleTimeline]
+    memory: list[tuple[float, int, int]]  # (time, workspace PSS bytes, resident cache bytes)
+    cache: dict[str, Any] | None = None
+    speculation: dict[str, Any] | None = None
+    guard: dict[str, Any] | None = None
+
+    @property
+    def tool_calls(self) -> int:
+        return sum(s.tool_calls for s in self.samples)
+
+    @property
+    def cache_hits(self) -> int:
+        return sum(s.count("cache_hit") for s in self.samples)
+
+    @property
+    def spec_hits(self) -> int:
+        return sum(s.count("spec_hit") for s in self.samples)
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of tool calls served from a cached state or a speculative fork."""
+        return (self.cache_hits + self.spec_hits) / self.tool_calls if self.tool_calls else 0.0
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        return max((w + c for _, w, c in self.memory), default=0)
+
+    @property
+    def peak_workspace_bytes(self) -> int:
+        return max((w for _, w, _ in self.memory), default=0)
+
+    @property
+    def memory_byte_seconds(self) -> float:
+        """Total memory over the epoch: the time integral of workspace plus cache bytes."""
+        total = 0.0
+        for (t0, w0, c0), (t1, _w1, _c1) in zip(self.memory, self.memory[1:], strict=False):
+            total += (w0 + c0) * (t1 - t0)
+        return total
+
+    @property
+    def wasted_seconds(self) -> float:
+        return sum(s.wasted_seconds for s in self.samples)
+
+    def trajectories(self) -> list[Trajectory]:
+        return [Trajectory(self.epoch, s.task_id, s.sample, tuple(st.call for st in s.steps), s.answer is not None)
+                for s in self.samples]
+
+    def observations(self) -> dict[str, list[str]]:
+        return {f"{s.task_id}/{s.sample}": [st.observation for st in s.steps] for s in self.samples}
+
+    def running_over_time(self, points: int = 200) -> list[tuple[float, int]]:
+        """How many rollouts are still running, sampled over the epoch (paper Fig. 8)."""
+        ends = sorted(s.finished for s in self.samples)
+        out = []
+        for i in range(points + 1):
+            t = self.seconds * i / points
+            out.append((t, sum(e > t for e in ends)))
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch, "seconds": round(self.seconds, 3), "tool_calls": self.tool_calls,
+            "cache_hits": self.cache_hits, "spec_hits": self.spec_hits, "hit_rate": round(self.hit_rate, 4),
+            "peak_memory_bytes": self.peak_memory_bytes, "peak_workspace_bytes": self.peak_workspace_bytes,
+            "memory_byte_seconds": round(self.memory_byte_seconds), "wasted_seconds": round(self.wasted_seconds, 3),
+            "cache": self.cache, "speculation": self.speculation, "guard": self.guard,
+        }

@@ -1,0 +1,143 @@
+"""ToolPrefixCache over real workspaces: hits served from memory, from disk deltas and by replay
+give exactly what a live workspace gives."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from rl_support import environment, my_snapshots, no_own_leaks  # noqa: F401 (fixture, used by name)
+
+from bunshinfork import Workspace
+from bunshinrl import DeterminismGuard, SharedSnapshot, SnapshotBackend, ToolCall, ToolPrefixCache
+
+# Host-wide leak checks also see other processes' workspaces; this one checks our own.
+pytestmark = pytest.mark.usefixtures("no_own_leaks")
+
+
+async def _run(cache: ToolPrefixCache, tools, parent, call: ToolCall, ws: Workspace):  # type: ignore[no-untyped-def]
+    """What the engine does on a miss: run the call on `ws` and record the resulting node."""
+    node, created = cache.begin(parent, call)
+    assert created
+    obs = await tools[call.name].run(ws, call.args)
+    if cache.complete(node, obs, 0.5):
+        cache.attach(node, await asyncio.to_thread(SharedSnapshot.take, ws))
+    return node, obs
+
+
+def test_hit_served_from_disk_equals_live(tmp_path: Path) -> None:
+    snaps_before = set(my_snapshots())
+    env = environment()
+    tools = env.tools
+
+    async def main() -> None:
+        ws = Workspace.create()
+        env.setup(ws)
+        backend = SnapshotBackend("ksm", tmp_path / "store")
+        cache = ToolPrefixCache(backend, capacity_bytes=1 << 40, background=False)
+        try:
+            root = cache.add_root("task", "tmpl", await asyncio.to_thread(SharedSnapshot.take, ws))
+            await asyncio.to_thread(ws.destroy)
+            # Room for the root only: every later state lives on disk as a delta.
+            cache.lru.capacity = root.payload_bytes
+            live = await cache.materialize(root, tools)
+            try:
+                n1, o1 = await _run(cache, tools, root, ToolCall("bump", {"n": 5}), live)
+                n2, o2 = await _run(cache, tools, n1, ToolCall("touch", {"name": "a"}), live)
+                assert (n1.form, n2.form) == ("disk", "disk") and root.form == "resident"
+                assert n2.disk_bytes < root.disk_bytes / 2, "a child should store only what its call changed"
+
+                # The policy repeats the prefix: both calls are hits with the recorded observations.
+                hit1 = cache.lookup(root, ToolCall("bump", {"n": 5}), tools["bump"])
+                hit2 = cache.lookup(hit1, ToolCall("touch", {"name": "a"}), tools["touch"])
+                assert (hit1.observation, hit2.observation) == (o1, o2) == ("5", "a\n")
+                # Replaying two calls is made to look slower than reading the delta chain back.
+                n1.exec_seconds = n2.exec_seconds = 30.0
+                plan = cache.plan(hit2)
+                assert plan.load and plan.source is n2 and plan.replay == ()
+                from_disk = await cache.materialize(hit2, tools)
+                try:
+                    assert cache.counters["loads"] == 1
+                    # Same server memory, same files, same processes; and they stay in step.
+                    assert await tools["state"].run(from_disk, {}) == await tools["state"].run(live, {})
+                    for w in (from_disk, live):
+                        await tools["bump"].run(w, {"n": 2})
+                    assert await tools["state"].run(from_disk, {}) == await tools["state"].run(live, {})
+                    assert "7" in await tools["state"].run(from_disk, {})
+                finally:
+                    await asyncio.to_thread(from_disk.destroy)
+            finally:
+                await asyncio.to_thread(live.destroy)
+        finally:
+            cache.close()
+
+    asyncio.run(main())
+    assert set(my_snapshots()) == snaps_before
+
+
+def test_sparse_node_is_rebuilt_by_replay(tmp_path: Path) -> None:
+    env = environment()
+    tools = env.tools
+
+    async def main() -> None:
+        ws = Workspace.create()
+        env.setup(ws)
+        cache = ToolPrefixCache(SnapshotBackend("ksm", None), capacity_bytes=1 << 40, snapshot_every=2,
+                                background=False)
+        try:
+            root = cache.add_root("task", "tmpl", await asyncio.to_thread(SharedSnapshot.take, ws))
+            n1, _ = await _run(cache, tools, root, ToolCall("bump", {"n": 3}), ws)
+            n2, _ = await _run(cache, tools, n1, ToolCall("touch", {"name": "b"}), ws)
+            # Depth 1 is not captured (sparse); depth 2 is.
+            assert n1.form == "metadata" and n1.sparse and n2.form == "resident"
+            plan = cache.plan(n1)
+            assert plan.source is root and [n.call for n in plan.replay] == [ToolCall("bump", {"n": 3})]
+            rebuilt = await cache.materialize(n1, tools)
+            try:
+                assert cache.counters["replayed_calls"] == 1
+                await tools["touch"].run(rebuilt, {"name": "b"})
+                assert await tools["state"].run(rebuilt, {}) == await tools["state"].run(ws, {})
+            finally:
+                await asyncio.to_thread(rebuilt.destroy)
+        finally:
+            await asyncio.to_thread(ws.destroy)
+            cache.close()
+
+    asyncio.run(main())
+
+
+def test_nondeterministic_tools_are_never_served_and_replay_detects_liars() -> None:
+    env = environment()
+    tools = env.tools
+    guard = DeterminismGuard()
+
+    async def main() -> None:
+        ws = Workspace.create()
+        cache = ToolPrefixCache(SnapshotBackend("ksm"), 1 << 40, guard=guard, snapshot_every=3, background=False)
+        try:
+            root = cache.add_root("task", "tmpl", await asyncio.to_thread(SharedSnapshot.take, ws))
+            # A declared non-deterministic tool: recorded, never served.
+            node, _ = cache.begin(root, ToolCall("uuid"))
+            cache.complete(node, "recorded", 0.1)
+            assert cache.lookup(root, ToolCall("uuid"), tools["uuid"]) is None
+            assert guard.report()["declared_nondeterministic"] == ["uuid"]
+            # A tool claiming determinism that is not: replay notices, the tool is marked and
+            # its subtree dropped from the cache.
+            liar, _ = cache.begin(root, ToolCall("liar"))
+            cache.complete(liar, await tools["liar"].run(ws, {}), 0.1)
+            assert liar.sparse and cache.lookup(root, ToolCall("liar"), tools["liar"]) is liar
+            try:
+                await cache.materialize(liar, tools)
+                raise AssertionError("replay should have diverged")
+            except Exception as e:
+                assert type(e).__name__ == "ReplayDiverged"
+                await asyncio.to_thread(e.workspace.destroy)  # type: ignore[attr-defined]
+            assert guard.report()["detected_nondeterministic"] == ["liar"]
+            assert cache.lookup(root, ToolCall("liar"), tools["liar"]) is None
+            assert liar.removed
+        finally:
+            await asyncio.to_thread(ws.destroy)
+            cache.close()
+
+    asyncio.run(main())

@@ -1,0 +1,185 @@
+"""The real ToolPrefixCache over a lightweight in-memory state backend: ancestor-aware LRU
+eviction, restore-vs-replay, and reconstruction correctness under random access sequences."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from bunshinrl import DeterminismGuard, Tool, ToolCall, ToolPrefixCache
+from bunshinrl.backend import Persisted
+from bunshinrl.tree import Node
+
+
+@dataclass(eq=False)
+class FakeState:
+    """A resident state: the calls that led to it, and a size in bytes."""
+
+    calls: tuple[str, ...]
+    size: int
+
+
+@dataclass
+class FakeWorkspace:
+    calls: list[str]
+    destroyed: bool = False
+
+    def destroy(self) -> None:
+        self.destroyed = True
+
+
+@dataclass
+class FakeBackend:
+    persists: bool = True
+    live: set[int] = field(default_factory=set)  # ids of unreleased payloads
+    disk: dict[str, FakeState] = field(default_factory=dict)
+    loads: int = 0
+    _ids: Any = field(default_factory=itertools.count)
+
+    def new(self, calls: tuple[str, ...], size: int) -> FakeState:
+        s = FakeState(calls, size)
+        self.live.add(id(s))
+        return s
+
+    def size(self, p: FakeState) -> int:
+        return p.size
+
+    def fork(self, p: FakeState) -> FakeWorkspace:
+        assert id(p) in self.live, "forked a released state"
+        return FakeWorkspace(list(p.calls))
+
+    def release(self, p: FakeState) -> None:
+        assert id(p) in self.live, "released twice"
+        self.live.remove(id(p))
+
+    def persist(self, p: FakeState, parent_ref: str | None) -> Persisted:
+        assert id(p) in self.live
+        ref = f"d{next(self._ids)}"
+        self.disk[ref] = FakeState(p.calls, p.size)
+        return Persisted(ref, p.size // 4, p.size)
+
+    def load(self, ref: str) -> FakeState:
+        self.loads += 1
+        d = self.disk[ref]
+        return self.new(d.calls, d.size)
+
+
+def _tool(name: str) -> Tool:
+    def execute(ws: FakeWorkspace, args: dict) -> str:
+        ws.calls.append(ToolCall(name, args).key)
+        return f"obs:{ToolCall(name, args).key}"
+    return Tool(name, execute)  # type: ignore[arg-type]
+
+
+TOOLS = {n: _tool(n) for n in ("a", "b", "c")}
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), st.integers(0, 10**6), st.sampled_from("abc"), st.integers(0, 2),
+                  st.integers(10, 120), st.sampled_from([0.0, 0.01, 0.5, 2.0]), st.booleans()),
+        st.tuples(st.just("insert"), st.integers(0, 10**6), st.sampled_from("abc"), st.integers(0, 2),
+                  st.integers(10, 120), st.sampled_from([0.0, 0.01, 0.5, 2.0]), st.booleans()),
+        st.tuples(st.just("touch"), st.integers(0, 10**6)),
+        st.tuples(st.just("materialize"), st.integers(0, 10**6)),
+    ),
+    min_size=1, max_size=60,
+)
+
+
+def _check(cache: ToolPrefixCache, backend: FakeBackend) -> None:
+    assert cache.check() == []
+    resident = cache.lru.resident
+    # Every resident state is one unreleased payload, and nothing else is held.
+    assert {id(n.payload) for n in resident} == backend.live
+    # Over the budget only when nothing may go: everything left is an ancestor of another
+    # resident node, or a root without a copy on disk.
+    if cache.lru.resident_bytes > cache.lru.capacity:
+        for n in resident:
+            assert n.resident_below > 0 or n.pins > 0 or not cache._can_drop(n)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=ops, capacity=st.integers(30, 250), persists=st.booleans(), every=st.integers(1, 3))
+def test_resident_set_stays_ancestor_closed(ops: list[tuple], capacity: int, persists: bool, every: int) -> None:
+    backend = FakeBackend(persists=persists)
+    cache = ToolPrefixCache(backend, capacity, guard=DeterminismGuard(), snapshot_every=every,
+                            snapshot_slower_than=1.5, background=False)
+    root = cache.add_root("task", "tmpl", backend.new((), 30))
+    nodes: list[Node] = [root]
+    for op in ops:
+        if op[0] == "insert":
+            _, pi, name, arg, size, took, _ = op
+            parent = nodes[pi % len(nodes)]
+            call = ToolCall(name, {"x": arg})
+            node, created = cache.begin(parent, call)
+            if created:
+                if cache.complete(node, f"obs:{call.key}", took):
+                    cache.attach(node, backend.new(tuple(c.key for c in node.calls()), size))
+                nodes.append(node)
+        elif op[0] == "touch":
+            node = nodes[op[1] % len(nodes)]
+            if node.parent is not None:
+                assert cache.lookup(node.parent, node.call, TOOLS[node.call.name]) is node
+                # Touching refreshes the node and all its ancestors.
+                assert all(a.last_used == node.last_used for a in node.ancestors())
+        else:
+            node = nodes[op[1] % len(nodes)]
+            plan = cache.plan(node)
+            # Restore from disk only when that is estimated cheaper than replay from memory.
+            if plan.load:
+                assert plan.source.disk_ref is not None
+            event(f"materialize from {'disk' if plan.load else 'memory'}, replaying {min(len(plan.replay), 2)}+")
+            ws = asyncio.run(cache.materialize(node, TOOLS))
+            assert ws.calls == [c.key for c in node.calls()], "rebuilt the wrong state"
+        _check(cache, backend)
+    event(f"evicted {min(cache.counters['evicted'], 5)}+")
+    cache.close()
+    assert backend.live == set()
+
+
+def test_touch_protects_ancestors_and_evicts_lru_leaf() -> None:
+    backend = FakeBackend(persists=True)
+    cache = ToolPrefixCache(backend, 100, background=False)
+    root = cache.add_root("t", "d", backend.new((), 10))
+
+    def add(parent: Node, name: str, size: int) -> Node:
+        node, _ = cache.begin(parent, ToolCall(name))
+        cache.complete(node, "o", 0.1)
+        cache.attach(node, backend.new(tuple(c.key for c in node.calls()), size))
+        return node
+
+    a = add(root, "a", 30)
+    ab = add(a, "b", 30)
+    c = add(root, "c", 20)
+    cache.lookup(a, ToolCall("b"), TOOLS["b"])  # a and root are now newer than c
+    d = add(c, "a", 30)  # 120 > 100: the least recently used leaf goes, never an ancestor of d
+    assert d.resident and c.resident and root.resident
+    assert not ab.resident and ab.disk_ref is not None
+    assert cache.check() == []
+    assert cache.plan(ab).load or cache.plan(ab).source is a
+    cache.close()
+
+
+def test_replay_is_preferred_when_faster_than_disk() -> None:
+    backend = FakeBackend(persists=True)
+    cache = ToolPrefixCache(backend, 10**6, background=False)
+    root = cache.add_root("t", "d", backend.new((), 10))
+    n1, _ = cache.begin(root, ToolCall("a"))
+    cache.complete(n1, "o", 0.001)
+    cache.attach(n1, backend.new(("a{}",), 10))
+    backend.release(cache.lru.drop(n1))  # as if evicted: only on disk now
+    n1.load_bytes = 10**9  # a big restore ...
+    plan = cache.plan(n1)
+    assert plan.source is root and not plan.load and [n.call for n in plan.replay] == [ToolCall("a")]
+    n1.exec_seconds, n1.load_bytes = 50.0, 10  # ... or a slow call with a small restore
+    plan = cache.plan(n1)
+    assert plan.source is n1 and plan.load
+    ws = asyncio.run(cache.materialize(n1, TOOLS))
+    assert ws.calls == ["a{}"] and backend.loads == 1
+    cache.close()
+    assert backend.live == set()

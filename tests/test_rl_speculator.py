@@ -1,0 +1,156 @@
+"""Speculative execution over real workspaces: adopted when right, traceless when wrong."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from rl_support import environment, my_snapshots, no_own_leaks  # noqa: F401 (fixture, used by name)
+
+from bunshinfork import Workspace
+from bunshinrl import SharedSnapshot, SpeculationError, Speculator, TailPolicy, ToolCall, ToolSelector
+from bunshinrl.selector import SelectorContext
+from bunshinrl.speculator import _check_isolated
+
+# Host-wide leak checks also see other processes' workspaces; this one checks our own.
+pytestmark = pytest.mark.usefixtures("no_own_leaks")
+
+ENV = environment()
+TOOLS = ENV.tools
+
+
+async def _fresh(snap: SharedSnapshot, calls: list[ToolCall]) -> tuple[list[str], str]:
+    """Observations and end state of `calls` run for real from `snap`."""
+    ws = await asyncio.to_thread(snap.fork, "ksm")
+    try:
+        obs = [await TOOLS[c.name].run(ws, c.args) for c in calls]
+        return obs, await TOOLS["state"].run(ws, {})
+    finally:
+        await asyncio.to_thread(ws.destroy)
+
+
+async def _until_completed(branch, n: int) -> None:  # type: ignore[no-untyped-def]
+    """Let the policy 'reason' until the chain has finished n speculative calls."""
+    for _ in range(400):
+        if branch.completed >= n:
+            return
+        await asyncio.sleep(0.025)
+    raise AssertionError(f"the speculative chain did not finish {n} calls")
+
+
+def _with_workspace(body) -> None:  # type: ignore[no-untyped-def]
+    before = set(my_snapshots())
+
+    async def main() -> None:
+        ws = await asyncio.to_thread(Workspace.create)
+        await asyncio.to_thread(ENV.setup, ws)
+        pre = await asyncio.to_thread(SharedSnapshot.take, ws)
+        spec = Speculator(memory="ksm")
+        try:
+            await body(ws, pre, spec)
+        finally:
+            await spec.drain()
+            pre.release()
+            await asyncio.to_thread(ws.destroy)  # idempotent; the branch may have destroyed it
+        assert spec.workspaces.snapshot() == []
+
+    asyncio.run(main())
+    assert set(my_snapshots()) == before
+
+
+def test_mismatched_speculation_leaves_no_trace() -> None:
+    async def body(ws: Workspace, pre: SharedSnapshot, spec: Speculator) -> None:
+        predicted = [ToolCall("sleeper", {"id": 1}), ToolCall("bump", {"n": 100}), ToolCall("touch", {"name": "spec"})]
+        branch = await spec.launch(ws, predicted, TOOLS)
+        await _until_completed(branch, 2)  # the policy reasons; the speculative chain runs meanwhile
+        actual = ToolCall("touch", {"name": "real"})
+        assert await branch.resolve(actual) is None
+        rollback = await branch.close()
+        try:
+            # Nothing adopted: a copy of the pre-speculation state; the workspace that ran the
+            # chain is gone with everything it wrote and started.
+            assert rollback is not ws
+            obs = await TOOLS["touch"].run(rollback, actual.args)
+            after = await TOOLS["state"].run(rollback, {})
+            fresh_obs, fresh_after = await _fresh(pre, [actual])
+            assert (obs, after) == (fresh_obs[0], fresh_after)
+            assert "sleeper" not in after and "spec" not in after and after.startswith("0\n")
+        finally:
+            await asyncio.to_thread(rollback.destroy)
+        await spec.drain()
+        assert not ws.is_running()
+        assert branch.wasted_seconds > 0  # it really ran before being discarded
+        assert spec.stats["mismatches"] == 1 and spec.stats["hits"] == 0
+
+    _with_workspace(body)
+
+
+def test_partial_match_rolls_back_to_the_checkpoint_after_the_last_adopted_call() -> None:
+    async def body(ws: Workspace, pre: SharedSnapshot, spec: Speculator) -> None:
+        a, b, c = (ToolCall("touch", {"name": n}) for n in "abc")
+        branch = await spec.launch(ws, [ToolCall("bump", {"n": 4}), a, b], TOOLS)
+        await _until_completed(branch, 1)
+        hit = await branch.resolve(ToolCall("bump", {"n": 4}))
+        assert hit is not None and hit.index == 0
+        hit2 = await branch.resolve(a)
+        assert hit2 is not None and hit2.index == 1
+        assert not branch.exhausted
+        assert await branch.resolve(c) is None
+        ws2 = await branch.close()
+        try:
+            obs_c = await TOOLS["touch"].run(ws2, c.args)
+            after = await TOOLS["state"].run(ws2, {})
+            fresh_obs, fresh_after = await _fresh(pre, [ToolCall("bump", {"n": 4}), a, c])
+            assert [hit.observation, hit2.observation, obs_c] == fresh_obs
+            assert after == fresh_after and "b" not in after.split()
+        finally:
+            await asyncio.to_thread(ws2.destroy)
+
+    _with_workspace(body)
+
+
+def test_full_match_adopts_the_speculative_workspace() -> None:
+    async def body(ws: Workspace, pre: SharedSnapshot, spec: Speculator) -> None:
+        calls = [ToolCall("slow", {"s": 1.5}), ToolCall("bump", {"n": 2})]
+        branch = await spec.launch(ws, calls, TOOLS)
+        for _ in range(400):  # until the fork runs the slow call
+            if branch._started[0] is not None:
+                break
+            await asyncio.sleep(0.025)
+        hit = await branch.resolve(calls[0])  # arrives while the slow call still runs
+        assert hit is not None and hit.waited_seconds < hit.exec_seconds
+        await asyncio.sleep(0.3)
+        assert await branch.resolve(calls[1]) is not None and branch.exhausted
+        adopted = await branch.close()
+        try:
+            assert adopted is ws
+            fresh_obs, fresh_after = await _fresh(pre, calls)
+            assert await TOOLS["state"].run(adopted, {}) == fresh_after
+            assert hit.observation == fresh_obs[0]
+        finally:
+            await asyncio.to_thread(adopted.destroy)
+
+    _with_workspace(body)
+
+
+def test_prediction_respects_determinism_and_tail() -> None:
+    a, u = ToolCall("slow", {"s": 1}), ToolCall("uuid")
+    sel = ToolSelector(n_features=2**8).fit(
+        [SelectorContext("t", ()), SelectorContext("t", (a,)), SelectorContext("t", (a, u))], [a.key, u.key, a.key])
+    tail = TailPolicy(slow_tool_seconds=0.5)
+    spec = Speculator(sel, depth=3, tail=tail, min_probability=0.0)
+    # No timings recorded: nothing is known to be slow, so nothing is worth speculating.
+    assert spec.predict("t", 0, [], TOOLS) == []
+    tail.record_tool("slow", 2.0)
+    assert spec.predict("t", 0, [], TOOLS) == [a]  # the chain stops before the non-deterministic uuid
+    tail.record_rollout("t", 0, 1.0)
+    tail.record_rollout("other", 0, 10.0)
+    tail.task_quantile = 1.0
+    assert spec.predict("t", 0, [], TOOLS) == []  # a fast sample: not in the tail
+
+
+def test_speculation_refuses_networked_workspaces() -> None:
+    fake = SimpleNamespace(id="ws-x", info=lambda: SimpleNamespace(network={"mode": "bridge"}))
+    with pytest.raises(SpeculationError):
+        _check_isolated(fake)  # type: ignore[arg-type]
