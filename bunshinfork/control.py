@@ -97,11 +97,16 @@ def simple(init_pid: int, op: str, **kw: object) -> str:
     with Connection(init_pid) as c:
         try:
             c.send(op, **kw)  # type: ignore[arg-type]
+            reply: str | None = None
             for kind, data in c.frames():
                 if kind == "F":
                     raise CommandError(data.decode(errors="replace"))
-                if kind in ("X", "P"):
-                    return data.decode()
+                if kind in ("X", "P") and reply is None:
+                    reply = data.decode()
+            # Read on to EOF: the shim closes its end right after replying, and returning before
+            # that would let a snapshot find the workspace still connected to this process.
+            if reply is not None:
+                return reply
         except TimeoutError:
             # A frozen init accepts nothing; a bare socket timeout would not say so.
             raise WorkspaceStateError(

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from bunshinfork import state, storage
 from bunshinfork.cgroups import leftover_cgroups
+from bunshinfork.workspace import Workspace
 
 BTRFS_IMAGE = "/var/tmp/bunshin-test-btrfs.img"
 BTRFS_MOUNT = "/var/tmp/bunshin-test-btrfs"
@@ -82,6 +84,16 @@ def no_leaks(request: pytest.FixtureRequest):
     found = leaks(before)
     if found:
         pytest.fail(f"test leaked: {found}")
+
+
+@pytest.fixture
+def ws() -> Iterator[Workspace]:
+    """A default workspace for one test, destroyed after it."""
+    w = Workspace.create()
+    try:
+        yield w
+    finally:
+        w.destroy()
 
 
 @pytest.fixture(scope="session")

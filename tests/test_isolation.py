@@ -34,15 +34,6 @@ def pair() -> Iterator[tuple[Workspace, Workspace]]:
         a.destroy()
 
 
-@pytest.fixture
-def ws() -> Iterator[Workspace]:
-    w = Workspace.create()
-    try:
-        yield w
-    finally:
-        w.destroy()
-
-
 def _background(ws: Workspace, cmd: str) -> CommandHandle:
     h = ws.commands.run(cmd, background=True)
     assert isinstance(h, CommandHandle)

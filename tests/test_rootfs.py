@@ -8,7 +8,6 @@ import os
 import secrets
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,15 +16,6 @@ from helpers import run_ok
 from bunshinfork import rootfs, state
 from bunshinfork.errors import RootfsError
 from bunshinfork.workspace import Workspace
-
-
-@pytest.fixture
-def ws() -> Iterator[Workspace]:
-    w = Workspace.create()
-    try:
-        yield w
-    finally:
-        w.destroy()
 
 
 def _sha256(path: str) -> str:

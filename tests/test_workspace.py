@@ -38,15 +38,6 @@ MiB = 1 << 20
 COUNTER_LOOP = "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.02; done"
 
 
-@pytest.fixture
-def ws() -> Iterator[Workspace]:
-    w = Workspace.create()
-    try:
-        yield w
-    finally:
-        w.destroy()
-
-
 def _bg(ws: Workspace, cmd: str) -> CommandHandle:
     h = ws.commands.run(cmd, background=True)
     assert isinstance(h, CommandHandle)
