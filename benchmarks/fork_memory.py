@@ -46,6 +46,21 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3")
 
 
+def settled_used_bytes(timeout: float = 60.0) -> int:
+    """Used memory once the previous engine's clones are really gone: their pages are freed
+    after destroy() returns, and a baseline taken meanwhile would flatter the next engine."""
+    deadline = time.monotonic() + timeout
+    last = used_bytes()
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        drop_caches()
+        now = used_bytes()
+        if abs(now - last) < (32 << 20):
+            return now
+        last = now
+    return last
+
+
 def family_pss(members: list[Workspace]) -> int:
     return sum(w.memory().pss for w in members)
 
@@ -53,7 +68,7 @@ def family_pss(members: list[Workspace]) -> int:
 def run_engine(engine: str, forks: list[int], size_mib: int, settle_timeout: float) -> list[dict]:
     rows = []
     drop_caches()
-    base = used_bytes()
+    base = settled_used_bytes()
     # The copy baseline must not be merged behind its back: only the ksm source opts in.
     with Workspace.create(ksm=engine == "ksm") as src:
         procs = populate(src, size_mib)

@@ -79,10 +79,14 @@ class _Tuner:
                                                  name="bunshin-ksm-relax")
                 self._relaxer.start()
 
-    def wait_settled(self, timeout: float = 120.0, quiet_scans: int = 2) -> Progress:
-        """Block until `quiet_scans` full scans pass without new merges (or the timeout)."""
+    def wait_settled(self, timeout: float = 120.0, quiet_scans: int = 2, min_scans: int = 4) -> Progress:
+        """Block until `quiet_scans` full scans pass without new merges (or the timeout).
+
+        ksmd merges a page only on the scan after it first saw it unchanged, so the first scans
+        after a fork merge nothing yet: at least `min_scans` full scans must pass as well.
+        """
         deadline = time.monotonic() + timeout
-        last = progress()
+        first = last = progress()
         quiet = 0
         while time.monotonic() < deadline:
             time.sleep(0.05)
@@ -90,7 +94,7 @@ class _Tuner:
             if now.full_scans > last.full_scans:
                 quiet = quiet + 1 if now.pages_sharing <= last.pages_sharing else 0
                 last = now
-                if quiet >= quiet_scans:
+                if quiet >= quiet_scans and now.full_scans - first.full_scans >= min_scans:
                     break
         return last
 
