@@ -492,3 +492,17 @@ def test_requests_to_a_paused_workspace_fail_typed(ws: Workspace, monkeypatch: p
         ws.resume()
     assert h.kill() is True
     assert run_ok(ws, "echo ok").stdout == "ok\n"
+
+
+def test_destroy_detaches_mounts_a_crashed_fork_left_in_the_state_dir() -> None:
+    """A creator killed mid-restore leaves the clone's --root overlay mounted under its state
+    directory; destroy (and so gc) must detach it rather than fail on a busy directory."""
+    from bunshinfork import native
+
+    ws = Workspace.create()
+    leftover = ws._rec.dir / "rootfs"
+    leftover.mkdir(exist_ok=True)
+    native.mount("tmpfs", str(leftover), "tmpfs", 0, None)
+    ws.destroy()
+    assert not ws._rec.dir.exists()
+    assert str(leftover) not in Path("/proc/self/mountinfo").read_text()
