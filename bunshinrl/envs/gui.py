@@ -18,6 +18,7 @@ from bunshinfork import BunshinError, Workspace
 from bunshinfork.templates import GuiWorkspace, start_gui
 
 from . import TaskEnv
+from ._common import agent_tool
 
 NOTES = "/root/Desktop/notes.txt"
 INITIAL_TEXT = "TODO: replace this line\n"
@@ -28,82 +29,68 @@ def _gui(ws: Workspace) -> GuiWorkspace:
     return GuiWorkspace.attach(ws)
 
 
-def _tool(fn: Callable[..., str]) -> Callable[..., str]:
-    """An agent sees a tool's failure as its observation, not as an exception of the rollout."""
-
-    def wrapped(ws: Workspace, **args: Any) -> str:
-        try:
-            return fn(ws, **args)
-        except (BunshinError, ValueError, TypeError) as e:
-            return f"ERROR: {e}"
-
-    wrapped.__name__ = fn.__name__
-    wrapped.__doc__ = fn.__doc__
-    return wrapped
-
-
-@_tool
+@agent_tool
 def screenshot(ws: Workspace) -> str:
     """The screen as a PNG data URL."""
     return "data:image/png;base64," + base64.b64encode(_gui(ws).screenshot()).decode()
 
 
-@_tool
+@agent_tool
 def click(ws: Workspace, x: int, y: int, button: int = 1, count: int = 1) -> str:
     """Click at (x, y): button 1 left, 2 middle, 3 right; count 2 for a double click."""
     _gui(ws).click(int(x), int(y), int(button), int(count))
     return f"clicked button {button} x{count} at ({x}, {y})"
 
 
-@_tool
+@agent_tool
 def move(ws: Workspace, x: int, y: int) -> str:
     """Move the pointer to (x, y)."""
     _gui(ws).move(int(x), int(y))
     return f"pointer at ({x}, {y})"
 
 
-@_tool
+@agent_tool
 def drag(ws: Workspace, x1: int, y1: int, x2: int, y2: int) -> str:
     """Press the left button at (x1, y1), move to (x2, y2), release."""
     _gui(ws).drag(int(x1), int(y1), int(x2), int(y2))
     return f"dragged ({x1}, {y1}) -> ({x2}, {y2})"
 
 
-@_tool
+@agent_tool
 def type_text(ws: Workspace, text: str) -> str:
     """Type text into the focused window (newlines press Return)."""
     _gui(ws).type(str(text))
     return f"typed {len(text)} characters"
 
 
-@_tool
+@agent_tool
 def key(ws: Workspace, combo: str) -> str:
     """Press keys, xdotool names: "ctrl+s", "Return", "ctrl+a BackSpace"."""
     _gui(ws).key(str(combo))
     return f"pressed {combo}"
 
 
-@_tool
+@agent_tool
 def scroll(ws: Workspace, x: int, y: int, dy: int = 0, dx: int = 0) -> str:
     """Scroll at (x, y) by wheel clicks: dy > 0 down, dx > 0 right."""
     _gui(ws).scroll(int(x), int(y), int(dy), int(dx))
     return f"scrolled dy={dy} dx={dx} at ({x}, {y})"
 
 
-@_tool
+@agent_tool
 def clipboard_get(ws: Workspace) -> str:
     """The clipboard's text."""
     return _gui(ws).clipboard_get()
 
 
-@_tool
+@agent_tool
 def clipboard_set(ws: Workspace, text: str) -> str:
     """Put text on the clipboard."""
     _gui(ws).clipboard_set(str(text))
     return f"clipboard holds {len(text)} characters"
 
 
-@_tool
+@agent_tool
 def list_windows(ws: Workspace) -> str:
     """Top-level windows: id, position, size, title; one a line."""
     g = _gui(ws)
@@ -112,7 +99,7 @@ def list_windows(ws: Workspace) -> str:
                      + ("  [active]" if w.title == active else "") for w in g.windows())
 
 
-@_tool
+@agent_tool
 def activate_window(ws: Workspace, title: str) -> str:
     """Raise and focus the first window whose title contains `title`."""
     w = _gui(ws).activate(str(title))

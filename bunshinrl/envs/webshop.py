@@ -18,6 +18,7 @@ from bunshinfork import BunshinError, Workspace
 from bunshinfork.templates import CATALOGUE, WebShopWorkspace, start_webshop
 
 from . import TaskEnv
+from ._common import agent_tool
 
 DEFAULT_ITEMS = {"MUG-BLU": 2, "TEA-GRN": 1}
 DEFAULT_NAME = "Ada Lovelace"
@@ -28,21 +29,7 @@ def _shop(ws: Workspace) -> WebShopWorkspace:
     return WebShopWorkspace(ws)
 
 
-def _tool(fn: Callable[..., str]) -> Callable[..., str]:
-    """An agent sees a tool's failure as its observation, not as an exception of the rollout."""
-
-    def wrapped(ws: Workspace, **args: Any) -> str:
-        try:
-            return fn(ws, **args)
-        except (BunshinError, ValueError, TypeError) as e:
-            return f"ERROR: {e}"
-
-    wrapped.__name__ = fn.__name__
-    wrapped.__doc__ = fn.__doc__
-    return wrapped
-
-
-@_tool
+@agent_tool
 def goto(ws: Workspace, url: str) -> str:
     """Open a URL; a path such as "/cart" is on the shop. Returns the page's text."""
     s = _shop(ws)
@@ -52,7 +39,7 @@ def goto(ws: Workspace, url: str) -> str:
     return f"{final}\n\n{s.browser.text('main')}"
 
 
-@_tool
+@agent_tool
 def click(ws: Workspace, selector: str) -> str:
     """Click the first element matching a CSS selector. Returns the resulting page's text."""
     b = _shop(ws).browser
@@ -60,13 +47,13 @@ def click(ws: Workspace, selector: str) -> str:
     return f"{url}\n\n{b.text('main')}"
 
 
-@_tool
+@agent_tool
 def fill(ws: Workspace, selector: str, value: str) -> str:
     """Type a value into the input matching a CSS selector (its old value is replaced)."""
     return f"{selector} = {_shop(ws).browser.fill(str(selector), str(value))!r}"
 
 
-@_tool
+@agent_tool
 def press(ws: Workspace, key: str) -> str:
     """Press a key (Enter, Tab, Escape, Backspace) in the focused element."""
     b = _shop(ws).browser
@@ -74,26 +61,26 @@ def press(ws: Workspace, key: str) -> str:
     return f"{url}\n\n{b.text('main')}"
 
 
-@_tool
+@agent_tool
 def text(ws: Workspace, selector: str = "body") -> str:
     """The visible text of the element matching a CSS selector (default: the whole page)."""
     return _shop(ws).browser.text(str(selector))
 
 
-@_tool
+@agent_tool
 def accessibility_tree(ws: Workspace) -> str:
     """The page's accessibility tree: role "name" [value=...], indented by nesting."""
     b = _shop(ws).browser
     return f"{b.url()}\n{b.accessibility_tree()}"
 
 
-@_tool
+@agent_tool
 def screenshot(ws: Workspace) -> str:
     """The page as a PNG data URL."""
     return "data:image/png;base64," + base64.b64encode(_shop(ws).browser.screenshot()).decode()
 
 
-@_tool
+@agent_tool
 def current_url(ws: Workspace) -> str:
     """The address of the page the browser shows."""
     return _shop(ws).browser.url()
