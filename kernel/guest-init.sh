@@ -69,7 +69,12 @@ mkdir -p $r/dev/pts $r/dev/shm $r/dev/mqueue
 mount -t devpts -o newinstance,ptmxmode=0666,mode=620 devpts $r/dev/pts
 mount -t tmpfs -o mode=1777 shm $r/dev/shm
 mount -t mqueue mqueue $r/dev/mqueue 2>/dev/null
-mount -t tmpfs -o mode=1777 tmp $r/tmp
+# A fresh /tmp, unless the command's directory lives there (a CI checkout under /tmp must
+# stay visible through the overlay).
+case "$cwd" in
+/tmp | /tmp/*) ;;
+*) mount -t tmpfs -o mode=1777 tmp $r/tmp ;;
+esac
 mount -t tmpfs -o mode=755 run $r/run
 mount -t cgroup2 -o nsdelegate cgroup2 $r/sys/fs/cgroup 2>/dev/null \
 	|| mount -t cgroup2 cgroup2 $r/sys/fs/cgroup
