@@ -308,7 +308,7 @@ class Snapshot:
                 else:
                     shutil.copytree(self.images_dir, tmp / "images")
                 layer = storage.Layer(**{k: self._meta["layer"][k] for k in ("kind", "path")})
-                storage._copy_tree(layer.path, str(tmp / "fs"))
+                storage.copy_tree(layer.path, str(tmp / "fs"))
                 meta = {**self._meta, "layer": {"kind": "dir", "path": "fs"}, "kind": "image"}
                 (tmp / "snapshot.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
                 os.rename(tmp, dest)
@@ -383,12 +383,7 @@ def _abandon_restore(restored_init: list[int], cg: Cgroup, work: Path) -> None:
             os.kill(pid, signal.SIGKILL)  # a pid namespace's init: takes every task with it
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
-    prefix = str(work) + "/"
-    with open("/proc/self/mountinfo") as f:
-        stale = [line.split()[4] for line in f if line.split()[4].startswith(prefix)]
-    for mp in sorted(stale, key=len, reverse=True):  # children before their parents
-        with contextlib.suppress(OSError):
-            native.umount2(mp, native.MNT_DETACH)
+    storage.unmount_below(work)
 
 
 def _children() -> set[int]:

@@ -88,7 +88,7 @@ def remove_layer(layer: dict | Layer) -> None:
         shutil.rmtree(lay.path)
 
 
-def _copy_tree(src: str, dst: str) -> None:
+def copy_tree(src: str, dst: str) -> None:
     # cp -a keeps what overlayfs needs and shutil cannot copy: sockets, whiteout device
     # nodes and trusted.overlay.* xattrs. --reflink=auto shares extents where the fs can.
     proc = subprocess.run(["cp", "-a", "--reflink=auto", src, dst], capture_output=True, text=True)
@@ -108,7 +108,7 @@ def snapshot_layer(layer: dict | Layer, dest: str) -> Layer:
     if lay.kind == "btrfs" and is_btrfs(Path(dest).parent):
         btrfsutil.create_snapshot(lay.path, dest, read_only=True)
         return Layer("btrfs", dest)
-    _copy_tree(lay.path, dest)
+    copy_tree(lay.path, dest)
     return Layer("dir", dest)
 
 
@@ -122,12 +122,24 @@ def clone_layer(snapshot: dict | Layer, ws_id: str, storage_dir: str | None) -> 
         btrfsutil.create_snapshot(snap.path, path)
         layer = Layer("btrfs", path)
     else:
-        _copy_tree(snap.path, path)
+        copy_tree(snap.path, path)
         layer = Layer("dir", path)
     # Overlay's work dir must start empty for a new mount.
     shutil.rmtree(layer.work)
     os.mkdir(layer.work, 0o700)
     return layer
+
+
+def unmount_below(directory: str | os.PathLike[str]) -> None:
+    """Detach every host mount under `directory`, children before their parents. A restore that
+    failed, or whose creator died, leaves the clone's overlay (CRIU's --root) and CRIU's cgroup
+    yard mounted under the clone's state directory."""
+    prefix = str(directory) + "/"
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4] for line in f]
+    for mp in sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True):
+        with contextlib.suppress(OSError):
+            native.umount2(mp, native.MNT_DETACH)
 
 
 # ---- loop-file btrfs ----

@@ -369,17 +369,6 @@ def _kill_tree(rec: state.Record, pidfd: int | None) -> None:
             time.sleep(0.005)
 
 
-def _unmount_below(directory: Path) -> None:
-    """Detach host mounts left under a workspace's state directory: a fork whose creator died
-    mid-restore leaves the clone's overlay (CRIU's --root) and CRIU's cgroup yard mounted."""
-    prefix = str(directory) + "/"
-    with open("/proc/self/mountinfo") as f:
-        points = [line.split()[4] for line in f]
-    for mp in sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True):
-        with contextlib.suppress(OSError):
-            native.umount2(mp, native.MNT_DETACH)
-
-
 def _cleanup(rec: state.Record, pidfd: int | None = None) -> None:
     """Remove everything a (possibly half-created, possibly crashed) workspace holds."""
     if rec.status == "destroyed":
@@ -392,8 +381,9 @@ def _cleanup(rec: state.Record, pidfd: int | None = None) -> None:
     steps = [
         ("network", lambda: network.teardown(rec.id, rec.network)),
         ("cgroup", lambda: rec.cgroup and Cgroup(rec.cgroup["version"], rec.cgroup["paths"]).remove()),
+        # A mount left under the state dir may still use the layer as its upper: detach first.
+        ("mounts", lambda: storage.unmount_below(rec.dir)),
         ("layer", lambda: rec.storage and storage.remove_layer(rec.storage)),
-        ("mounts", lambda: _unmount_below(rec.dir)),
         ("state", lambda: shutil.rmtree(rec.dir, ignore_errors=False) if rec.dir.exists() else None),
     ]
     for name, step in steps:

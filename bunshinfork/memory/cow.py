@@ -1,8 +1,10 @@
-"""The copy-on-write engine's availability (the kernel module lives in kernel/)."""
+"""The copy-on-write engine: availability and the ioctls of /dev/bunshin (module in kernel/)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import struct
 
 DEVICE = "/dev/bunshin"
 
@@ -19,12 +21,32 @@ def unavailable_reason() -> str:
     )
 
 
-# _IOWR(0xB5, 2, struct bunshin_share_req) — 48 bytes, see kernel/bunshin_uapi.h.
+# The ioctls of kernel/bunshin_uapi.h: _IOW/_IOWR(0xB5, nr, struct).
+IOC_SNAPSHOT = (1 << 30) | (8 << 16) | (0xB5 << 8) | 1  # struct bunshin_snapshot_req{s32 pid; u32 flags}
+IOC_SHARE = (3 << 30) | (48 << 16) | (0xB5 << 8) | 2  # struct bunshin_share_req, 48 bytes
+IOC_STATS = (3 << 30) | (24 << 16) | (0xB5 << 8) | 3  # struct bunshin_stats_req{s32 fd; u32; u64; u64}
 _SHARE_FMT = "=iiiIQQQQ"
-IOC_SHARE = (3 << 30) | (48 << 16) | (0xB5 << 8) | 2
-
-
+_STATS_FMT = "=iIQQ"
 SHARE_RESET = 1  # BUNSHIN_SHARE_RESET: the target's existing anonymous content is disposable
+
+
+def _ioctl(request: int, buf: bytearray) -> int:
+    # With a mutable buffer fcntl.ioctl returns the ioctl's own result and fills `buf` in.
+    with open(DEVICE, "rb", buffering=0) as dev:
+        return fcntl.ioctl(dev.fileno(), request, buf, True)
+
+
+def snapshot_fd(holder_pid: int) -> int:
+    """The mm of a stopped holder as a snapshot descriptor (pread reads its memory)."""
+    return _ioctl(IOC_SNAPSHOT, bytearray(struct.pack("=iI", holder_pid, 0)))
+
+
+def stats(snap_fd: int) -> tuple[int, int]:
+    """(pages the snapshot maps, pages only it maps): what keeping it costs."""
+    buf = bytearray(struct.pack(_STATS_FMT, snap_fd, 0, 0, 0))
+    _ioctl(IOC_STATS, buf)
+    _, _, pages, private = struct.unpack(_STATS_FMT, buf)
+    return pages, private
 
 
 def share(snap_fd: int, target_pid: int, start: int, end: int, holder_pid: int = 0,
@@ -32,12 +54,8 @@ def share(snap_fd: int, target_pid: int, start: int, end: int, holder_pid: int =
     """Map the snapshot's anonymous private VMAs in [start, end) copy-on-write into the stopped
     `target_pid` (0: the caller). Returns (VMAs shared, VMAs skipped as not anonymous-private).
     reset: discard what the target's VMAs already hold instead of refusing with EBUSY."""
-    import fcntl
-    import struct
-
     flags = SHARE_RESET if reset else 0
     buf = bytearray(struct.pack(_SHARE_FMT, snap_fd, holder_pid, target_pid, flags, start, end, 0, 0))
-    with open(DEVICE, "rb", buffering=0) as dev:
-        fcntl.ioctl(dev.fileno(), IOC_SHARE, buf, True)
+    _ioctl(IOC_SHARE, buf)
     *_, vmas, skipped = struct.unpack(_SHARE_FMT, buf)
     return vmas, skipped

@@ -9,10 +9,8 @@ holder process (used by tests of the injection itself).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import signal
-import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,10 +20,6 @@ from ..errors import KernelFeatureError
 from . import cow
 
 WALL = 0x40000000
-# _IOW(0xB5, 1, struct bunshin_snapshot_req{s32 pid; u32 flags}) (kernel/bunshin_uapi.h)
-IOC_SNAPSHOT = (1 << 30) | (8 << 16) | (0xB5 << 8) | 1
-# _IOWR(0xB5, 3, struct bunshin_stats_req{s32 fd; u32 flags; u64 pages; u64 private_pages})
-IOC_STATS = (3 << 30) | (24 << 16) | (0xB5 << 8) | 3
 
 
 @dataclass
@@ -49,11 +43,7 @@ class Holder:
         """(pages the snapshot maps, pages only it maps): what keeping it costs."""
         if self.fd is None:
             raise KernelFeatureError(cow.unavailable_reason())
-        buf = bytearray(struct.pack("=iIQQ", self.fd, 0, 0, 0))
-        with open(cow.DEVICE, "rb", buffering=0) as dev:
-            fcntl.ioctl(dev.fileno(), IOC_STATS, buf)
-        _, _, pages, private = struct.unpack("=iIQQ", buf)
-        return pages, private
+        return cow.stats(self.fd)
 
     def release(self) -> None:
         if self.fd is not None:
@@ -80,13 +70,6 @@ def anon_maps(pid: int) -> list[tuple[int, int, str]]:
     return out
 
 
-def _snapshot_fd(holder_pid: int) -> int:
-    # With a mutable buffer fcntl.ioctl returns the ioctl's own result: the new descriptor.
-    buf = bytearray(struct.pack("=iI", holder_pid, 0))
-    with open(cow.DEVICE, "rb", buffering=0) as dev:
-        return fcntl.ioctl(dev.fileno(), IOC_SNAPSHOT, buf, True)
-
-
 def _kill_holder(parent: int, child: int, child_ns: int) -> None:
     """Kill a holder and reap it inside its parent, which must be stopped and traced by us."""
     with contextlib.suppress(ProcessLookupError):
@@ -108,7 +91,7 @@ def take(leaders: Iterable[int], keep_processes: bool = False) -> list[Holder]:
         h.child, h.child_ns = native.inject_fork(pid)
         if use_module:
             try:
-                h.fd = _snapshot_fd(h.child)
+                h.fd = cow.snapshot_fd(h.child)
             finally:
                 _kill_holder(pid, h.child, h.child_ns)
                 h.child = 0
