@@ -313,11 +313,7 @@ def _gc_args(p: argparse.ArgumentParser) -> None:
 
 def _gc(args: argparse.Namespace) -> int:
     removed = workspace.gc() + [f"snapshot {name}" for name in snapshot.gc()]
-    net_removed: list[str] = []
-    # network.gc() arrives with bridge networking; until then only workspaces are collected.
-    net_gc = getattr(network, "gc", None)
-    if callable(net_gc):
-        net_removed = [str(x) for x in (net_gc() or [])]
+    net_removed = [str(x) for x in network.gc()]
     if args.json:
         _print_json({"workspaces": removed, "network": net_removed})
         return 0

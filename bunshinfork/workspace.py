@@ -25,6 +25,7 @@ from .errors import (
     WorkspaceStateError,
 )
 from .files import Files
+from .memory import ksm
 from .reaper import reaper
 from .snapshot import Snapshot
 from .spec import WorkspaceSpec
@@ -416,4 +417,6 @@ def gc() -> list[str]:
             with contextlib.suppress(BunshinError):
                 _cleanup(rec)
             removed.append(ws_id)
+    # A creator killed mid-burst cannot relax ksmd itself.
+    ksm.reconcile()
     return removed

@@ -12,6 +12,7 @@ import pytest
 
 from bunshinfork import state, storage
 from bunshinfork.cgroups import leftover_cgroups
+from bunshinfork.memory import ksm
 from bunshinfork.workspace import Workspace
 
 BTRFS_IMAGE = "/var/tmp/bunshin-test-btrfs.img"
@@ -84,6 +85,20 @@ def no_leaks(request: pytest.FixtureRequest):
     found = leaks(before)
     if found:
         pytest.fail(f"test leaked: {found}")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ksm_knobs_restored() -> Iterator[None]:
+    """ksmd's knobs are host state: boosts during the suite must all be undone at its end."""
+    if not ksm.available():
+        yield
+        return
+    before = {k: (ksm.KSM / k).read_text() for k in ksm.KNOBS}
+    yield
+    ksm.tuner.relax_now()
+    after = {k: (ksm.KSM / k).read_text() for k in ksm.KNOBS}
+    assert after == before, f"ksmd knobs left changed: {before} -> {after}"
+    assert not (state.RUN_ROOT / ksm.BOOST_FILE).exists()
 
 
 @pytest.fixture

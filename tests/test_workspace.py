@@ -74,7 +74,8 @@ def test_info(ws: Workspace) -> None:
 def test_memory_accounting(ws: Workspace) -> None:
     baseline = ws.memory()
     assert baseline.processes >= 1 and baseline.rss > 0
-    _bg(ws, "exec python3 -c 'import time; b = b\"\\x01\" * (50 << 20); time.sleep(300)'")
+    # Random bytes: ksmd (boosted by earlier forks in the suite) would merge a uniform fill away.
+    _bg(ws, "exec python3 -c 'import os, time; b = os.urandom(50 << 20); time.sleep(300)'")
     # The 50 MiB are private to python once written: wait for that, not for rss (libraries count there).
     m = wait_for(lambda: (s := ws.memory()).uss >= 50 * MiB and s, timeout=10)
     assert m.pss >= m.uss and m.shared > 0

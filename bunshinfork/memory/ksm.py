@@ -8,15 +8,24 @@ with ksm enabled on one host.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import json
+import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from .. import state
 
 KSM = Path("/sys/kernel/mm/ksm")
 BOOST = {"run": "1", "pages_to_scan": "4000", "sleep_millisecs": "5"}
 KNOBS = ("run", "pages_to_scan", "sleep_millisecs")
+BOOST_FILE = "ksm-boost.json"
+IDLE_AFTER = 1.0
 
 
 def available() -> bool:
@@ -48,25 +57,42 @@ def progress() -> Progress:
     )
 
 
+def _nothing_in_scope() -> bool:
+    return all(_read(n) == 0 for n in ("pages_shared", "pages_unshared", "pages_volatile"))
+
+
 class _Tuner:
-    """Reference-counted boost: the first burst saves the knobs, the last restores them
-    once two full scans in a row merged nothing new."""
+    """A host-wide, crash-safe boost of ksmd.
+
+    Each process counts its own bursts. The first process to boost saves the knobs in a file
+    under the state root and lists itself there as a holder; later boosters only add
+    themselves. A process leaves the list once merging settles after its last burst, or at
+    exit; whoever leaves it empty restores the saved knobs. A holder that died without
+    leaving (SIGKILL) is pruned by the next process to touch the file and by `gc()`, so ksmd
+    never stays boosted for a process that is gone.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._bursts = 0
-        self._saved: dict[str, str] | None = None
+        self._registered = False
         self._relaxer: threading.Thread | None = None
+        atexit.register(self._leave)
 
     def boost(self) -> None:
         if not available():
             return
         with self._lock:
             self._bursts += 1
-            if self._saved is None:
-                self._saved = {k: (KSM / k).read_text().strip() for k in KNOBS}
-                for k, v in BOOST.items():
-                    (KSM / k).write_text(v)
+            if not self._registered:
+                with _shared() as record:
+                    if not record.get("saved"):
+                        record["saved"] = {k: (KSM / k).read_text().strip() for k in KNOBS}
+                    record["holders"][str(os.getpid())] = state.proc_starttime(os.getpid())
+                    # A later booster re-asserts the boost: an admin may have changed the knobs in between.
+                    for k, v in BOOST.items():
+                        (KSM / k).write_text(v)
+                self._registered = True
 
     def release(self) -> None:
         """End a burst; ksmd stays boosted in the background until merging settles."""
@@ -87,28 +113,84 @@ class _Tuner:
         """
         deadline = time.monotonic() + timeout
         first = last = progress()
+        last_scan_at = time.monotonic()
         quiet = 0
         while time.monotonic() < deadline:
             time.sleep(0.05)
             now = progress()
             if now.full_scans > last.full_scans:
                 quiet = quiet + 1 if now.pages_sharing <= last.pages_sharing else 0
-                last = now
+                last, last_scan_at = now, time.monotonic()
                 if quiet >= quiet_scans and now.full_scans - first.full_scans >= min_scans:
                     break
+            elif time.monotonic() - last_scan_at > IDLE_AFTER and _nothing_in_scope():
+                # ksmd sleeps without counting scans once no process is left that opted in.
+                break
         return last
 
     def _relax_when_settled(self) -> None:
         self.wait_settled()
         with self._lock:
-            if self._bursts == 0 and self._saved is not None:
-                for k in ("pages_to_scan", "sleep_millisecs", "run"):
-                    with contextlib.suppress(OSError):
-                        (KSM / k).write_text(self._saved[k])
-                self._saved = None
+            if self._bursts == 0:
+                self._leave_locked()
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._leave_locked()
+
+    def _leave_locked(self) -> None:
+        if not self._registered:
+            return
+        with contextlib.suppress(OSError), _shared() as record:
+            record["holders"].pop(str(os.getpid()), None)
+        self._registered = False
+
+    def relax_now(self) -> None:
+        """Leave the boost at once instead of after merging settles (no-op during a burst)."""
+        with self._lock:
+            if self._bursts == 0:
+                self._leave_locked()
 
     def boosted(self) -> bool:
-        return self._saved is not None
+        return self._registered
+
+
+def reconcile() -> bool:
+    """Drop holders that died without leaving; restore the knobs when none is left.
+
+    Returns whether ksmd is still boosted by a live process.
+    """
+    if not available() or not (state.RUN_ROOT / BOOST_FILE).exists():
+        return False
+    with _shared() as record:
+        return bool(record["holders"])
+
+
+@contextlib.contextmanager
+def _shared() -> Iterator[dict[str, Any]]:
+    """The boost record under a host-wide lock; on the way out, dead holders are pruned and the
+    saved knobs restored (and the record removed) once no holder is left."""
+    root = state.run_root()
+    path = root / BOOST_FILE
+    with state.lock("ksm-boost"):
+        try:
+            record = json.loads(path.read_text())
+        except (FileNotFoundError, ValueError):
+            record = {}
+        record.setdefault("holders", {})
+        yield record
+        record["holders"] = {pid: start for pid, start in record["holders"].items()
+                             if start is not None and state.proc_starttime(int(pid)) == start}
+        if record["holders"]:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(record))
+            tmp.replace(path)
+            return
+        for k in ("pages_to_scan", "sleep_millisecs", "run"):
+            if k in record.get("saved", {}):
+                with contextlib.suppress(OSError):
+                    (KSM / k).write_text(record["saved"][k])
+        path.unlink(missing_ok=True)
 
 
 tuner = _Tuner()
