@@ -42,6 +42,27 @@
 #if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 4, 0)
 #define BUNSHIN_PER_VMA_LOCK 1 /* vma_start_write before modifying a VMA */
 #endif
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 7, 0)
+/* 6.7 moved split_vma() into mm/internal.h (later mm/vma.h), out of a module's reach. This
+ * copy of its prototype is the one place where signature drift is not a build error: check
+ * it against mm/vma.h when adding a kernel version. */
+int split_vma(struct vma_iterator *vmi, struct vm_area_struct *vma, unsigned long addr, int new_below);
+#endif
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 12, 0)
+/* 6.12 dropped page_mapcount(); for the anonymous pages counted here (small, or a THP mapped
+ * whole by one PMD) the folio's mapcount is the same number. */
+#define bunshin_mapcount(page) folio_mapcount(page_folio(page))
+#else
+#define bunshin_mapcount(page) page_mapcount(page)
+#endif
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 3, 0)
+#define bunshin_zap(vma, start, size) zap_page_range_single(vma, start, size, NULL)
+#else
+#define bunshin_zap(vma, start, size) zap_page_range(vma, start, size)
+#endif
+#ifndef fd_file
+#define fd_file(f) ((f).file) /* 6.12 made struct fd opaque behind fd_file() */
+#endif
 
 #ifndef flush_tlb_mm
 /* asm/tlbflush.h hides this prototype from modules (#ifndef MODULE); it is the one that
@@ -154,7 +175,7 @@ static int stats_pmd(pmd_t *pmd, unsigned long addr, unsigned long next, struct 
 		u64 n = (next - addr) >> PAGE_SHIFT;
 
 		st->pages += n;
-		if (page_mapcount(page) == 1)
+		if (bunshin_mapcount(page) == 1)
 			st->private_pages += n;
 		/* Counted as a whole: do not let the walker split the huge page. */
 		walk->action = ACTION_CONTINUE;
@@ -174,7 +195,7 @@ static int stats_pte(pte_t *pte, unsigned long addr, unsigned long next, struct 
 	if (!PageAnon(page))
 		return 0;
 	st->pages++;
-	if (page_mapcount(page) == 1)
+	if (bunshin_mapcount(page) == 1)
 		st->private_pages++;
 	return 0;
 }
@@ -298,7 +319,7 @@ static int share_vma(struct mm_struct *dst_mm, struct vm_area_struct *src, u32 f
 	if ((flags & BUNSHIN_SHARE_RESET) && (dst->anon_vma || !list_empty(&dst->anon_vma_chain))) {
 		/* The caller declared the target's content disposable: drop its pages, then its
 		 * anon_vma links, which leaves the VMA as a fresh mmap would. */
-		zap_page_range(dst, dst->vm_start, dst->vm_end - dst->vm_start);
+		bunshin_zap(dst, dst->vm_start, dst->vm_end - dst->vm_start);
 		p_unlink_anon_vmas(dst);
 	}
 	/* Pages or an anon_vma already there would be silently mixed with the snapshot's. */
@@ -363,13 +384,13 @@ static long do_share(struct bunshin_share_req *req)
 	if (req->snap_fd >= 0) {
 		struct fd f = fdget(req->snap_fd);
 
-		if (!f.file)
+		if (!fd_file(f))
 			return -EBADF;
-		if (f.file->f_op != &snap_fops) {
+		if (fd_file(f)->f_op != &snap_fops) {
 			fdput(f);
 			return -EINVAL;
 		}
-		src_mm = f.file->private_data;
+		src_mm = fd_file(f)->private_data;
 		mmget(src_mm);
 		fdput(f);
 	} else {
@@ -471,13 +492,13 @@ static long bunshin_ioctl(struct file *file, unsigned int cmd, unsigned long arg
 		if (copy_from_user(&req, uarg, sizeof(req)))
 			return -EFAULT;
 		f = fdget(req.snap_fd);
-		if (!f.file)
+		if (!fd_file(f))
 			return -EBADF;
-		if (f.file->f_op != &snap_fops) {
+		if (fd_file(f)->f_op != &snap_fops) {
 			fdput(f);
 			return -EINVAL;
 		}
-		ret = snap_stats(f.file->private_data, &req);
+		ret = snap_stats(fd_file(f)->private_data, &req);
 		fdput(f);
 		if (!ret && copy_to_user(uarg, &req, sizeof(req)))
 			return -EFAULT;
