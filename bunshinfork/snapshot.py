@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 MAX_PARALLEL_RESTORES = 8
 # criu/patches/0001: a cow dump writes no anonymous private pages; the holders keep them.
+PAGE = os.sysconf("SC_PAGE_SIZE")
 COW_DUMP_ENV = {"CRIU_BUNSHIN_NO_ANON_PAGES": "1"}
 # Called with each restore's live criu.Session right after it starts; failure-injection tests use
 # it to kill a real CRIU mid-restore. None in normal operation.
@@ -59,6 +60,7 @@ class Snapshot:
         self._released = False
         # cow snapshots: the memory of each process, keyed by its pid inside the namespace.
         self._holders: dict[int, holders.Holder] = {}
+        self._fixed_bytes: int | None = None
 
     # ---- taking ----
 
@@ -156,6 +158,21 @@ class Snapshot:
 
     def image_bytes(self) -> int:
         return sum(f.stat().st_size for f in self.images_dir.iterdir() if f.is_file())
+
+    def retained_bytes(self) -> int:
+        """What keeping this snapshot costs now: its images and saved file-system layer, plus,
+        for a cow snapshot, the anonymous pages only its holders still map.
+
+        A cow snapshot shares every page with its source at first, so it starts near its images'
+        size and grows by the pages the source writes afterwards; a cache bounding its memory
+        should measure it again before it decides what to evict.
+        """
+        self._check_live()
+        if self._fixed_bytes is None:
+            layer = self._meta.get("layer") or {}
+            paths = [self.dir] + ([Path(layer["path"])] if layer.get("path") else [])
+            self._fixed_bytes = sum(_apparent_bytes(p) for p in paths)
+        return self._fixed_bytes + sum(h.stats()[1] for h in self._holders.values()) * PAGE
 
     def _check_live(self) -> None:
         if self._released:
@@ -415,6 +432,15 @@ def _controller_mount(ctrl: str, path: str) -> str:
             return str(p)
         p = p.parent
     raise CriuError(f"cgroup {path} of controller {ctrl} is on no cgroup mount")
+
+
+def _apparent_bytes(path: Path) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(FileNotFoundError):
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+    return total
 
 
 def leftover_snapshots() -> list[str]:

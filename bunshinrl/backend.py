@@ -48,7 +48,11 @@ class SharedSnapshot:
         self._owned_dir = owned_dir  # a directory restored from disk, removed with the snapshot
         self._refs = 1
         self._lock = threading.Lock()
-        self.bytes = _tree_bytes(snap.dir)
+
+    @property
+    def bytes(self) -> int:
+        """Measured now: a cow snapshot grows as its source writes pages it shared."""
+        return self.snap.retained_bytes()
 
     def acquire(self) -> SharedSnapshot:
         with self._lock:
@@ -73,15 +77,16 @@ class SharedSnapshot:
         return out
 
     @classmethod
-    def take(cls, ws: Workspace) -> SharedSnapshot:
-        return cls(take_snapshot(ws))
+    def take(cls, ws: Workspace, memory: str = "auto") -> SharedSnapshot:
+        """Capture `ws` for forking with `memory` later: a cow engine needs a cow snapshot."""
+        return cls(take_snapshot(ws, memory))
 
 
 SNAPSHOT_ATTEMPTS = 4
 
 
-def take_snapshot(ws: Workspace) -> Snapshot:
-    """ws.snapshot(), retried on a transient failure.
+def take_snapshot(ws: Workspace, memory: str = "auto") -> Snapshot:
+    """ws.snapshot(memory), retried on a transient failure.
 
     A foreground command's shim inside the workspace replies before it closes the host's control
     connection and exits, so a snapshot taken right after a command returns can find that shim
@@ -90,7 +95,7 @@ def take_snapshot(ws: Workspace) -> Snapshot:
     """
     for attempt in range(SNAPSHOT_ATTEMPTS):
         try:
-            return ws.snapshot()
+            return ws.snapshot(memory)
         except ForkError:
             if attempt == SNAPSHOT_ATTEMPTS - 1 or not ws.is_running():
                 raise
@@ -98,22 +103,10 @@ def take_snapshot(ws: Workspace) -> Snapshot:
     raise AssertionError("unreachable")
 
 
-def _tree_bytes(path: Path) -> int:
-    """Measured bytes of a snapshot: its CRIU images plus its saved file-system layer."""
-    total = 0
-    for dirpath, _dirs, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, f)).st_size
-            except FileNotFoundError:
-                continue
-    return total
-
-
 class SnapshotBackend:
     """Resident states are SharedSnapshots; on-disk states are delta chains in a blob store."""
 
-    def __init__(self, memory: str = "ksm", store_dir: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, memory: str = "auto", store_dir: str | os.PathLike[str] | None = None) -> None:
         self.memory = memory
         self.deltas = DeltaStore(BlobStore(Path(store_dir) / "blobs")) if store_dir is not None else None
         self._scratch = Path(store_dir) / "scratch" if store_dir is not None else None

@@ -57,7 +57,8 @@ class ToolPrefixCache:
     """A tool-prefix tree whose node states are kept resident, on disk or as metadata.
 
     capacity_bytes bounds the measured bytes of resident states (snapshot images plus saved
-    layers). snapshot_every > 1 makes snapshots sparse: only every n-th depth, and calls slower
+    layers, plus for copy-on-write snapshots the pages their sources wrote since, measured again
+    before every eviction). snapshot_every > 1 makes snapshots sparse: only every n-th depth, and calls slower
     than snapshot_slower_than seconds, are captured; the rest are replayed when needed.
     background=False persists states synchronously (deterministic tests).
     """
@@ -234,6 +235,10 @@ class ToolPrefixCache:
 
     def _evict_locked(self) -> list[tuple[Node, Any]]:
         out = self._sweep_removed_locked()
+        # Sizes are measured again first: a retained copy-on-write snapshot costs the pages its
+        # source has written since, so it grows while it sits in the cache.
+        for node in self.lru.resident:
+            self.lru.resize(node, self.backend.size(node.payload))
         evicted = self.lru.evict(self._can_drop)
         self.counters["evicted"] += len(evicted)
         return out + evicted

@@ -56,7 +56,7 @@ class RolloutEngine:
 
     def __init__(self, policy: Policy, *, cache: ToolPrefixCache | None = None,
                  speculator: Speculator | None = None, guard: DeterminismGuard | None = None,
-                 tail: TailPolicy | None = None, memory: str = "ksm", max_steps: int = 32,
+                 tail: TailPolicy | None = None, memory: str = "auto", max_steps: int = 32,
                  memory_interval: float = 0.25, prefetch: bool = True) -> None:
         self.policy = policy
         self.cache = cache
@@ -172,7 +172,7 @@ class RolloutEngine:
             root = self.cache.root(task.id, digest)
             if root is None:
                 ws0 = await self._initialized(task)
-                snap = await run_blocking(SharedSnapshot.take, ws0)
+                snap = await run_blocking(SharedSnapshot.take, ws0, self.memory)
                 await self._destroy(ws0)
                 root = self.cache.add_root(task.id, digest, snap)
             for s in samples:
@@ -180,7 +180,7 @@ class RolloutEngine:
         else:
             ws0 = await self._initialized(task)
             try:
-                snap = await run_blocking(SharedSnapshot.take, ws0)
+                snap = await run_blocking(SharedSnapshot.take, ws0, self.memory)
             finally:
                 await self._destroy(ws0)
             try:
@@ -385,7 +385,7 @@ class RolloutEngine:
     async def _post_call(self, s: _Sample, capture: Node | None, chain: list[ToolCall]) -> None:
         assert s.ws is not None
         try:
-            snap = await run_blocking(SharedSnapshot.take, s.ws)
+            snap = await run_blocking(SharedSnapshot.take, s.ws, self.memory)
         except Exception as e:
             s.timeline.errors.append(f"capture failed: {e!r}")
             if capture is not None and self.cache is not None:

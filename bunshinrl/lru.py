@@ -46,6 +46,13 @@ class AncestorLRU:
             a.resident_below += 1
         self.touch(node)
 
+    def resize(self, node: Node, size: int) -> None:
+        """Record a resident state's current size (a copy-on-write snapshot grows over time)."""
+        if not node.resident:
+            raise ValueError(f"{node} is not resident")
+        self.resident_bytes += size - node.payload_bytes
+        node.payload_bytes = size
+
     def drop(self, node: Node) -> Any:
         """Make `node` non-resident and return its payload for the caller to release."""
         if node.resident_below:

@@ -104,7 +104,7 @@ class SpeculativeBranch:
             if j < len(self._checkpoints) and not self._aborted:
                 # The rollback point should the policy take this call and then deviate.
                 try:
-                    cp = await run_blocking(SharedSnapshot.take, ws)
+                    cp = await run_blocking(SharedSnapshot.take, ws, self._owner.memory)
                 except BaseException as e:
                     self._fail_from(j, e)
                     if isinstance(e, asyncio.CancelledError):
@@ -269,7 +269,7 @@ class Speculator:
     guesses the selector itself doubts.
     """
 
-    def __init__(self, selector: ToolSelector | None = None, *, depth: int = 2, memory: str = "ksm",
+    def __init__(self, selector: ToolSelector | None = None, *, depth: int = 2, memory: str = "auto",
                  tail: TailPolicy | None = None, guard: DeterminismGuard | None = None,
                  min_probability: float = 0.5) -> None:
         if depth < 1:
@@ -312,7 +312,7 @@ class Speculator:
         if not calls:
             raise ValueError("nothing to speculate")
         _check_isolated(ws)
-        snap = snapshot.acquire() if snapshot is not None else await run_blocking(SharedSnapshot.take, ws)
+        snap = snapshot.acquire() if snapshot is not None else await run_blocking(SharedSnapshot.take, ws, self.memory)
         self.stats["launched"] += 1
         return SpeculativeBranch(self, ws, snap, calls, tools)
 

@@ -183,3 +183,26 @@ def test_replay_is_preferred_when_faster_than_disk() -> None:
     assert ws.calls == ["a{}"] and backend.loads == 1
     cache.close()
     assert backend.live == set()
+
+
+def test_growing_states_are_measured_again_before_eviction() -> None:
+    """A retained copy-on-write snapshot costs more as its source writes: the budget must see it."""
+    backend = FakeBackend(persists=True)
+    cache = ToolPrefixCache(backend, 100, background=False)
+    root = cache.add_root("t", "d", backend.new((), 10))
+
+    def add(parent: Node, name: str, size: int) -> Node:
+        node, _ = cache.begin(parent, ToolCall(name))
+        cache.complete(node, "o", 0.1)
+        cache.attach(node, backend.new(tuple(c.key for c in node.calls()), size))
+        return node
+
+    a = add(root, "a", 20)
+    b = add(root, "b", 20)
+    assert cache.lru.resident_bytes == 50 and a.resident and b.resident
+    a.payload.size = 75  # its source wrote 55 bytes of pages it used to share
+    c = add(root, "c", 10)  # 10 + 75 + 20 + 10 > 100: a, the least recently used leaf, goes
+    assert not a.resident and b.resident and c.resident
+    assert cache.lru.resident_bytes == 40
+    assert cache.check() == []
+    cache.close()

@@ -38,7 +38,7 @@ class TrajectoryWorkspaces:
     _shared_lock = threading.Lock()
 
     def __init__(self, tasks: Iterable[VerifiableTask] | Mapping[str, VerifiableTask] | None = None, *,
-                 memory: str = "ksm", linger_seconds: float = 60.0) -> None:
+                 memory: str = "auto", linger_seconds: float = 60.0) -> None:
         self._tasks: dict[str, VerifiableTask] = {}
         if tasks is not None:
             for t in tasks.values() if isinstance(tasks, Mapping) else tasks:
@@ -83,7 +83,7 @@ class TrajectoryWorkspaces:
         ws = Workspace.create(**task.spec)
         try:
             task.setup(ws)
-            snap = SharedSnapshot.take(ws)
+            snap = SharedSnapshot.take(ws, self.memory)
         finally:
             ws.destroy()
         with self._lock:

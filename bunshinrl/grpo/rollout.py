@@ -173,7 +173,7 @@ def max_steps(tasks: Sequence[VerifiableTask]) -> int:
 
 
 def make_engine(config: Config, policy: Policy, tasks: Sequence[VerifiableTask], *, store: Path | None = None,
-                memory: str = "ksm", cache_bytes: int = 1 << 40, spec_depth: int = 2,
+                memory: str = "auto", cache_bytes: int = 1 << 40, spec_depth: int = 2,
                 slow_tool_seconds: float = 0.0, snapshot_every: int = 2, snapshot_slower_than: float | None = 0.1,
                 memory_interval: float = 0.25) -> EngineBundle:
     """Base: memory sharing only. Spec: + speculative tool execution. Full: + tool-prefix cache.
