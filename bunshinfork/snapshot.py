@@ -273,28 +273,44 @@ class Snapshot:
                      f"lowerdir={lower},upperdir={layer.upper},workdir={layer.work}")
         wfd = os.open(work, os.O_DIRECTORY | os.O_RDONLY)
         restored_init: list[int] = []
+        share_failed: list[BaseException] = []
 
         def on_notify(script: str, pid: int) -> None:
             # setup-namespaces names the restored init. rst_sibling made it our child, so if the
             # restore fails from here on (criu killed, a later step failing) only we can reap it.
             if script == "setup-namespaces" and pid > 0:
                 restored_init.append(pid)
+            elif script == "pre-resume" and self.kind == "cow":
+                # Every thread is stopped under CRIU's ptrace at its final sigreturn: share the
+                # anonymous memory in now. A SIGSTOP/SIGCONT round (CRIU's leave_stopped) would
+                # be seen by the clone's parents (a job-control shell's `wait` returns on it).
+                try:
+                    holders.share_tree(self._holders, cg.pids())
+                except BaseException as e:
+                    # CRIU resumes the tasks whatever this hook says; they must not run on
+                    # empty memory. SIGKILL reaches traced tasks.
+                    share_failed.append(e)
+                    for p in cg.pids():
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(p, signal.SIGKILL)
 
         try:
             roots = [(ctrl, "/" + os.path.relpath(p, _controller_mount(ctrl, p)))
                      for ctrl, p in cg.paths.items()]
             opts = process.restore_opts(self.images_dir, wfd, str(mountpoint), roots)
-            # cow: the clone stays stopped until its anonymous memory is shared in.
-            opts.leave_stopped = self.kind == "cow"
-            resp = criu.request("restore", opts, on_notify, keep_fds=(wfd,), ksm_merge=use_ksm,
-                                log=work / "restore.log", session_hook=RESTORE_HOOK)
-            pid = int(resp.restore.pid)
-            if self.kind == "cow":
-                clone_pids = cg.pids()
-                holders.share_tree(self._holders, clone_pids)
-                for p in clone_pids:
-                    os.kill(p, signal.SIGCONT)
-            return pid
+            try:
+                resp = criu.request("restore", opts, on_notify, keep_fds=(wfd,), ksm_merge=use_ksm,
+                                    log=work / "restore.log", session_hook=RESTORE_HOOK)
+            except BunshinError as e:
+                # Tasks killed for a failed share can fail CRIU's detach: name the first cause.
+                if share_failed:
+                    raise ForkError(f"sharing the snapshot's memory into the clone failed: {share_failed[0]}") \
+                        from e
+                raise
+            if share_failed:
+                raise ForkError(f"sharing the snapshot's memory into the clone failed: {share_failed[0]}") \
+                    from share_failed[0]
+            return int(resp.restore.pid)
         except BaseException:
             _abandon_restore(restored_init, cg, work)
             raise

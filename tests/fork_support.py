@@ -10,14 +10,30 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from helpers import run_ok, wait_for
 
 from bunshinfork import process, state
 from bunshinfork.commands import CommandHandle
+from bunshinfork.memory import cow
 from bunshinfork.snapshot import Snapshot, leftover_snapshots
 from bunshinfork.workspace import Workspace
 
 WORKLOADS = Path(__file__).resolve().parent / "workloads"
+# The copy-on-write engine needs /dev/bunshin, i.e. the guest kernel: `make test-guest` selects
+# these parameters with `-m cow`, and the host run skips them.
+COW = pytest.param("cow", marks=[
+    pytest.mark.cow,
+    pytest.mark.skipif(not cow.available(), reason="needs /dev/bunshin (run `make test-guest`)"),
+])
+# These cow runs pass, but freeing some clones' mms logs "BUG: non-zero pgtables_bytes on
+# freeing mm: 4096" in the guest (one page table unaccounted per clone; open on issue 4).
+# `make test-guest` leaves them out so its dmesg check guards everything else; run them with
+# `make test-guest-leak`.
+COW_PGTABLES_LEAK = pytest.param("cow", marks=[
+    pytest.mark.cow, pytest.mark.cow_pgtables_leak,
+    pytest.mark.skipif(not cow.available(), reason="needs /dev/bunshin (run `make test-guest`)"),
+])
 AGENT = "/root/agent.py"
 XCLIENT = "/root/xclient.py"
 

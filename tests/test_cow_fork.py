@@ -31,6 +31,10 @@ while True:
     for line in open("/root/cmd"):
         if line.strip() == "write":
             b[0:4] = b"mine"
+        elif line.strip() == "scribble":
+            # One byte in every page: the whole pattern stops being shared with a snapshot.
+            for i in range(0, len(b), 4096):
+                b[i] ^= 0xFF
         publish("/root/hash", hashlib.sha256(b).hexdigest())
 """
 
@@ -101,3 +105,26 @@ def test_cow_clones_share_memory_and_stay_isolated(tmp_path: Path) -> None:
             for c in clones:
                 if isinstance(c, Workspace):
                     c.destroy()
+
+
+def test_retained_snapshot_costs_what_the_source_writes() -> None:
+    """The prefix cache's bound: a retained cow snapshot costs the pages written after it."""
+    with Workspace.create() as ws:
+        ws.commands.run("mkfifo /root/cmd")
+        ws.files.write("/root/worker.py", WORKER)
+        ws.commands.run("python3 /root/worker.py", background=True)
+        want = wait_for(ws, "/root/ready")
+        with ws.snapshot(memory="cow") as snap:
+            fresh = snap.retained_bytes()
+            # Shared with the running source, the 32 MiB pattern costs the snapshot nothing yet.
+            assert fresh < snap.image_bytes() + (8 << 20), (fresh, snap.image_bytes())
+            assert ask(ws, "scribble") != want
+            grown = snap.retained_bytes()
+            assert grown - fresh >= 31 << 20, (fresh, grown)
+            # ... and what it retains is the pattern as it was.
+            (c,) = snap.fork(1)
+            assert isinstance(c, Workspace), c
+            try:
+                assert ask(c, "hash") == want
+            finally:
+                c.destroy()

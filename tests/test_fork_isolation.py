@@ -16,11 +16,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 from fork_support import agent, forked, start_agent
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from bunshinfork.memory import cow
 from bunshinfork.workspace import Workspace
 
 MAX_MEMBERS = 4
@@ -63,6 +65,8 @@ def files(ws: Workspace) -> dict[str, str]:
 
 
 class ForkFamily(RuleBasedStateMachine):
+    memory = "copy"
+
     def __init__(self) -> None:
         super().__init__()
         self.members: list[Member] = []
@@ -81,7 +85,7 @@ class ForkFamily(RuleBasedStateMachine):
     @rule(i=member_index)
     def fork(self, i: int) -> None:
         parent = self.pick(i)
-        (clone,) = forked(parent.ws.fork(1, memory="copy"))
+        (clone,) = forked(parent.ws.fork(1, memory=self.memory))
         self.members.append(Member(clone, copy.deepcopy(parent.model)))
         event(f"family of {len(self.members)}")
 
@@ -137,3 +141,19 @@ ForkFamily.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 test_fork_family_isolation = ForkFamily.TestCase
+
+
+class CowForkFamily(ForkFamily):
+    """The same family with copy-on-write memory: a write in one member must not reach pages
+    it still shares with the others."""
+
+    memory = "cow"
+
+
+# Fewer, shorter runs: the guest kernel runs under qemu TCG, 10-30x slower than this host.
+CowForkFamily.TestCase.settings = settings(
+    max_examples=4, stateful_step_count=12, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+test_cow_fork_family_isolation = pytest.mark.cow(pytest.mark.skipif(
+    not cow.available(), reason="needs /dev/bunshin (run `make test-guest`)")(CowForkFamily.TestCase))

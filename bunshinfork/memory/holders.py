@@ -158,7 +158,7 @@ def capture_tree(pids: list[int], freeze: Callable[[], None], thaw: Callable[[],
 
 def share_tree(holders_by_ns_pid: dict[int, Holder], clone_pids: list[int]) -> int:
     """Map each holder's anonymous memory into the clone process with the same namespace pid
-    (all stopped by CRIU's leave_stopped); returns the number of VMAs shared."""
+    (all stopped under CRIU's ptrace, before it resumes them); returns the number of VMAs shared."""
     shared = 0
     for pid in clone_pids:
         h = holders_by_ns_pid.get(ns_pid(pid))
