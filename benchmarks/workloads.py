@@ -11,9 +11,19 @@ WORKER = r'''
 import mmap, os, random, sys, time
 kind, mib, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 if kind == "heap":
+    import signal
     rnd = random.Random(seed)
     # Distinct pseudo-random pages: nothing for the zero page or KSM to merge inside one process.
-    heap = [rnd.randbytes(1 << 20) for _ in range(mib)]
+    heap = [bytearray(rnd.randbytes(1 << 20)) for _ in range(mib)]
+
+    def scribble(_sig, _frame):
+        # SIGUSR1: one byte in every page of the first quarter of the heap, then a marker file.
+        for chunk in heap[: max(len(heap) // 4, 1)]:
+            for off in range(0, len(chunk), 4096):
+                chunk[off] ^= 0xFF
+        open(f"/tmp/scribbled-{seed}", "a").write("x")
+
+    signal.signal(signal.SIGUSR1, scribble)
 elif kind == "file":
     # File-backed pages from the shared read-only lower layer: one page cache for every clone.
     maps, left = [], mib << 20
@@ -47,11 +57,32 @@ SERVER = (
 )
 
 
+def heap_mib_per_proc(size_mib: int, heap_procs: int = 8) -> int:
+    return max((size_mib - max(size_mib // 8, 1)) // heap_procs, 1)
+
+
+def scribble(ws: Workspace, heap_procs: int = 8, timeout: float = 300) -> int:
+    """Have every heap worker write a quarter of its pages; returns the bytes written."""
+    rounds = {i: len(str(ws.files.read(f"/tmp/scribbled-{i}"))) if ws.files.exists(f"/tmp/scribbled-{i}") else 0
+              for i in range(heap_procs)}
+    ws.commands.run("pkill -USR1 -f 'worker.py heap'", timeout=30)
+    deadline = time.monotonic() + timeout
+    for i, n in rounds.items():
+        path = f"/tmp/scribbled-{i}"
+        while not (ws.files.exists(path) and len(str(ws.files.read(path))) > n):
+            if time.monotonic() > deadline:
+                raise TimeoutError("heap workers did not write their pages")
+            time.sleep(0.1)
+    mib = int(str(ws.files.read("/root/heap-mib")))
+    return heap_procs * max(mib // 4, 1) << 20
+
+
 def populate(ws: Workspace, size_mib: int, heap_procs: int = 8) -> int:
     """Start the mixed workload; returns the number of worker processes started."""
     ws.files.write("/root/worker.py", WORKER)
     file_mib = max(size_mib // 8, 1)
-    heap_mib = max((size_mib - file_mib) // heap_procs, 1)
+    heap_mib = heap_mib_per_proc(size_mib, heap_procs)
+    ws.files.write("/root/heap-mib", str(heap_mib))
     for i in range(heap_procs):
         ws.commands.run(f"python3 /root/worker.py heap {heap_mib} {i}", background=True)
     ws.commands.run(f"python3 /root/worker.py file {file_mib} 0", background=True)
