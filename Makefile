@@ -33,12 +33,8 @@ kernel-check:
 # kernel/bunshin.ko there and runs the cow tests; see kernel/README.md. pytest's 5
 # (no cow tests collected yet) counts as success; a kernel BUG/WARNING fails the run.
 GUEST_TIMEOUT ?= 3000
-GUEST_MARKS ?= cow and not cow_pgtables_leak
-.PHONY: test-guest test-guest-leak
-# The known module bug (issue 4): these tests pass but the kernel logs a page-table leak.
-test-guest-leak:
-	$(MAKE) test-guest GUEST_MARKS=cow_pgtables_leak
-
+GUEST_MARKS ?= cow
+.PHONY: test-guest
 test-guest: setup
 	bash kernel/setup-guest.sh
 	@kver=$$(cat $${BUNSHIN_CACHE:-/var/cache/bunshin}/guest/kver); \

@@ -70,6 +70,9 @@ int split_vma(struct vma_iterator *vmi, struct vm_area_struct *vma, unsigned lon
 extern void flush_tlb_mm_range(struct mm_struct *mm, unsigned long start, unsigned long end,
 			       unsigned int stride_shift, bool freed_tables);
 #endif
+/* After that prototype: asm/tlb.h's tlb_flush() calls flush_tlb_mm_range(). Only the struct
+ * mmu_gather layout is used here; the calls go through kallsyms-resolved pointers. */
+#include <asm/tlb.h>
 
 static typeof(&anon_vma_fork) p_anon_vma_fork;
 static typeof(&copy_page_range) p_copy_page_range;
@@ -78,6 +81,9 @@ static typeof(&walk_page_range) p_walk_page_range;
 static typeof(&access_remote_vm) p_access_remote_vm;
 static typeof(&unlink_anon_vmas) p_unlink_anon_vmas;
 static typeof(&flush_tlb_mm_range) p_flush_tlb_mm_range;
+static typeof(&free_pgd_range) p_free_pgd_range;
+static typeof(&tlb_gather_mmu) p_tlb_gather_mmu;
+static typeof(&tlb_finish_mmu) p_tlb_finish_mmu;
 
 static unsigned long lookup_name(const char *name)
 {
@@ -112,6 +118,9 @@ static int resolve_symbols(void)
 	RESOLVE(p_access_remote_vm, "access_remote_vm");
 	RESOLVE(p_unlink_anon_vmas, "unlink_anon_vmas");
 	RESOLVE(p_flush_tlb_mm_range, "flush_tlb_mm_range");
+	RESOLVE(p_free_pgd_range, "free_pgd_range");
+	RESOLVE(p_tlb_gather_mmu, "tlb_gather_mmu");
+	RESOLVE(p_tlb_finish_mmu, "tlb_finish_mmu");
 	return 0;
 }
 
@@ -304,6 +313,24 @@ static void copy_thp_advice(struct vm_area_struct *dst, struct vm_area_struct *s
 }
 
 /*
+ * fork() copies into a new mm, whose page tables are all empty. A restored clone's range can
+ * still hold page tables: empty ones left by CRIU's restorer or by the reset, or ones mapping
+ * the zero page. copy_huge_pmd() would overwrite a PMD that points at such a table, leaking
+ * the table and its pgtables_bytes ("BUG: non-zero pgtables_bytes on freeing mm"). So empty
+ * the range and free the page tables that lie wholly inside it, as munmap would. Tables that
+ * also span a neighbour stay; a huge PMD never shares its 2 MiB with a neighbour.
+ */
+static void clear_tables(struct vm_area_struct *dst)
+{
+	struct mmu_gather tlb;
+
+	bunshin_zap(dst, dst->vm_start, dst->vm_end - dst->vm_start);
+	p_tlb_gather_mmu(&tlb, dst->vm_mm);
+	p_free_pgd_range(&tlb, dst->vm_start, dst->vm_end, dst->vm_start, dst->vm_end);
+	p_tlb_finish_mmu(&tlb);
+}
+
+/*
  * Make dst's VMA at [src->vm_start, src->vm_end) pristine and exactly aligned to src,
  * then fork src's pages into it. Both mmap locks are held for writing.
  */
@@ -347,6 +374,7 @@ static int share_vma(struct mm_struct *dst_mm, struct vm_area_struct *src, u32 f
 	vma_start_write(dst);
 	vma_start_write(src);
 #endif
+	clear_tables(dst);
 	/* rmap finds dst's copy of a page through page->index and dst->vm_pgoff; without
 	 * this, migration, compaction and reclaim would silently miss the target. */
 	dst->vm_pgoff = src->vm_pgoff;

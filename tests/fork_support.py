@@ -26,14 +26,7 @@ COW = pytest.param("cow", marks=[
     pytest.mark.cow,
     pytest.mark.skipif(not cow.available(), reason="needs /dev/bunshin (run `make test-guest`)"),
 ])
-# These cow runs pass, but freeing some clones' mms logs "BUG: non-zero pgtables_bytes on
-# freeing mm: 4096" in the guest (one page table unaccounted per clone; open on issue 4).
-# `make test-guest` leaves them out so its dmesg check guards everything else; run them with
-# `make test-guest-leak`.
-COW_PGTABLES_LEAK = pytest.param("cow", marks=[
-    pytest.mark.cow, pytest.mark.cow_pgtables_leak,
-    pytest.mark.skipif(not cow.available(), reason="needs /dev/bunshin (run `make test-guest`)"),
-])
+
 AGENT = "/root/agent.py"
 XCLIENT = "/root/xclient.py"
 

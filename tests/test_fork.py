@@ -23,7 +23,6 @@ import btrfsutil  # type: ignore[import-not-found]
 import pytest
 from fork_support import (
     COW,
-    COW_PGTABLES_LEAK,
     WORKLOADS,
     XCLIENT,
     agent,
@@ -123,7 +122,7 @@ def peek_shm(ws: Workspace) -> dict[str, str]:
 # ---- 1 + 2: topology and state, private copies or copy-on-write ----
 
 
-@pytest.mark.parametrize("memory", ["copy", COW_PGTABLES_LEAK])
+@pytest.mark.parametrize("memory", ["copy", COW])
 def test_fork_keeps_topology_and_state(big: tuple[Workspace, dict[str, Any]], memory: str) -> None:
     ws, ready = big
     before = settled_tree(ws)
@@ -269,7 +268,7 @@ def test_fork_never_forks_the_host_process(memory: str) -> None:
 # ---- 4: repeatability ----
 
 
-@pytest.mark.parametrize("memory", ["copy", "ksm", COW_PGTABLES_LEAK])
+@pytest.mark.parametrize("memory", ["copy", "ksm", COW])
 def test_fork_of_a_fork(small: Workspace, memory: str) -> None:
     before = settled_tree(small)
     src = report(small)

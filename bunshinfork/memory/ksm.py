@@ -25,7 +25,7 @@ KSM = Path("/sys/kernel/mm/ksm")
 BOOST = {"run": "1", "pages_to_scan": "4000", "sleep_millisecs": "5"}
 KNOBS = ("run", "pages_to_scan", "sleep_millisecs")
 BOOST_FILE = "ksm-boost.json"
-IDLE_AFTER = 1.0
+IDLE_AFTER = 5.0
 
 
 def available() -> bool:
@@ -55,6 +55,11 @@ def progress() -> Progress:
         pages_unshared=_read("pages_unshared"), full_scans=_read("full_scans"),
         general_profit=_read("general_profit") if (KSM / "general_profit").exists() else 0,
     )
+
+
+def _pages_scanned() -> int | None:
+    # Absent before 6.4; then only the rmap counters tell that nothing is left to scan.
+    return _read("pages_scanned") if (KSM / "pages_scanned").exists() else None
 
 
 def _nothing_in_scope() -> bool:
@@ -113,18 +118,21 @@ class _Tuner:
         """
         deadline = time.monotonic() + timeout
         first = last = progress()
-        last_scan_at = time.monotonic()
+        scanned, scanned_at = _pages_scanned(), time.monotonic()
         quiet = 0
         while time.monotonic() < deadline:
             time.sleep(0.05)
             now = progress()
             if now.full_scans > last.full_scans:
                 quiet = quiet + 1 if now.pages_sharing <= last.pages_sharing else 0
-                last, last_scan_at = now, time.monotonic()
+                last = now
                 if quiet >= quiet_scans and now.full_scans - first.full_scans >= min_scans:
                     break
-            elif time.monotonic() - last_scan_at > IDLE_AFTER and _nothing_in_scope():
-                # ksmd sleeps without counting scans once no process is left that opted in.
+            if (n := _pages_scanned()) != scanned:
+                scanned, scanned_at = n, time.monotonic()
+            elif time.monotonic() - scanned_at > IDLE_AFTER and _nothing_in_scope():
+                # ksmd sleeps, scanning nothing, once no process that opted in is left. A ksmd
+                # merely starved of CPU on a loaded host still scans some pages every few seconds.
                 break
         return last
 

@@ -2,7 +2,8 @@
 
 source mode: allocate SIZE bytes of a seeded pattern in its own anonymous mapping.
 target mode: map anonymous memory at exactly [START, END) (MAP_FIXED_NOREPLACE), then stop
-itself so the orchestrator can share a snapshot into it.
+itself so the orchestrator can share a snapshot into it. "used" as a fourth argument writes and
+drops the range first, leaving empty page tables in it.
 """
 
 import ctypes
@@ -45,6 +46,12 @@ else:
         sys.exit(3)
     addr = start
     m = (ctypes.c_char * size).from_address(addr)
+    if len(sys.argv) > 4 and sys.argv[4] == "used":
+        # Leave empty page tables behind, as a restored process's range can have them: small
+        # pages written, then dropped. The VMA keeps its anon_vma, so sharing needs a reset.
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(size), 15)  # MADV_NOHUGEPAGE
+        ctypes.memset(start, 1, size)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(size), 4)  # MADV_DONTNEED
 print(addr, size, flush=True)
 if mode == "target":
     os.kill(os.getpid(), signal.SIGSTOP)
