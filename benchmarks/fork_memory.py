@@ -234,6 +234,9 @@ def main() -> int:
     if "cow" in engines and not cow.available():
         print(f"skipping cow: {cow.unavailable_reason()}", flush=True)
         engines.remove("cow")
+    if "ksm" in engines and (why := ksm.unavailable_reason()):
+        print(f"skipping ksm: {why}", flush=True)
+        engines.remove("ksm")
     forks = [int(x) for x in args.forks.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -197,7 +197,7 @@ async def main() -> int:
     ap.add_argument("--engines", default="copy,ksm", help="fork engines for the engine-memory run")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--memory", default="ksm", help="fork engine of the Base/Spec/Full runs")
+    ap.add_argument("--memory", default="auto", help="fork engine of the Base/Spec/Full runs")
     ap.add_argument("--tasks", type=int)
     ap.add_argument("--group-size", type=int)
     ap.add_argument("--epochs", type=int)

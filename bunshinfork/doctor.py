@@ -7,7 +7,6 @@ missing feature becomes a failed Check whose detail says how to get it.
 from __future__ import annotations
 
 import contextlib
-import errno
 import importlib
 import os
 import re
@@ -27,7 +26,6 @@ MIN_KERNEL = (5, 6)
 CRIU_WANTED = (4, 2)
 # sudo and cron often drop the sbin directories from PATH, where criu and mkfs.btrfs live.
 SBIN_DIRS = ("/usr/local/sbin", "/usr/sbin", "/sbin")
-PR_GET_MEMORY_MERGE = 68
 
 
 @dataclass(frozen=True)
@@ -227,15 +225,14 @@ def check_ksm() -> Check:
     meaning = {"0": "stopped", "1": "running", "2": "unmerging"}.get(run, "")
     detail = f"run={run}" + (f" ({meaning})" if meaning else "")
     try:
-        from . import native
+        from .memory import ksm
 
-        native.prctl(PR_GET_MEMORY_MERGE)
+        why = ksm.unavailable_reason()
     except ImportError as e:
         return Check("ksm", False, f"{detail}; cannot test PR_GET_MEMORY_MERGE: {e}", required=False)
-    except OSError as e:
-        why = "kernel < 6.4" if e.errno == errno.EINVAL else os.strerror(e.errno or 0)
-        return Check("ksm", False, f"{detail}; prctl(PR_GET_MEMORY_MERGE) fails ({why}), so per-process "
-                     "merging (ksm=True) is unavailable", required=False)
+    if why:
+        return Check("ksm", False, f"{detail}; {why}, so memory='ksm' and ksm=True are unavailable",
+                     required=False)
     return Check("ksm", True, f"{detail}; prctl(PR_GET_MEMORY_MERGE) works", required=False)
 
 
@@ -257,8 +254,10 @@ def check_userfaultfd() -> Check:
 def check_cow_module() -> Check:
     if os.path.exists("/dev/bunshin"):
         return Check("/dev/bunshin", True, "copy-on-write kernel module loaded", required=False)
-    return Check("/dev/bunshin", False, 'absent: memory="auto" will use ksm; build with `make -C kernel` and '
-                 "insmod on hosts that can load modules", required=False)
+    from .memory import resolve
+
+    return Check("/dev/bunshin", False, f'absent: memory="auto" will use {resolve("auto")}; build with '
+                 "`make -C kernel` and insmod on hosts that can load modules", required=False)
 
 
 def check_btrfs() -> Check:

@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 from bunshinfork import Snapshot, Workspace
-from bunshinfork.memory import cow
+from bunshinfork import memory as engines
+from bunshinfork.errors import KernelFeatureError
+from bunshinfork.memory import cow, ksm
 
 pytestmark = [
     pytest.mark.cow,
@@ -128,3 +130,19 @@ def test_retained_snapshot_costs_what_the_source_writes() -> None:
                 assert ask(c, "hash") == want
             finally:
                 c.destroy()
+
+
+def test_engines_on_a_kernel_without_process_wide_ksm() -> None:
+    """Debian 12's 6.1 has no PR_SET_MEMORY_MERGE: "ksm" is a clear error before anything is
+    frozen, and "auto" never picks it (a dead CRIU helper is all it used to get)."""
+    if ksm.merge_supported():
+        pytest.skip("this kernel lets processes opt into KSM as a whole")
+    assert engines.resolve("auto") == "cow"
+    with Workspace.create() as ws:
+        ws.commands.run("exec sleep 1000", background=True)
+        with pytest.raises(KernelFeatureError, match="PR_GET_MEMORY_MERGE"):
+            ws.fork(1, memory="ksm")
+        (c,) = ws.fork(1, memory="copy")
+        assert isinstance(c, Workspace), c
+        c.destroy()
+        assert ws.commands.run("echo alive").stdout == "alive\n"

@@ -17,7 +17,7 @@ def unavailable_reason() -> str:
     return (
         f"memory='cow' needs the bunshin kernel module ({DEVICE} is missing): build it with "
         "'make -C kernel' and insmod kernel/bunshin.ko on a host that can load modules; "
-        "memory='auto' falls back to 'ksm'"
+        "memory='auto' falls back to 'ksm' (or 'copy' before Linux 6.4)"
     )
 
 

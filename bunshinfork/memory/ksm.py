@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import json
 import os
 import threading
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import state
+from .. import native, state
 
 KSM = Path("/sys/kernel/mm/ksm")
 BOOST = {"run": "1", "pages_to_scan": "4000", "sleep_millisecs": "5"}
@@ -29,7 +30,24 @@ IDLE_AFTER = 5.0
 
 
 def available() -> bool:
+    """ksmd exists (its knobs and counters); see merge_supported() for the fork engine."""
     return (KSM / "run").exists()
+
+
+def merge_supported() -> bool:
+    """Whether processes can opt in as a whole (PR_SET_MEMORY_MERGE, Linux 6.4): the ksm engine."""
+    return unavailable_reason() is None
+
+
+def unavailable_reason() -> str | None:
+    if not available():
+        return "the kernel has no KSM (/sys/kernel/mm/ksm is absent)"
+    try:
+        native.prctl(native.PR_GET_MEMORY_MERGE)
+    except OSError as e:
+        why = "Linux < 6.4" if e.errno == errno.EINVAL else os.strerror(e.errno or 0)
+        return f"prctl(PR_GET_MEMORY_MERGE) fails ({why}): processes cannot opt into KSM as a whole"
+    return None
 
 
 def _read(name: str) -> int:
