@@ -24,6 +24,21 @@ clean:
 	.venv/bin/bunshin rm --all || true
 	.venv/bin/bunshin gc || true
 
+# The fork benchmark with the cow engine: in the guest kernel, since this host cannot load
+# modules (about 10 minutes under TCG). Results land in results/guest/{engines,sizes}.
+.PHONY: bench-guest
+bench-guest: setup
+	bash kernel/setup-guest.sh
+	@kver=$$(cat $${BUNSHIN_CACHE:-/var/cache/bunshin}/guest/kver); \
+	$(MAKE) -C kernel KDIR=/usr/src/linux-headers-$$kver
+	mkdir -p results/guest
+	$(PY) kernel/guest.py --mem 12288 --timeout 3000 --out $(CURDIR)/results/guest -- '\
+	insmod kernel/bunshin.ko || exit 1; \
+	$(CURDIR)/$(PY) benchmarks/fork_memory.py --engines copy,ksm,cow --forks 1,2,4,8,16 --size-mib 1024 \
+		--settle-timeout 90 --out $$BUNSHIN_GUEST_OUT/engines && \
+	$(CURDIR)/$(PY) benchmarks/fork_memory.py --engines cow --forks 1,4,16 --size-mib 256,2048 \
+		--out $$BUNSHIN_GUEST_OUT/sizes'
+
 # Compiles the module against Debian's 6.12 headers too (loaded and tested only on 6.1).
 .PHONY: kernel-check
 kernel-check:
