@@ -333,7 +333,7 @@ def _fork_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("id", nargs="?", type=_workspace_id, help="the running workspace to fork")
     p.add_argument("-n", "--count", type=int, default=1, help="number of clones (default 1)")
     p.add_argument("--memory", default="auto", choices=("auto", "copy", "ksm", "cow"),
-                   help="memory engine (default auto: cow with /dev/bunshin, else ksm)")
+                   help="memory engine (default auto: cow with /dev/bunshin, else ksm on Linux >= 6.4, else copy)")
     p.add_argument("--snapshot", metavar="PATH", help="fork a snapshot saved by 'bunshin snapshot' instead")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 

@@ -288,7 +288,7 @@ class Workspace:
         Exception that clone failed with; the source keeps running unchanged either way).
 
         memory: "copy" (private copies), "ksm" (merged after the fact), "cow" (kernel module),
-        or "auto" (cow when /dev/bunshin exists, else ksm).
+        or "auto" (cow when /dev/bunshin exists, else ksm on Linux >= 6.4, else copy).
         """
         with self.snapshot(memory) as snap:
             return snap.fork(count, memory)
