@@ -200,6 +200,31 @@ def test_huge_pages_shared_over_leftover_page_tables(source):
     assert kernel_bugs() == bugs
 
 
+@pytest.mark.parametrize("advice", ["wipeonfork", "dontfork"])
+def test_fork_advice_is_honoured(advice: str) -> None:
+    """A snapshot is what fork() would give: a MADV_WIPEONFORK range starts empty in a clone and
+    a MADV_DONTFORK range is not in the snapshot at all; neither is shared."""
+    src = Proc("source", str(SIZE), advice)
+    try:
+        h = snapshot_of(src)
+        try:
+            t = Proc("target", str(src.addr), str(src.addr + src.size))
+            try:
+                wait_stopped(t.pid)
+                vmas, skipped = cow.share(h.fd, t.pid, src.addr, src.addr + src.size)
+                assert vmas == 0 and skipped == (1 if advice == "wipeonfork" else 0)
+                os.kill(t.pid, 18)
+                assert t.ask("read 0 16") == "00" * 16
+                assert t.ask(f"read {SIZE - 16} 16") == "00" * 16
+            finally:
+                t.close()
+        finally:
+            h.release()
+        assert src.ask("read 0 16") != "00" * 16, "the source kept its pattern"
+    finally:
+        src.close()
+
+
 def test_no_bug_or_warn_in_dmesg():
     log = subprocess.run(["dmesg"], capture_output=True, text=True).stdout
     assert not re.search(r"\b(BUG|WARNING):", log), log[-3000:]

@@ -1,6 +1,7 @@
 """A process for the copy-on-write tests, driven line by line over stdin.
 
-source mode: allocate SIZE bytes of a seeded pattern in its own anonymous mapping.
+source mode: allocate SIZE bytes of a seeded pattern in its own anonymous mapping ("wipeonfork" or
+"dontfork" as a third argument: madvise it so).
 target mode: map anonymous memory at exactly [START, END) (MAP_FIXED_NOREPLACE), then stop
 itself so the orchestrator can share a snapshot into it. "used" as a fourth argument writes and
 drops the range first, leaving empty page tables in it.
@@ -36,6 +37,9 @@ if mode == "source":
     m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     m.write(hashlib.shake_256(b"bunshin").digest(size))
     addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    advice = {"wipeonfork": 18, "dontfork": 10}  # MADV_WIPEONFORK, MADV_DONTFORK
+    if len(sys.argv) > 3 and libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(size), advice[sys.argv[3]]):
+        raise OSError(ctypes.get_errno(), "madvise")
 else:
     start, end = int(sys.argv[2]), int(sys.argv[3])
     size = end - start
