@@ -93,10 +93,10 @@ def ksm_knobs_restored() -> Iterator[None]:
     if not ksm.available():
         yield
         return
-    before = {k: (ksm.KSM / k).read_text() for k in ksm.KNOBS}
+    before = ksm.knobs()
     yield
     ksm.tuner.relax_now()
-    after = {k: (ksm.KSM / k).read_text() for k in ksm.KNOBS}
+    after = ksm.knobs()
     assert after == before, f"ksmd knobs left changed: {before} -> {after}"
     assert not (state.RUN_ROOT / ksm.BOOST_FILE).exists()
 

@@ -31,22 +31,16 @@ if sys.argv[1] == "wait":
 """
 
 
-def knobs() -> dict[str, str]:
-    return {k: (ksm.KSM / k).read_text().strip() for k in ksm.KNOBS}
-
-
 @pytest.fixture
 def marked_knobs() -> Iterator[None]:
     """Distinctive knob values, so a restore is told apart from ksmd's defaults."""
     ksm.tuner.relax_now()
     ksm.reconcile()
     assert not ksm.tuner.boosted() and not (RUN_ROOT / ksm.BOOST_FILE).exists()
-    original = knobs()
-    for k, v in MARK.items():
-        (ksm.KSM / k).write_text(v)
+    original = ksm.knobs()
+    ksm.set_knobs(MARK)
     yield
-    for k in ("pages_to_scan", "sleep_millisecs", "run"):
-        (ksm.KSM / k).write_text(original[k])
+    ksm.set_knobs(original)
 
 
 def child(mode: str) -> subprocess.Popen[str]:
@@ -56,13 +50,13 @@ def child(mode: str) -> subprocess.Popen[str]:
 
 
 def boosted() -> bool:
-    return {k: knobs()[k] for k in ksm.BOOST} == ksm.BOOST
+    return {k: ksm.knobs()[k] for k in ksm.BOOST} == ksm.BOOST
 
 
 def test_exit_restores_knobs(marked_knobs: None) -> None:
     proc = child("exit")
     assert proc.wait(timeout=30) == 0
-    assert knobs() == MARK
+    assert ksm.knobs() == MARK
     assert not (RUN_ROOT / ksm.BOOST_FILE).exists()
 
 
@@ -79,7 +73,7 @@ def test_last_holder_restores(marked_knobs: None) -> None:
     assert boosted(), "nothing has noticed the kill yet"
     # gc (`bunshin gc`) is the documented sweep after crashes.
     workspace.gc()
-    assert knobs() == MARK
+    assert ksm.knobs() == MARK
     assert not (RUN_ROOT / ksm.BOOST_FILE).exists()
 
 
@@ -88,5 +82,5 @@ def test_in_process_boost_then_relax(marked_knobs: None) -> None:
     assert boosted() and ksm.tuner.boosted()
     ksm.tuner.release()
     # ksmd stays boosted until merging settles, then the relaxer restores the knobs.
-    wait_for(lambda: knobs() == MARK, timeout=60)
+    wait_for(lambda: ksm.knobs() == MARK, timeout=60)
     assert not ksm.tuner.boosted()

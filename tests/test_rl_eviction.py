@@ -142,22 +142,24 @@ def test_resident_set_stays_ancestor_closed(ops: list[tuple], capacity: int, per
     assert backend.live == set()
 
 
+def captured(cache: ToolPrefixCache, backend: FakeBackend, parent: Node, name: str, size: int) -> Node:
+    """Run call `name` after `parent` and attach a state of `size` bytes for it."""
+    node, _ = cache.begin(parent, ToolCall(name))
+    cache.complete(node, "o", 0.1)
+    cache.attach(node, backend.new(tuple(c.key for c in node.calls()), size))
+    return node
+
+
 def test_touch_protects_ancestors_and_evicts_lru_leaf() -> None:
     backend = FakeBackend(persists=True)
     cache = ToolPrefixCache(backend, 100, background=False)
     root = cache.add_root("t", "d", backend.new((), 10))
 
-    def add(parent: Node, name: str, size: int) -> Node:
-        node, _ = cache.begin(parent, ToolCall(name))
-        cache.complete(node, "o", 0.1)
-        cache.attach(node, backend.new(tuple(c.key for c in node.calls()), size))
-        return node
-
-    a = add(root, "a", 30)
-    ab = add(a, "b", 30)
-    c = add(root, "c", 20)
+    a = captured(cache, backend, root, "a", 30)
+    ab = captured(cache, backend, a, "b", 30)
+    c = captured(cache, backend, root, "c", 20)
     cache.lookup(a, ToolCall("b"), TOOLS["b"])  # a and root are now newer than c
-    d = add(c, "a", 30)  # 120 > 100: the least recently used leaf goes, never an ancestor of d
+    d = captured(cache, backend, c, "a", 30)  # 120 > 100: the least recently used leaf goes, never an ancestor of d
     assert d.resident and c.resident and root.resident
     assert not ab.resident and ab.disk_ref is not None
     assert cache.check() == []
@@ -191,17 +193,11 @@ def test_growing_states_are_measured_again_before_eviction() -> None:
     cache = ToolPrefixCache(backend, 100, background=False)
     root = cache.add_root("t", "d", backend.new((), 10))
 
-    def add(parent: Node, name: str, size: int) -> Node:
-        node, _ = cache.begin(parent, ToolCall(name))
-        cache.complete(node, "o", 0.1)
-        cache.attach(node, backend.new(tuple(c.key for c in node.calls()), size))
-        return node
-
-    a = add(root, "a", 20)
-    b = add(root, "b", 20)
+    a = captured(cache, backend, root, "a", 20)
+    b = captured(cache, backend, root, "b", 20)
     assert cache.lru.resident_bytes == 50 and a.resident and b.resident
     a.payload.size = 75  # its source wrote 55 bytes of pages it used to share
-    c = add(root, "c", 10)  # 10 + 75 + 20 + 10 > 100: a, the least recently used leaf, goes
+    c = captured(cache, backend, root, "c", 10)  # 10 + 75 + 20 + 10 > 100: a, the least recently used leaf, goes
     assert not a.resident and b.resident and c.resident
     assert cache.lru.resident_bytes == 40
     assert cache.check() == []

@@ -34,6 +34,22 @@ def available() -> bool:
     return (KSM / "run").exists()
 
 
+def knobs() -> dict[str, str]:
+    """The ksmd tunables this module changes, as their files read now."""
+    return {k: (KSM / k).read_text().strip() for k in KNOBS}
+
+
+def set_knobs(values: dict[str, str], ignore_errors: bool = False) -> None:
+    """Write the given knobs, `run` last, so that ksmd starts (or stops) at its new rate."""
+    for k in ("pages_to_scan", "sleep_millisecs", "run"):
+        if k in values:
+            try:
+                (KSM / k).write_text(values[k])
+            except OSError:
+                if not ignore_errors:
+                    raise
+
+
 def merge_supported() -> bool:
     """Whether processes can opt in as a whole (PR_SET_MEMORY_MERGE, Linux 6.4): the ksm engine."""
     return unavailable_reason() is None
@@ -110,11 +126,10 @@ class _Tuner:
             if not self._registered:
                 with _shared() as record:
                     if not record.get("saved"):
-                        record["saved"] = {k: (KSM / k).read_text().strip() for k in KNOBS}
+                        record["saved"] = knobs()
                     record["holders"][str(os.getpid())] = state.proc_starttime(os.getpid())
                     # A later booster re-asserts the boost: an admin may have changed the knobs in between.
-                    for k, v in BOOST.items():
-                        (KSM / k).write_text(v)
+                    set_knobs(BOOST)
                 self._registered = True
 
     def release(self) -> None:
@@ -212,10 +227,7 @@ def _shared() -> Iterator[dict[str, Any]]:
             tmp.write_text(json.dumps(record))
             tmp.replace(path)
             return
-        for k in ("pages_to_scan", "sleep_millisecs", "run"):
-            if k in record.get("saved", {}):
-                with contextlib.suppress(OSError):
-                    (KSM / k).write_text(record["saved"][k])
+        set_knobs(record.get("saved", {}), ignore_errors=True)
         path.unlink(missing_ok=True)
 
 

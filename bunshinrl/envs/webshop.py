@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bunshinfork import BunshinError, Workspace
-from bunshinfork.templates import CATALOGUE, WebShopWorkspace, start_webshop
+from bunshinfork.templates import CATALOGUE, Browser, WebShopWorkspace, start_webshop
 
 from . import TaskEnv
 from ._common import agent_tool
@@ -29,22 +29,25 @@ def _shop(ws: Workspace) -> WebShopWorkspace:
     return WebShopWorkspace(ws)
 
 
+def _page(browser: Browser, url: str) -> str:
+    """What a navigation returns to the agent: where the browser landed and the page's main text."""
+    return f"{url}\n\n{browser.text('main')}"
+
+
 @agent_tool
 def goto(ws: Workspace, url: str) -> str:
     """Open a URL; a path such as "/cart" is on the shop. Returns the page's text."""
     s = _shop(ws)
     if url.startswith("/"):
         url = s.url + url
-    final = s.browser.goto(url)
-    return f"{final}\n\n{s.browser.text('main')}"
+    return _page(s.browser, s.browser.goto(url))
 
 
 @agent_tool
 def click(ws: Workspace, selector: str) -> str:
     """Click the first element matching a CSS selector. Returns the resulting page's text."""
     b = _shop(ws).browser
-    url = b.click(str(selector))
-    return f"{url}\n\n{b.text('main')}"
+    return _page(b, b.click(str(selector)))
 
 
 @agent_tool
@@ -57,8 +60,7 @@ def fill(ws: Workspace, selector: str, value: str) -> str:
 def press(ws: Workspace, key: str) -> str:
     """Press a key (Enter, Tab, Escape, Backspace) in the focused element."""
     b = _shop(ws).browser
-    url = b.press(str(key))
-    return f"{url}\n\n{b.text('main')}"
+    return _page(b, b.press(str(key)))
 
 
 @agent_tool
