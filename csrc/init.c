@@ -413,6 +413,14 @@ static void serve(int conn)
 		send_text(conn, 'F', "EINVAL malformed request");
 		_exit(1);
 	}
+	/* A caller that gave up (a request sent while the workspace was paused, then timed out)
+	 * was told it failed: acting on it after a resume would surprise it. Callers never shut
+	 * down their write side, so a hang-up means exactly that. */
+	{
+		struct pollfd pfd = { .fd = conn, .events = POLLRDHUP };
+		if (poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLRDHUP | POLLHUP)))
+			_exit(0);
+	}
 	if (!strcmp(rq.op, "run"))
 		op_run(conn, &rq);
 	else if (!strcmp(rq.op, "spawn"))

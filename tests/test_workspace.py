@@ -489,10 +489,16 @@ def test_requests_to_a_paused_workspace_fail_typed(ws: Workspace, monkeypatch: p
             ws.commands.run("true", background=True)
         with pytest.raises(WorkspaceStateError, match="paused"):
             h.kill()
+        with pytest.raises(WorkspaceStateError, match="paused"):
+            ws.commands.run("touch /tmp/ran-after-resume", background=True)
     finally:
         ws.resume()
+    # Requests whose callers gave up are dropped, not carried out once the init thaws: the
+    # kill above did not happen, and neither does the command.
     assert h.kill() is True
     assert run_ok(ws, "echo ok").stdout == "ok\n"
+    time.sleep(0.5)
+    assert not ws.files.exists("/tmp/ran-after-resume")
 
 
 def test_destroy_detaches_mounts_a_crashed_fork_left_in_the_state_dir() -> None:
