@@ -115,6 +115,10 @@ static long inject_syscall(pid_t pid, long nr, long a1, long a2, long a3, long a
 				*clone_child = (pid_t)child;
 				/* The auto-attached child reports its initial stop; collect it. */
 				wait_stop((pid_t)child, &cs);
+				/* The child's memory was copied with `syscall; int3` at rip: put the
+				 * original bytes back, or an image of it (a snapshot holder) keeps the
+				 * stub, and a clone sharing that text page traps at the int3. */
+				ptrace(PTRACE_POKETEXT, (pid_t)child, (void *)saved.rip, (void *)orig);
 			}
 			ptrace(PTRACE_CONT, pid, 0, 0);
 			continue;

@@ -1,11 +1,12 @@
 // SPDX-License-Identifier: GPL-2.0
 /*
- * bunshin: share a snapshot's anonymous memory copy-on-write with another process.
+ * bunshin: share a snapshot's private memory copy-on-write with another process.
  *
  * A snapshot is an mm kept alive by a descriptor: the mm of a holder, a child that an
  * orchestrator forked (through ptrace injection) out of a frozen workspace process.
  * BUNSHIN_IOC_SHARE then makes a target's VMAs at the same addresses map the snapshot's
- * pages copy-on-write, with exactly the kernel's fork path (anon_vma_fork, then
+ * private pages (anonymous VMAs, and the written pages of private file VMAs that map the
+ * same inode in both) copy-on-write, with exactly the kernel's fork path (anon_vma_fork, then
  * copy_page_range, then a TLB flush of the source mm), so reclaim, migration,
  * compaction and THP see ordinary forked pages.
  *
@@ -330,9 +331,36 @@ static void clear_tables(struct vm_area_struct *dst)
 	p_tlb_finish_mmu(&tlb);
 }
 
+/* A private file mapping whose written pages fork() would copy: it has an anon_vma. Device
+ * and hugetlb mappings keep CRIU's path; DONTCOPY ones are absent in a fork child. */
+static bool file_private_written(struct vm_area_struct *vma)
+{
+	return vma->vm_file && vma->anon_vma &&
+	       !(vma->vm_flags & (VM_SHARED | VM_IO | VM_PFNMAP | VM_MIXEDMAP | VM_HUGETLB | VM_DONTCOPY));
+}
+
+/*
+ * A target VMA can take src's pages only if it is the same kind of mapping. For a file
+ * mapping that means the same inode at the same offset: copy_page_range also copies the
+ * page-cache pages src maps, which would be wrong data under another file. (On overlayfs
+ * both map the real file, so a lower-layer file is one inode in the source and its clones.)
+ */
+static int same_mapping(struct vm_area_struct *dst, struct vm_area_struct *src)
+{
+	if (dst->vm_flags & VM_SHARED)
+		return -EINVAL;
+	if (!src->vm_file)
+		return vma_is_anonymous(dst) ? 0 : -EINVAL;
+	if (!dst->vm_file || file_inode(dst->vm_file) != file_inode(src->vm_file) ||
+	    dst->vm_pgoff + ((src->vm_start - dst->vm_start) >> PAGE_SHIFT) != src->vm_pgoff)
+		return -EXDEV;
+	return 0;
+}
+
 /*
  * Make dst's VMA at [src->vm_start, src->vm_end) pristine and exactly aligned to src,
- * then fork src's pages into it. Both mmap locks are held for writing.
+ * then fork src's pages into it. Both mmap locks are held for writing. -EXDEV: the
+ * target maps another file there; it is left untouched.
  */
 static int share_vma(struct mm_struct *dst_mm, struct vm_area_struct *src, u32 flags)
 {
@@ -341,8 +369,10 @@ static int share_vma(struct mm_struct *dst_mm, struct vm_area_struct *src, u32 f
 
 	if (!dst || dst->vm_start > src->vm_start || dst->vm_end < src->vm_end)
 		return -ENOENT; /* the target has no mapping covering the snapshot's VMA */
-	if (!vma_is_anonymous(dst) || (dst->vm_flags & VM_SHARED))
-		return -EINVAL;
+	/* Before any reset: a VMA that cannot take src's pages keeps what it has. */
+	ret = same_mapping(dst, src);
+	if (ret)
+		return ret;
 	if ((flags & BUNSHIN_SHARE_RESET) && (dst->anon_vma || !list_empty(&dst->anon_vma_chain))) {
 		/* The caller declared the target's content disposable: drop its pages, then its
 		 * anon_vma links, which leaves the VMA as a fresh mmap would. */
@@ -375,9 +405,11 @@ static int share_vma(struct mm_struct *dst_mm, struct vm_area_struct *src, u32 f
 	vma_start_write(src);
 #endif
 	clear_tables(dst);
-	/* rmap finds dst's copy of a page through page->index and dst->vm_pgoff; without
-	 * this, migration, compaction and reclaim would silently miss the target. */
-	dst->vm_pgoff = src->vm_pgoff;
+	/* rmap finds dst's copy of an anonymous page through page->index and dst->vm_pgoff;
+	 * without this, migration, compaction and reclaim would silently miss the target. (A
+	 * file VMA's vm_pgoff is its file offset, already equal.) */
+	if (!src->vm_file)
+		dst->vm_pgoff = src->vm_pgoff;
 	copy_thp_advice(dst, src);
 	ret = p_anon_vma_fork(dst, src);
 	if (ret)
@@ -407,7 +439,8 @@ static long do_share(struct bunshin_share_req *req)
 	struct vm_area_struct *src;
 	long ret = 0;
 
-	if (req->start >= req->end || !PAGE_ALIGNED(req->start) || !PAGE_ALIGNED(req->end))
+	if (req->start >= req->end || !PAGE_ALIGNED(req->start) || !PAGE_ALIGNED(req->end) ||
+	    (req->flags & ~BUNSHIN_SHARE_FLAGS))
 		return -EINVAL;
 	if (req->snap_fd >= 0) {
 		struct fd f = fdget(req->snap_fd);
@@ -460,10 +493,14 @@ static long do_share(struct bunshin_share_req *req)
 		VMA_ITERATOR(vmi, src_mm, req->start);
 
 		for_each_vma_range(vmi, src, req->end) {
-			if (!vma_is_anonymous(src) || (src->vm_flags & VM_SHARED) ||
-			    (src->vm_flags & (VM_DONTCOPY | VM_WIPEONFORK))) {
+			bool anon = vma_is_anonymous(src) &&
+				    !(src->vm_flags & (VM_SHARED | VM_DONTCOPY | VM_WIPEONFORK));
+			bool file = (req->flags & BUNSHIN_SHARE_FILES) && file_private_written(src);
+
+			if (!anon && !file) {
 				/* fork() gives these nothing either: DONTCOPY is absent in a child and
-				 * WIPEONFORK starts empty. File and shared mappings keep CRIU's path. */
+				 * WIPEONFORK starts empty. Shared mappings, and file mappings without
+				 * written pages, keep CRIU's path. */
 				req->skipped++;
 				continue;
 			}
@@ -472,6 +509,13 @@ static long do_share(struct bunshin_share_req *req)
 				break;
 			}
 			ret = share_vma(dst_mm, src, req->flags);
+			if (file && ret == -EXDEV) {
+				/* Another inode in the target (an upper-layer copy, a ghost file): its
+				 * pages stay those CRIU restored. */
+				req->skipped++;
+				ret = 0;
+				continue;
+			}
 			if (ret)
 				break;
 			req->vmas++;

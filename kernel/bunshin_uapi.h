@@ -16,6 +16,12 @@
  * instead of refusing with EBUSY. For clones restored by CRIU, whose anonymous memory is by
  * construction the snapshot's, and which CRIU's restorer may have touched. */
 #define BUNSHIN_SHARE_RESET 1u
+/* bunshin_share_req.flags: also share the private pages (written, hence anonymous) of private
+ * file mappings, where the target maps the same inode at the same offset. A clone restored
+ * over the same lower layer maps its libraries that way; a file it sees as another inode
+ * (an upper-layer copy, a ghost file) is skipped, and keeps what CRIU restored there. */
+#define BUNSHIN_SHARE_FILES 2u
+#define BUNSHIN_SHARE_FLAGS (BUNSHIN_SHARE_RESET | BUNSHIN_SHARE_FILES)
 
 /* Take a reference on the mm of `pid` (a stopped holder, e.g. an injected fork
  * child) and return it as a snapshot descriptor. pread() on it reads the
@@ -25,9 +31,10 @@ struct bunshin_snapshot_req {
 	__u32 flags;
 };
 
-/* Map every anonymous private VMA of the snapshot that lies in [start, end)
- * copy-on-write into the VMA at the same addresses of `target_pid` (0: caller).
- * The source is `snap_fd` or, when it is -1, the mm of the stopped `holder_pid`. */
+/* Map every anonymous private VMA of the snapshot that lies in [start, end) (and, with
+ * BUNSHIN_SHARE_FILES, every private file VMA holding written pages) copy-on-write into
+ * the VMA at the same addresses of `target_pid` (0: caller). The source is `snap_fd`
+ * or, when it is -1, the mm of the stopped `holder_pid`. */
 struct bunshin_share_req {
 	__s32 snap_fd;
 	__s32 holder_pid;
@@ -36,7 +43,7 @@ struct bunshin_share_req {
 	__u64 start;
 	__u64 end;
 	__u64 vmas;   /* out: VMAs shared */
-	__u64 skipped; /* out: VMAs in range that are not anonymous private (left alone) */
+	__u64 skipped; /* out: VMAs in range left alone (shared mappings, other files, ...) */
 };
 
 /* Pages mapped by the snapshot, and how many of them only the snapshot maps now

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Run a shell command inside a Debian 6.1 guest kernel under qemu (TCG).
+"""Run a shell command inside a Debian guest kernel (6.1, or 6.12) under qemu (TCG).
 
 The host cannot load kernel modules, so module work is tested in a throw-away
 guest: qemu boots the vmlinux and busybox initramfs that kernel/setup-guest.sh
@@ -7,12 +7,13 @@ caches under /var/cache/bunshin/guest, the guest mounts the host root read-only
 over virtio-9p under a tmpfs overlay, runs the command there as root and reports
 back through a second, writable 9p share.  See kernel/README.md.
 
-    python kernel/guest.py [--timeout N] [--mem MiB] [--smp N] -- CMD...
+    python kernel/guest.py [--kernel 6.1|6.12] [--timeout N] [--mem MiB] [--smp N] -- CMD...
 
 A single CMD argument is a shell script (``-- 'insmod x.ko && dmesg'``); several
 are quoted and joined like a command line (``-- uname -r``).  The exit status is
 the command's, 124 on timeout and 125 when the guest never ran it; with
 --check-dmesg a clean exit becomes 1 when the kernel logged a BUG or WARNING.
+The command finds bunshin.ko built for the guest's kernel in $BUNSHIN_GUEST_MODULE.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ QEMU_DATA = "/usr/share/qemu"
 # TCG's emulated TSCs look unsynchronised to the kernel, which then falls back to
 # HPET: an emulated MMIO read on every clock_gettime.  Spectre/Meltdown
 # mitigations only cost emulation time in a throw-away test guest.
+DEFAULT_LINE = "6.1"  # Debian 12's own kernel; 6.12 is its newer line (PR_SET_MEMORY_MERGE, per-VMA locks)
+# How qemu runs the vCPUs. Under multi-threaded TCG, 6.12 oopsed on an int3 left by a static
+# key's text_poke_bp (perf_sched_events, in __schedule), which a vCPU still ran after the
+# patch was complete: cross-vCPU code modification that one TCG thread cannot get wrong.
+TCG_THREAD = {"6.1": "multi", "6.12": "single"}
 KERNEL_ARGS = ("console=ttyS0", "panic=-1", "tsc=reliable", "mitigations=off")
 
 
@@ -87,40 +93,45 @@ class GuestImage:
     kver: str
     vmlinux: Path
     initramfs: Path
+    module: Path
+    """bunshin.ko built for this kernel."""
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("BUNSHIN_CACHE", "/var/cache/bunshin")) / "guest"
 
 
-def guest_image() -> GuestImage:
-    """Locate what setup-guest.sh built; raise GuestSetupError when it has not run."""
+def guest_image(line: str = DEFAULT_LINE) -> GuestImage:
+    """Locate what setup-guest.sh built for a kernel line; raise GuestSetupError when it has not run."""
     cache = cache_dir()
+    setup = f"run BUNSHIN_GUEST_LINE={line} kernel/setup-guest.sh"
     try:
-        kver = (cache / "kver").read_text().strip()
+        kver = (cache / f"line-{line}").read_text().strip()
     except FileNotFoundError:
-        raise GuestSetupError(f"{cache}/kver missing: run kernel/setup-guest.sh") from None
-    image = GuestImage(kver, cache / f"vmlinux-{kver}", cache / "initramfs.cpio.gz")
-    for path in (image.vmlinux, image.initramfs):
+        raise GuestSetupError(f"{cache}/line-{line} missing: {setup}") from None
+    kcache = cache / kver
+    image = GuestImage(kver, kcache / "vmlinux", kcache / "initramfs.cpio.gz", kcache / "module" / "bunshin.ko")
+    for path in (image.vmlinux, image.initramfs, image.module):
         if not path.is_file():
-            raise GuestSetupError(f"{path} missing: run kernel/setup-guest.sh")
+            raise GuestSetupError(f"{path} missing: {setup}")
     if shutil.which("qemu-system-x86_64") is None:
         raise GuestSetupError("qemu-system-x86_64 missing: run kernel/setup-guest.sh")
     return image
 
 
-def headers_dir() -> Path:
+def headers_dir(line: str = DEFAULT_LINE) -> Path:
     """The kbuild tree to build guest modules against (KDIR)."""
-    return Path("/usr/src") / f"linux-headers-{guest_image().kver}"
+    return Path("/usr/src") / f"linux-headers-{guest_image(line).kver}"
 
 
-def qemu_command(image: GuestImage, out_dir: Path, append: str, mem_mib: int, smp: int) -> list[str]:
+def qemu_command(image: GuestImage, out_dir: Path, append: str, mem_mib: int, smp: int,
+                 tcg_thread: str = "multi") -> list[str]:
     # qboot jumps straight to the PVH entry and, unlike SeaBIOS, prints nothing
     # (no escape sequences in front of the console output).
     firmware = ["-bios", "qboot.rom"] if Path(QEMU_DATA, "qboot.rom").is_file() else []
     return [
         "qemu-system-x86_64",
-        "-accel", "tcg",
+        "-accel", f"tcg,thread={tcg_thread}",
         "-cpu", "max",
         "-m", str(mem_mib),
         "-smp", str(smp),
@@ -171,6 +182,8 @@ def run_in_guest(
     out_dir: str | os.PathLike[str] | None = None,
     extra_append: Sequence[str] = (),
     extra_qemu: Sequence[str] = (),
+    kernel: str = DEFAULT_LINE,
+    tcg_thread: str | None = None,
 ) -> GuestResult:
     """Boot the guest, run ``/bin/sh -c cmd`` in it as root and power it off.
 
@@ -180,9 +193,11 @@ def run_in_guest(
     out share (output, dmesg, status, and anything the command writes to
     $BUNSHIN_GUEST_OUT) instead of a temporary directory.  qemu is killed when
     ``timeout`` seconds pass, whatever state the guest is in.  ``extra_append``
-    and ``extra_qemu`` add kernel parameters and qemu arguments.
+    and ``extra_qemu`` add kernel parameters and qemu arguments.  ``kernel`` picks
+    the kernel line; ``tcg_thread`` ("multi" or "single") overrides its TCG_THREAD.
     """
-    image = guest_image()
+    image = guest_image(kernel)
+    cmd = f"export BUNSHIN_GUEST_MODULE={shlex.quote(str(image.module))}\n{cmd}"
     keep = out_dir is not None
     out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="bunshin-guest-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -201,7 +216,8 @@ def run_in_guest(
             append.append("bunshin_guest.cmd=" + script)
         else:
             (out / "cmd.sh").write_text(cmd)
-        argv = qemu_command(image, out, " ".join(append), mem_mib, smp) + list(extra_qemu)
+        thread = tcg_thread or TCG_THREAD[kernel]
+        argv = qemu_command(image, out, " ".join(append), mem_mib, smp, thread) + list(extra_qemu)
 
         console: list[str] = []
         start = time.monotonic()
@@ -251,8 +267,10 @@ def run_in_guest(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="kernel/guest.py",
-        description="Run a command as root in a qemu guest with Debian's 6.1 kernel.",
+        description="Run a command as root in a qemu guest with a Debian kernel (6.1 or 6.12).",
     )
+    parser.add_argument("--kernel", default=DEFAULT_LINE, choices=tuple(TCG_THREAD), help="guest kernel line")
+    parser.add_argument("--tcg-thread", choices=("multi", "single"), help="override the line's TCG threading")
     parser.add_argument("--timeout", type=int, default=600, help="seconds before qemu is killed")
     parser.add_argument("--mem", type=int, default=4096, metavar="MiB", help="guest memory")
     parser.add_argument("--smp", type=int, default=2, help="guest CPUs")
@@ -283,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
             echo=sys.stdout,
             verbose=args.verbose,
             out_dir=args.out,
+            kernel=args.kernel,
+            tcg_thread=args.tcg_thread,
         )
     except GuestSetupError as e:
         print(f"guest.py: {e}", file=sys.stderr)

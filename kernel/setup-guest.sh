@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Idempotent set-up of the guest-kernel test harness (`make test-guest`, see
-# kernel/README.md): qemu, busybox, Debian's newest bookworm 6.1 kernel with its
-# headers, an uncompressed vmlinux for qemu's PVH boot and a busybox initramfs,
-# all under /var/cache/bunshin/guest.  Prints nothing but progress on stderr.
+# kernel/README.md): qemu, busybox, Debian's newest bookworm kernel of one line
+# (6.1, or 6.12) with its headers, an uncompressed vmlinux for qemu's PVH boot, a
+# busybox initramfs and bunshin.ko built for that kernel, all under
+# /var/cache/bunshin/guest/KVER.  Prints nothing but progress on stderr.
 #
 # Environment:
-#   BUNSHIN_GUEST_KVER   use this 6.1.0-N-amd64 instead of the newest one
+#   BUNSHIN_GUEST_LINE   kernel line: 6.1 (default; Debian 12's own) or 6.12
+#   BUNSHIN_GUEST_KVER   use this exact version instead of the line's newest
 #   BUNSHIN_CACHE        cache root (default /var/cache/bunshin)
 set -euo pipefail
 
@@ -15,6 +17,12 @@ cache=${BUNSHIN_CACHE:-/var/cache/bunshin}/guest
 log() { printf '[setup-guest] %s\n' "$*" >&2; }
 
 [ "$(id -u)" = 0 ] || { echo "setup-guest.sh must run as root (apt, mknod)" >&2; exit 1; }
+line=${BUNSHIN_GUEST_LINE:-6.1}
+case "$line" in
+6.1) image_re='^linux-image-6\.1\.0-[0-9]+-amd64$' ;;
+6.12) image_re='^linux-image-6\.12\.[0-9]+\+deb12-amd64$' ;;
+*) echo "BUNSHIN_GUEST_LINE=$line: use 6.1 or 6.12" >&2; exit 1 ;;
+esac
 mkdir -p "$cache"
 
 export DEBIAN_FRONTEND=noninteractive
@@ -24,9 +32,7 @@ apt_opts=(-y -q --no-install-recommends -o DPkg::Lock::Timeout=600)
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 
 newest_kver() {
-	apt-cache search --names-only '^linux-image-6\.1\.0-[0-9]+-amd64$' \
-		| sed -nE 's/^linux-image-(6\.1\.0-([0-9]+)-amd64) .*/\2 \1/p' \
-		| sort -n | tail -1 | cut -d' ' -f2
+	apt-cache search --names-only "$image_re" | cut -d' ' -f1 | sed 's/^linux-image-//' | sort -V | tail -1
 }
 
 updated=
@@ -42,7 +48,7 @@ if [ -z "$kver" ]; then
 	kver=$(newest_kver)
 	# A fresh machine has no package lists yet.
 	[ -n "$kver" ] || { apt_update; kver=$(newest_kver); }
-	[ -n "$kver" ] || { echo "no linux-image-6.1.0-*-amd64 in the bookworm archive" >&2; exit 1; }
+	[ -n "$kver" ] || { echo "no $image_re in the bookworm archive" >&2; exit 1; }
 fi
 
 packages=(qemu-system-x86 busybox-static cpio xz-utils zstd kmod build-essential python3
@@ -64,7 +70,9 @@ fi
 
 # qemu -kernel boots an ELF vmlinux through its PVH note, far faster under TCG
 # than the bzImage's real-mode setup; vmlinux.py extracts it and checks the note.
-vmlinux=$cache/vmlinux-$kver
+kcache=$cache/$kver
+mkdir -p "$kcache"
+vmlinux=$kcache/vmlinux
 if [ ! -s "$vmlinux" ] || [ "/boot/vmlinuz-$kver" -nt "$vmlinux" ]; then
 	log "extracting $vmlinux"
 	python3 "$here/vmlinux.py" extract "/boot/vmlinuz-$kver" "$vmlinux" >&2
@@ -76,11 +84,11 @@ fi
 modules=(netfs fscache 9pnet 9pnet_virtio 9p virtio_pci virtio_pci_modern_dev
 	virtio_pci_legacy_dev virtio_ring virtio overlay)
 moddir=/lib/modules/$kver
-initramfs=$cache/initramfs.cpio.gz
+initramfs=$kcache/initramfs.cpio.gz
 stamp=$(cat "$here/guest-init.sh" "$0" /bin/busybox "$moddir/modules.dep" | sha256sum | cut -d' ' -f1)
 stamp="$kver $stamp"
 
-if [ -s "$initramfs" ] && [ "$(cat "$cache/initramfs.stamp" 2>/dev/null)" = "$stamp" ]; then
+if [ -s "$initramfs" ] && [ "$(cat "$kcache/initramfs.stamp" 2>/dev/null)" = "$stamp" ]; then
 	:
 else
 	log "building $initramfs"
@@ -110,6 +118,8 @@ else
 			add_module "$rel"
 		elif grep -qE "/$m\.ko$" "$moddir/modules.builtin"; then
 			: # built in, nothing to load
+		elif [ "$m" = fscache ]; then
+			: # 6.4 merged fscache into netfs
 		else
 			echo "module $m neither in modules.dep nor built into $kver" >&2
 			exit 1
@@ -131,9 +141,20 @@ else
 	(cd "$stage" && find . -print0 | LC_ALL=C sort -z \
 		| cpio --null -o -H newc --quiet -R 0:0) | gzip -6 >"$initramfs.tmp"
 	mv "$initramfs.tmp" "$initramfs"
-	echo "$stamp" >"$cache/initramfs.stamp"
+	echo "$stamp" >"$kcache/initramfs.stamp"
 fi
 
-# guest.py and the Makefile find the kernel through this file.
-echo "$kver" >"$cache/kver.tmp" && mv "$cache/kver.tmp" "$cache/kver"
-log "guest ready: kernel $kver, $vmlinux, $initramfs"
+# --- the module, built for this kernel ---------------------------------------
+# Outside the source tree: a bunshin.ko built for one guest kernel must never be
+# loaded into the other.  Copied only when changed, so make rebuilds only then.
+mod=$kcache/module
+mkdir -p "$mod"
+for f in bunshin.c bunshin_uapi.h Makefile; do
+	cmp -s "$here/$f" "$mod/$f" || cp "$here/$f" "$mod/$f"
+done
+make -s -C "$mod" KDIR="/usr/src/linux-headers-$kver" >"$mod/build.log" 2>&1 \
+	|| { cat "$mod/build.log" >&2; echo "bunshin.ko does not build against $kver" >&2; exit 1; }
+
+# guest.py and the Makefile find the line's kernel through this file.
+echo "$kver" >"$cache/line-$line.tmp" && mv "$cache/line-$line.tmp" "$cache/line-$line"
+log "guest ready: kernel $kver, $vmlinux, $initramfs, $mod/bunshin.ko"

@@ -225,6 +225,81 @@ def test_fork_advice_is_honoured(advice: str) -> None:
         src.close()
 
 
+FILE_SIZE = 4 << 20
+
+
+@pytest.fixture
+def file_source(tmp_path):
+    path = tmp_path / "data"
+    path.write_bytes(os.urandom(FILE_SIZE))
+    s = Proc("source", str(FILE_SIZE), f"file={path}")
+    yield s, path
+    s.close()
+
+
+def share_file_into(h: holders.Holder, src: Proc, spec: str, files: bool) -> tuple[Proc, int, int]:
+    t = Proc("target", str(src.addr), str(src.addr + src.size), f"file={spec}")
+    wait_stopped(t.pid)
+    vmas, skipped = cow.share(h.fd, t.pid, src.addr, src.addr + src.size, reset=True, files=files)
+    os.kill(t.pid, 18)
+    return t, vmas, skipped
+
+
+def test_private_file_pages_shared_where_the_target_maps_the_same_inode(file_source):
+    """A library's written pages (relocations, .data) are anonymous pages in a private file
+    mapping: a clone that maps the same file takes them copy-on-write too, not as copies."""
+    source, path = file_source
+    want = source.ask("hash")
+    half = FILE_SIZE // 4096 // 2
+    h = snapshot_of(source)
+    try:
+        t, vmas, _ = share_file_into(h, source, str(path), files=True)
+        try:
+            assert vmas == 1
+            # The marker the target wrote was discarded: it now has the source's pages.
+            assert t.ask("hash") == want
+            src_pfns = [int(x) for x in source.ask("pfns").split()]
+            assert [int(x) for x in t.ask("pfns").split()] == src_pfns
+            # The written half: source, snapshot and clone map one anonymous frame.
+            assert all(kpagecount(p) >= 3 for p in src_pfns[:half])
+            assert t.ask("write 0 clone") == "ok" and t.ask("read 0 5") != source.ask("read 0 5")
+            assert source.ask(f"write {FILE_SIZE - 4096} src-later") == "ok"
+            assert t.ask(f"read {FILE_SIZE - 4096} 9") != source.ask(f"read {FILE_SIZE - 4096} 9")
+            # A page-cache page written in the clone becomes its own copy: the file and the
+            # source still have the file's bytes.
+            off = half << 12
+            assert t.ask(f"write {off} clone") == "ok"
+            assert source.ask(f"read {off} 5") == path.read_bytes()[off:off + 5].hex() != b"clone".hex()
+        finally:
+            t.close()
+    finally:
+        h.release()
+
+
+@pytest.mark.parametrize("other", ["copy", "offset", "flag off"])
+def test_private_file_pages_never_shared_into_another_mapping(file_source, other):
+    """Another inode (an upper-layer copy of the file), another offset, or no BUNSHIN_SHARE_FILES:
+    the target's VMA is skipped and keeps its own content, even with a reset."""
+    source, path = file_source
+    spec = str(path)
+    if other == "copy":
+        spec = str(path.with_name("copy"))
+        Path(spec).write_bytes(path.read_bytes())
+    elif other == "offset":
+        spec = f"{path}@1"
+    h = snapshot_of(source)
+    try:
+        t, vmas, skipped = share_file_into(h, source, spec, files=other != "flag off")
+        try:
+            assert (vmas, skipped) == (0, 1)
+            assert bytes.fromhex(t.ask("read 0 12")) == b"target's own"
+            assert t.ask("read 4096 16") != source.ask("read 4096 16")
+        finally:
+            t.close()
+    finally:
+        h.release()
+
+
 def test_no_bug_or_warn_in_dmesg():
     log = subprocess.run(["dmesg"], capture_output=True, text=True).stdout
     assert not re.search(r"\b(BUG|WARNING):", log), log[-3000:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from fork_support import host_pid
 
 from bunshinfork import Snapshot, Workspace
 from bunshinfork import memory as engines
@@ -107,6 +108,46 @@ def test_cow_clones_share_memory_and_stay_isolated(tmp_path: Path) -> None:
             for c in clones:
                 if isinstance(c, Workspace):
                     c.destroy()
+
+
+def file_backed_dirty_kib(pid: int) -> tuple[int, int]:
+    """(private, shared) dirty KiB in a process's file mappings: a library's written pages
+    (relocations, .data). Shared means another process maps the same frame."""
+    private = shared = 0
+    file_backed = False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:  # a mapping's header: dev, inode, path
+            file_backed = fields[4] != "0"
+        elif file_backed and fields[0] == "Private_Dirty:":
+            private += int(fields[1])
+        elif file_backed and fields[0] == "Shared_Dirty:":
+            shared += int(fields[1])
+    return private, shared
+
+
+def test_clones_share_the_written_pages_of_libraries() -> None:
+    """The private pages of file mappings (a library's relocations and data) are dumped by CRIU
+    and restored as copies; where the clone maps the same lower-layer file, the module replaces
+    those copies with the snapshot's pages, so each clone does not pay for them again."""
+    with Workspace.create() as ws:
+        ws.commands.run("mkfifo /root/cmd")
+        ws.files.write("/root/worker.py", WORKER)
+        ws.commands.run("python3 /root/worker.py", background=True)
+        want = wait_for(ws, "/root/ready")
+        src_private, src_shared = file_backed_dirty_kib(host_pid(ws, "python3"))
+        source_dirty = src_private + src_shared
+        assert source_dirty > 256, (src_private, src_shared)
+        with ws.snapshot(memory="cow") as snap:
+            (c,) = snap.fork(1)
+        assert isinstance(c, Workspace), c
+        try:
+            private, shared = file_backed_dirty_kib(host_pid(c, "python3"))
+            # A copy per clone would be Private_Dirty: about all of the source's.
+            assert private < source_dirty // 4 and shared >= source_dirty // 2, (private, shared, source_dirty)
+            assert ask(c, "write") != want and ask(ws, "hash") == want
+        finally:
+            c.destroy()
 
 
 def test_retained_snapshot_costs_what_the_source_writes() -> None:

@@ -91,6 +91,27 @@ def test_injected_fork_images_memory_and_stays_invisible(proc):
     assert ask(p, "report") == before  # no SIGCHLD seen, same fds, no children
 
 
+def test_holder_has_the_code_the_process_has(proc):
+    """The fork is injected as `syscall; int3` over the bytes at the process's instruction
+    pointer; the holder's copy of that text must be the original code, not the stub."""
+    p, _, _, _ = proc
+    tids = stop(p.pid)
+    try:
+        (h,) = holders.take([p.pid], keep_processes=True)
+        regs = Path(f"/proc/{p.pid}/syscall").read_text().split()
+        rip = int(regs[-1], 16)
+        with open(f"/proc/{p.pid}/mem", "rb", buffering=0) as f:
+            f.seek(rip)
+            want = f.read(16)
+        assert h.read(rip, 16) == want
+        assert want[:3] != bytes.fromhex("0f05cc")
+    finally:
+        try:
+            h.release()
+        finally:
+            holders.detach_all(tids)
+
+
 def test_holder_memory_is_shared_until_written(proc):
     p, addr, _, _ = proc
     tids = stop(p.pid)

@@ -27,7 +27,8 @@ IOC_SHARE = (3 << 30) | (48 << 16) | (0xB5 << 8) | 2  # struct bunshin_share_req
 IOC_STATS = (3 << 30) | (24 << 16) | (0xB5 << 8) | 3  # struct bunshin_stats_req{s32 fd; u32; u64; u64}
 _SHARE_FMT = "=iiiIQQQQ"
 _STATS_FMT = "=iIQQ"
-SHARE_RESET = 1  # BUNSHIN_SHARE_RESET: the target's existing anonymous content is disposable
+SHARE_RESET = 1  # BUNSHIN_SHARE_RESET: the target's existing content is disposable
+SHARE_FILES = 2  # BUNSHIN_SHARE_FILES: also private file mappings of the same inode
 
 
 def _ioctl(request: int, buf: bytearray) -> int:
@@ -50,11 +51,13 @@ def stats(snap_fd: int) -> tuple[int, int]:
 
 
 def share(snap_fd: int, target_pid: int, start: int, end: int, holder_pid: int = 0,
-          reset: bool = False) -> tuple[int, int]:
+          reset: bool = False, files: bool = False) -> tuple[int, int]:
     """Map the snapshot's anonymous private VMAs in [start, end) copy-on-write into the stopped
-    `target_pid` (0: the caller). Returns (VMAs shared, VMAs skipped as not anonymous-private).
-    reset: discard what the target's VMAs already hold instead of refusing with EBUSY."""
-    flags = SHARE_RESET if reset else 0
+    `target_pid` (0: the caller). Returns (VMAs shared, VMAs skipped).
+    reset: discard what the target's VMAs already hold instead of refusing with EBUSY.
+    files: also the written pages of private file mappings, where the target maps the same
+    inode at the same offset (a file the target sees as another inode is skipped)."""
+    flags = (SHARE_RESET if reset else 0) | (SHARE_FILES if files else 0)
     buf = bytearray(struct.pack(_SHARE_FMT, snap_fd, holder_pid, target_pid, flags, start, end, 0, 0))
     _ioctl(IOC_SHARE, buf)
     *_, vmas, skipped = struct.unpack(_SHARE_FMT, buf)

@@ -157,8 +157,13 @@ def capture_tree(pids: list[int], freeze: Callable[[], None], thaw: Callable[[],
 
 
 def share_tree(holders_by_ns_pid: dict[int, Holder], clone_pids: list[int]) -> int:
-    """Map each holder's anonymous memory into the clone process with the same namespace pid
-    (all stopped under CRIU's ptrace, before it resumes them); returns the number of VMAs shared."""
+    """Map each holder's private memory into the clone process with the same namespace pid
+    (all stopped under CRIU's ptrace, before it resumes them); returns the number of VMAs shared.
+
+    Anonymous VMAs were not dumped, so they get the holder's pages. The written pages of
+    private file mappings (libraries' data and relocations) were dumped and restored as
+    copies; where the clone maps the same inode (the shared lower layer) those copies are
+    replaced by the holder's pages too, so a clone does not pay for them again."""
     shared = 0
     for pid in clone_pids:
         h = holders_by_ns_pid.get(ns_pid(pid))
@@ -166,6 +171,6 @@ def share_tree(holders_by_ns_pid: dict[int, Holder], clone_pids: list[int]) -> i
             raise KernelFeatureError(f"no memory snapshot for clone process {pid}")
         # CRIU's restorer may have touched the clone's anonymous memory; the snapshot is what
         # the process had at freeze time, so whatever is there now is discarded.
-        vmas, _ = cow.share(h.fd, pid, 0, TASK_SIZE, reset=True)
+        vmas, _ = cow.share(h.fd, pid, 0, TASK_SIZE, reset=True, files=True)
         shared += vmas
     return shared

@@ -1,10 +1,13 @@
 """A process for the copy-on-write tests, driven line by line over stdin.
 
 source mode: allocate SIZE bytes of a seeded pattern in its own anonymous mapping ("wipeonfork" or
-"dontfork" as a third argument: madvise it so).
+"dontfork" as a third argument: madvise it so). With "file=PATH" instead, map SIZE bytes of PATH
+privately and write the pattern over its first half only: written pages are anonymous, the rest
+are the file's page-cache pages.
 target mode: map anonymous memory at exactly [START, END) (MAP_FIXED_NOREPLACE), then stop
 itself so the orchestrator can share a snapshot into it. "used" as a fourth argument writes and
-drops the range first, leaving empty page tables in it.
+drops the range first, leaving empty page tables in it. "file=PATH[@PAGE]" maps PATH privately
+there instead (from that page of the file), with a marker written into its first page.
 """
 
 import ctypes
@@ -30,8 +33,21 @@ def pfns(addr: int, size: int) -> list[int]:
     return out
 
 
+def map_file(spec: str, start: int, size: int, flags: int) -> int:
+    path, _, page = spec.partition("@")
+    fd = os.open(path, os.O_RDONLY)
+    got = libc.mmap(start, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | flags, fd,
+                    int(page or 0) * 4096)
+    os.close(fd)
+    return got
+
+
 mode = sys.argv[1]
-if mode == "source":
+if mode == "source" and len(sys.argv) > 3 and sys.argv[3].startswith("file="):
+    size = int(sys.argv[2])
+    addr = map_file(sys.argv[3][5:], 0, size, 0)
+    ctypes.memmove(addr, hashlib.shake_256(b"bunshin").digest(size // 2), size // 2)
+elif mode == "source":
     size = int(sys.argv[2])
     # A mapping of its own, page aligned, so the snapshot's VMA is exactly this buffer.
     m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -43,8 +59,13 @@ if mode == "source":
 else:
     start, end = int(sys.argv[2]), int(sys.argv[3])
     size = end - start
-    got = libc.mmap(start, size, mmap.PROT_READ | mmap.PROT_WRITE,
-                    mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0)
+    if len(sys.argv) > 4 and sys.argv[4].startswith("file="):
+        got = map_file(sys.argv[4][5:], start, size, MAP_FIXED_NOREPLACE)
+        if got == start:
+            ctypes.memmove(start, b"target's own", 12)
+    else:
+        got = libc.mmap(start, size, mmap.PROT_READ | mmap.PROT_WRITE,
+                        mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0)
     if got != start:
         print("collision", flush=True)
         sys.exit(3)
