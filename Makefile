@@ -39,7 +39,7 @@ bench-guest: setup
 		--out $(CURDIR)/results/guest -- '\
 	insmod $$BUNSHIN_GUEST_MODULE || exit 1; \
 	$(CURDIR)/$(PY) benchmarks/fork_memory.py --engines copy,ksm,cow --forks 1,2,4,8,16 --size-mib 1024 \
-		--settle-timeout 90 --out $$BUNSHIN_GUEST_OUT/engines && \
+		--settle-timeout 180 --out $$BUNSHIN_GUEST_OUT/engines && \
 	$(CURDIR)/$(PY) benchmarks/fork_memory.py --engines cow --forks 1,4,16 --size-mib 256,2048 \
 		--out $$BUNSHIN_GUEST_OUT/sizes'
 
