@@ -183,12 +183,14 @@ def summarize(rows: list[dict]) -> dict:
         out[engine] = entry
     cow = out.get("cow")
     if cow:
-        ratios = [v["memory_ratio"] for v in cow["by_size"].values() if v["forks"] >= 16]
+        # None: this run did not measure it. The memory target is the 1 GiB workspace (a
+        # smaller one is dominated by each clone's fixed cost: slab, page tables, its own tmpfs).
+        ratios = [v["memory_ratio"] for size, v in cow["by_size"].items() if v["forks"] >= 16 and size >= 1024]
+        growth = cow.get("retained_growth_per_written_byte", {}).values()
         out["targets"] = {
-            "cow_16_forks_within_1.25x_source": bool(ratios) and max(ratios) <= 1.25,
-            "cow_latency_flat_in_size": "latency_ratio" in cow and cow["latency_ratio"]["ratio"] <= 1.5,
-            "cow_retained_costs_written_pages": all(
-                0.8 <= g <= 1.3 for g in cow.get("retained_growth_per_written_byte", {}).values()),
+            "cow_16_forks_within_1.25x_source": max(ratios) <= 1.25 if ratios else None,
+            "cow_latency_flat_in_size": cow["latency_ratio"]["ratio"] <= 1.5 if "latency_ratio" in cow else None,
+            "cow_retained_costs_written_pages": all(0.8 <= g <= 1.3 for g in growth) if growth else None,
         }
     return out
 

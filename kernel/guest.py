@@ -40,14 +40,14 @@ EXIT_NO_STATUS = 125
 # out share instead, which needs no size limit.
 MAX_CMDLINE_SCRIPT = 1024
 QEMU_DATA = "/usr/share/qemu"
-# TCG's emulated TSCs look unsynchronised to the kernel, which then falls back to
-# HPET: an emulated MMIO read on every clock_gettime.  Spectre/Meltdown
-# mitigations only cost emulation time in a throw-away test guest.
 DEFAULT_LINE = "6.1"  # Debian 12's own kernel; 6.12 is its newer line (PR_SET_MEMORY_MERGE, per-VMA locks)
 # How qemu runs the vCPUs. Under multi-threaded TCG, 6.12 oopsed on an int3 left by a static
 # key's text_poke_bp (perf_sched_events, in __schedule), which a vCPU still ran after the
 # patch was complete: cross-vCPU code modification that one TCG thread cannot get wrong.
 TCG_THREAD = {"6.1": "multi", "6.12": "single"}
+# TCG's emulated TSCs look unsynchronised to the kernel, which then falls back to
+# HPET: an emulated MMIO read on every clock_gettime.  Spectre/Meltdown
+# mitigations only cost emulation time in a throw-away test guest.
 KERNEL_ARGS = ("console=ttyS0", "panic=-1", "tsc=reliable", "mitigations=off")
 
 

@@ -146,6 +146,20 @@ def test_dmesg_clean(probe: Any) -> None:
     assert guest.kernel_splats(probe.dmesg) == [], probe.dmesg
 
 
+@pytest.mark.parametrize("line", ["6.1", "6.12"])
+def test_module_built_for_each_kernel_line_loads(line: str) -> None:
+    """setup-guest.sh builds bunshin.ko per guest kernel; each line boots and loads its own."""
+    try:
+        image = guest.guest_image(line)
+    except guest.GuestSetupError as e:
+        pytest.skip(f"guest line {line} not set up ({e})")
+    result = guest.run_in_guest("uname -r; insmod $BUNSHIN_GUEST_MODULE && ls /dev/bunshin", timeout=300, kernel=line)
+    assert result.exit_code == 0, result.console
+    assert result.output == f"{image.kver}\n/dev/bunshin\n"
+    assert "bunshin: /dev/bunshin ready" in result.dmesg
+    assert guest.kernel_splats(result.dmesg) == [], result.dmesg
+
+
 def test_exit_code_propagates_long_command(image: Any) -> None:
     # Long enough to travel through the out share rather than the kernel command line.
     filler = "# " + "x" * (2 * guest.MAX_CMDLINE_SCRIPT) + "\n"
