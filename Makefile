@@ -50,7 +50,7 @@ kernel-check:
 
 # Boots a Debian kernel under qemu (TCG; this host cannot load modules), loads bunshin.ko
 # built for it and runs the cow tests; see kernel/README.md. GUEST_KERNEL=6.12 runs them on
-# Debian's newer line. A kernel BUG/WARNING fails the run.
+# Debian's newer line (CI runs both). A kernel BUG/WARNING fails the run.
 GUEST_TIMEOUT ?= 3000
 GUEST_MARKS ?= cow
 GUEST_KERNEL ?= 6.1
