@@ -1,5 +1,5 @@
 """The bunshin kernel module, exercised for real. These run in the guest kernel
-(`make test-guest` boots Debian's 6.1 under qemu and loads kernel/bunshin.ko); on a host
+(`make test-guest` boots Debian's 6.1 or 6.12 under qemu and loads bunshin.ko built for it); on a host
 without /dev/bunshin they are skipped."""
 
 from __future__ import annotations
