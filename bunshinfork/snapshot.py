@@ -304,12 +304,10 @@ class Snapshot:
             except BunshinError as e:
                 # Tasks killed for a failed share can fail CRIU's detach: name the first cause.
                 if share_failed:
-                    raise ForkError(f"sharing the snapshot's memory into the clone failed: {share_failed[0]}") \
-                        from e
+                    raise _share_error(share_failed[0]) from e
                 raise
             if share_failed:
-                raise ForkError(f"sharing the snapshot's memory into the clone failed: {share_failed[0]}") \
-                    from share_failed[0]
+                raise _share_error(share_failed[0]) from share_failed[0]
             return int(resp.restore.pid)
         except BaseException:
             _abandon_restore(restored_init, cg, work)
@@ -395,6 +393,10 @@ class Snapshot:
 
     def __repr__(self) -> str:
         return f"<Snapshot {self.id} of {self.source_id}>"
+
+
+def _share_error(cause: BaseException) -> ForkError:
+    return ForkError(f"sharing the snapshot's memory into the clone failed: {cause}")
 
 
 def _abandon_restore(restored_init: list[int], cg: Cgroup, work: Path) -> None:

@@ -24,7 +24,7 @@ from .. import native, state
 
 KSM = Path("/sys/kernel/mm/ksm")
 BOOST = {"run": "1", "pages_to_scan": "4000", "sleep_millisecs": "5"}
-KNOBS = ("run", "pages_to_scan", "sleep_millisecs")
+KNOBS = ("pages_to_scan", "sleep_millisecs", "run")  # written in this order: run last
 BOOST_FILE = "ksm-boost.json"
 IDLE_AFTER = 5.0
 
@@ -41,7 +41,7 @@ def knobs() -> dict[str, str]:
 
 def set_knobs(values: dict[str, str], ignore_errors: bool = False) -> None:
     """Write the given knobs, `run` last, so that ksmd starts (or stops) at its new rate."""
-    for k in ("pages_to_scan", "sleep_millisecs", "run"):
+    for k in KNOBS:
         if k in values:
             try:
                 (KSM / k).write_text(values[k])
