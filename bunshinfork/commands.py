@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from . import control
 from .errors import CommandError, CommandTimeout, WorkspaceStateError
+from .process import control
 
 if TYPE_CHECKING:
     from .workspace import Workspace

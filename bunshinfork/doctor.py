@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import cgroups
+from .cgroups import cgroup as cgroups
 from .errors import CgroupError
 
 INIT_BINARY = Path(__file__).resolve().parent / "_bin" / "bunshin-init"

@@ -20,12 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import control, criu, native, process, rootfs, state, storage
 from . import memory as memory_engines
+from . import native, state
 from .cgroups import Cgroup
 from .errors import BunshinError, CriuError, ForkError, SpecError, WorkspaceStateError
+from .fs import layers, rootfs
+from .fs.identity import write_identity
 from .memory import holders, ksm, materialize
-from .reaper import reaper
+from .process import control, criu, options
+from .process.images import rearm_expired_timerfds
+from .process.reaper import reaper
 
 if TYPE_CHECKING:
     from .workspace import Workspace
@@ -81,7 +85,7 @@ class Snapshot:
         images = d / "images"
         images.mkdir(parents=True)
         fs_dest = (
-            str(storage.storage_root(rec.spec.get("storage_dir")) / "snapshots" / snap_id)
+            str(layers.storage_root(rec.spec.get("storage_dir")) / "snapshots" / snap_id)
             if rec.storage.get("kind") == "btrfs" else str(d / "fs")
         )
         meta = {
@@ -92,19 +96,19 @@ class Snapshot:
         snap = cls(meta, d)
         snap._write_meta()  # owner recorded first, so gc never takes a snapshot still being made
         cg = ws._cgroup()
-        layer_box: list[storage.Layer] = []
+        layer_box: list[layers.Layer] = []
 
         def on_notify(script: str, _pid: int) -> None:
             # post-dump runs while CRIU still holds every task stopped.
             if script == "post-dump":
-                layer_box.append(storage.snapshot_layer(rec.storage, fs_dest))
+                layer_box.append(layers.snapshot_layer(rec.storage, fs_dest))
 
         freezer = cg.paths.get("freezer") or cg.paths["unified"]
         t0 = time.monotonic()
         try:
             cg.freeze()
             try:
-                criu.request("dump", process.dump_opts(rec.init_pid, images, freezer), on_notify,
+                criu.request("dump", options.dump_opts(rec.init_pid, images, freezer), on_notify,
                              log=images / "dump.log", env=COW_DUMP_ENV if kind == "cow" else None)
                 if kind == "cow":
                     # Still frozen (CRIU leaves a cgroup frozen that it found frozen): the holders
@@ -120,7 +124,7 @@ class Snapshot:
                 raise ForkError(f"snapshot of {rec.id} failed; the workspace keeps running: {e}") from e
             raise
         t_thawed = time.monotonic()
-        process.rearm_expired_timerfds(images)
+        rearm_expired_timerfds(images)
         if not layer_box:
             snap.release()
             raise ForkError("CRIU finished the dump without a post-dump notification; "
@@ -220,7 +224,7 @@ class Snapshot:
         return "ksm" if engine == "cow" else engine
 
     def _fork_one(self, use_ksm: bool) -> Workspace | Exception:
-        from .workspace import Workspace, _cleanup, write_identity
+        from .workspace import Workspace, _cleanup
 
         spec = self._meta["spec"]
         rec = state.Record(
@@ -231,7 +235,7 @@ class Snapshot:
         try:
             rec.dir.mkdir(mode=0o700)
             rec.save()
-            layer = storage.clone_layer(self._meta["layer"], rec.id, spec.get("storage_dir"))
+            layer = layers.clone_layer(self._meta["layer"], rec.id, spec.get("storage_dir"))
             rec.storage = layer.to_dict()
             rec.save()
             write_identity(Path(layer.upper), rec.hostname)
@@ -263,7 +267,7 @@ class Snapshot:
             err.__cause__ = e
             return err
 
-    def _restore(self, rec: state.Record, layer: storage.Layer, cg: Cgroup, use_ksm: bool) -> int:
+    def _restore(self, rec: state.Record, layer: layers.Layer, cg: Cgroup, use_ksm: bool) -> int:
         mountpoint = rec.dir / "rootfs"
         mountpoint.mkdir()
         work = rec.dir / "criu"
@@ -297,7 +301,7 @@ class Snapshot:
         try:
             roots = [(ctrl, "/" + os.path.relpath(p, _controller_mount(ctrl, p)))
                      for ctrl, p in cg.paths.items()]
-            opts = process.restore_opts(self.images_dir, wfd, str(mountpoint), roots)
+            opts = options.restore_opts(self.images_dir, wfd, str(mountpoint), roots)
             try:
                 resp = criu.request("restore", opts, on_notify, keep_fds=(wfd,), ksm_merge=use_ksm,
                                     log=work / "restore.log", session_hook=RESTORE_HOOK)
@@ -338,8 +342,8 @@ class Snapshot:
                     materialize.complete_images(self.images_dir, tmp / "images", self._holders)
                 else:
                     shutil.copytree(self.images_dir, tmp / "images")
-                layer = storage.Layer(**{k: self._meta["layer"][k] for k in ("kind", "path")})
-                storage.copy_tree(layer.path, str(tmp / "fs"))
+                layer = layers.Layer(**{k: self._meta["layer"][k] for k in ("kind", "path")})
+                layers.copy_tree(layer.path, str(tmp / "fs"))
                 meta = {**self._meta, "layer": {"kind": "dir", "path": "fs"}, "kind": "image"}
                 (tmp / "snapshot.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
                 os.rename(tmp, dest)
@@ -382,7 +386,7 @@ class Snapshot:
         layer = self._meta.get("layer")
         if layer:
             with contextlib.suppress(Exception):
-                storage.remove_layer(layer)
+                layers.remove_layer(layer)
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> Snapshot:
@@ -418,7 +422,7 @@ def _abandon_restore(restored_init: list[int], cg: Cgroup, work: Path) -> None:
             os.kill(pid, signal.SIGKILL)  # a pid namespace's init: takes every task with it
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
-    storage.unmount_below(work)
+    layers.unmount_below(work)
 
 
 def _children() -> set[int]:

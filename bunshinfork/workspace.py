@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import control, native, network, rootfs, state, storage
+from . import native, network, state
 from .cgroups import Cgroup
 from .commands import Commands
 from .errors import (
@@ -25,8 +25,11 @@ from .errors import (
     WorkspaceStateError,
 )
 from .files import Files
+from .fs import layers, rootfs
+from .fs.identity import write_identity
 from .memory import ksm
-from .reaper import reaper
+from .process import control
+from .process.reaper import reaper
 from .snapshot import Snapshot
 from .spec import WorkspaceSpec
 
@@ -128,7 +131,7 @@ class Workspace:
 
     @classmethod
     def _start(cls, rec: state.Record, spec: WorkspaceSpec, root_fs: rootfs.Rootfs) -> Workspace:
-        layer = storage.create_layer(rec.id, spec.storage_dir)
+        layer = layers.create_layer(rec.id, spec.storage_dir)
         rec.storage = layer.to_dict()
         rec.save()
         _seed_upper(Path(layer.upper), rec.hostname, root_fs)
@@ -323,16 +326,6 @@ def _seed_upper(upper: Path, hostname: str, root_fs: rootfs.Rootfs | None = None
         (upper / "root").mkdir(mode=0o700)
 
 
-def write_identity(upper: Path, hostname: str) -> None:
-    """/etc/hostname and /etc/hosts naming this workspace (a clone gets its own)."""
-    etc = upper / "etc"
-    etc.mkdir(exist_ok=True)
-    (etc / "hostname").write_text(hostname + "\n")
-    (etc / "hosts").write_text(
-        f"127.0.0.1\tlocalhost\n127.0.1.1\t{hostname}\n::1\tlocalhost ip6-localhost ip6-loopback\n"
-    )
-
-
 def _classify_spawn_failure(msg: str) -> BunshinError:
     if "Operation not permitted" in msg:
         return PrivilegeError(f"workspace set-up failed at {msg}; run as root with CAP_SYS_ADMIN")
@@ -383,8 +376,8 @@ def _cleanup(rec: state.Record, pidfd: int | None = None) -> None:
         ("network", lambda: network.teardown(rec.id, rec.network)),
         ("cgroup", lambda: rec.cgroup and Cgroup(rec.cgroup["version"], rec.cgroup["paths"]).remove()),
         # A mount left under the state dir may still use the layer as its upper: detach first.
-        ("mounts", lambda: storage.unmount_below(rec.dir)),
-        ("layer", lambda: rec.storage and storage.remove_layer(rec.storage)),
+        ("mounts", lambda: layers.unmount_below(rec.dir)),
+        ("layer", lambda: rec.storage and layers.remove_layer(rec.storage)),
         ("state", lambda: shutil.rmtree(rec.dir, ignore_errors=False) if rec.dir.exists() else None),
     ]
     for name, step in steps:

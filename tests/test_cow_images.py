@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pycriu.images as criu_images
 
-from bunshinfork import Workspace, criu, process, snapshot
+from bunshinfork import Workspace, process, snapshot
 from bunshinfork.memory import holders, materialize
+from bunshinfork.process import criu
 
 PATTERN = (
     "python3 -c \"import hashlib, time; b = bytearray(hashlib.shake_256(b'x').digest(16 << 20)); "

@@ -39,10 +39,11 @@ from helpers import run_ok, wait_for
 from workloads import agent as workload
 from workloads import xclient
 
-from bunshinfork import criu, native, snapshot
+from bunshinfork import native, snapshot
 from bunshinfork.commands import CommandHandle
 from bunshinfork.errors import BunshinError, ForkError, WorkspaceStateError
 from bunshinfork.memory import ksm
+from bunshinfork.process import criu
 from bunshinfork.snapshot import Snapshot
 from bunshinfork.workspace import Workspace
 

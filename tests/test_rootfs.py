@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from helpers import run_ok
 
-from bunshinfork import rootfs, state
+from bunshinfork import state
 from bunshinfork.errors import RootfsError
+from bunshinfork.fs import rootfs
 from bunshinfork.workspace import Workspace
 
 

@@ -18,8 +18,9 @@ import btrfsutil  # type: ignore[import-not-found]
 import pytest
 from helpers import host_proc_state, init_gone, read_counter, run_ok, wait_for, ws_processes
 
-from bunshinfork import cgroups, control, state, storage
+from bunshinfork import state
 from bunshinfork.cgroups import Cgroup
+from bunshinfork.cgroups import cgroup as cgroups
 from bunshinfork.commands import CommandHandle, CommandResult
 from bunshinfork.errors import (
     BunshinError,
@@ -30,6 +31,8 @@ from bunshinfork.errors import (
     WorkspaceNotFound,
     WorkspaceStateError,
 )
+from bunshinfork.fs import layers as storage
+from bunshinfork.process import control
 from bunshinfork.spec import WorkspaceSpec
 from bunshinfork.workspace import Workspace
 

@@ -17,8 +17,8 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-from . import native
-from .errors import CriuError
+from .. import native
+from ..errors import CriuError
 
 try:
     from pycriu import rpc_pb2 as rpc  # type: ignore[import-not-found]

@@ -22,8 +22,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import state
-from .errors import RootfsError
+from .. import state
+from ..errors import RootfsError
 
 CACHE = Path(os.environ.get("BUNSHIN_CACHE", "/var/cache/bunshin"))
 HOST_KEEP = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")

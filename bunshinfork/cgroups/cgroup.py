@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import CgroupError
+from ..errors import CgroupError
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PARENT = "bunshin"

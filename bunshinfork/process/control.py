@@ -11,7 +11,7 @@ import socket
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 
-from .errors import CommandError, WorkspaceStateError
+from ..errors import CommandError, WorkspaceStateError
 
 CTL_SOCK = "/.bunshin/ctl.sock"
 CMD_DIR = "/.bunshin/cmd"

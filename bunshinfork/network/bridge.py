@@ -1,20 +1,14 @@
-"""Workspace networking. The netns itself is created with the workspace (loopback up).
+"""Bridged workspaces: a veth per workspace on the host bridge `bunshin0`, over netlink (pyroute2).
 
-"none": loopback only.
-
-"bridge": a veth pair per workspace. The host end (`bn` + 10 hex of the id) is a port of the
-host bridge `bunshin0`, which holds the gateway address .1 of the subnet (10.213.0.0/16 or
-$BUNSHIN_SUBNET); the other end is `eth0` inside the workspace, with a free address of the
-subnet and a default route via the gateway. nat=True adds one nftables masquerade table
-(`ip bunshin_nat`) shared by every NAT workspace and turns on IPv4 forwarding.
+The host end (`bn` + 10 hex of the id) is a port of `bunshin0`, which holds the gateway
+address .1 of the subnet (10.213.0.0/16 or $BUNSHIN_SUBNET); the other end is `eth0` inside
+the workspace, with a free address of the subnet and a default route via the gateway.
 
 The bridge, the veths and the NAT table are host-wide while workspace records live under a
 state root that tests and tools may point elsewhere (BUNSHIN_RUN_ROOT). So every host veth
 also carries its owner in its interface alias (`bunshin ws=ID ip=ADDR nat=0|1`): allocation,
 NAT refcounting and gc read that as well as the records, and the kernel drops the entry by
 itself when the workspace's netns dies.
-
-All of it is done over netlink (pyroute2) and nftables' JSON API; nothing shells out.
 """
 
 from __future__ import annotations
@@ -23,7 +17,6 @@ import contextlib
 import errno
 import hashlib
 import ipaddress
-import json
 import os
 import re
 import secrets
@@ -35,17 +28,14 @@ from typing import Any
 
 from pyroute2 import IPRoute, NetlinkError
 
-from . import state
-from .errors import NetworkError
+from .. import state
+from ..errors import NetworkError
+from .nat import NAT_FAMILY, NAT_TABLE, ensure_nat, nft_available, remove_nat
 
 BRIDGE = "bunshin0"
 DEFAULT_SUBNET = "10.213.0.0/16"
 SUBNET_ENV = "BUNSHIN_SUBNET"
 WS_IFNAME = "eth0"
-NAT_FAMILY = "ip"
-NAT_TABLE = "bunshin_nat"
-NAT_CHAIN = "postrouting"
-IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
 HOST_IF_PREFIX = "bn"
 _HOST_IF = re.compile(r"^bn[0-9a-f]{10}$")
 _WS_ID = re.compile(r"^ws-([0-9a-f]{12})$")
@@ -53,8 +43,6 @@ _ALIAS_TAG = "bunshin"
 # Host-wide, not under the (relocatable) state root: the resources it guards are host-wide.
 _LOCK_NAME = "bunshin-network"
 _LOCK_DIR = Path("/run")
-# The pre-NAT ip_forward value, so that removing the last NAT table restores it.
-_FORWARD_SAVED = Path("/run/.bunshin-ip_forward.saved")
 
 
 # ---- names and addresses ----
@@ -277,99 +265,6 @@ def _netns_fd(init_pid: int) -> Iterator[int]:
         os.close(fd)
 
 
-# ---- NAT (nftables) ----
-
-def _nft_available() -> bool:
-    try:
-        import nftables  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _nft(commands: list[dict[str, Any]]) -> dict[str, Any]:
-    try:
-        import nftables  # Debian's python3-nftables: only a system-site-packages venv sees it
-    except ImportError:
-        raise NetworkError(
-            "nat=True needs nftables' Python binding: apt-get install python3-nftables and use a venv "
-            "created with --system-site-packages (or create the workspace without nat)"
-        ) from None
-    nft = nftables.Nftables()
-    nft.set_json_output(True)
-    rc, out, err = nft.json_cmd({"nftables": commands})
-    if rc != 0:
-        raise NetworkError(
-            f"nftables refused {json.dumps(commands)[:200]}: {str(err).strip()}; is nf_tables with "
-            "masquerade support (CONFIG_NFT_MASQ, CONFIG_NFT_NAT) in the kernel? see 'bunshin doctor'"
-        )
-    return out if isinstance(out, dict) else {}
-
-
-def _nat_table_exists() -> bool:
-    out = _nft([{"list": {"tables": {"family": NAT_FAMILY}}}])
-    return any(
-        item.get("table", {}).get("name") == NAT_TABLE and item["table"].get("family") == NAT_FAMILY
-        for item in out.get("nftables", [])
-    )
-
-
-def nat_rules() -> list[dict[str, Any]]:
-    """The rules of bunshin's NAT table in nftables JSON form; [] when the table is absent."""
-    if not _nat_table_exists():
-        return []
-    out = _nft([{"list": {"table": {"family": NAT_FAMILY, "name": NAT_TABLE}}}])
-    return [item["rule"] for item in out.get("nftables", []) if "rule" in item]
-
-
-def _ensure_nat(net: ipaddress.IPv4Network) -> None:
-    table = {"family": NAT_FAMILY, "name": NAT_TABLE}
-    prefix = {"prefix": {"addr": str(net.network_address), "len": net.prefixlen}}
-    saddr = {"payload": {"protocol": "ip", "field": "saddr"}}
-    daddr = {"payload": {"protocol": "ip", "field": "daddr"}}
-    # add + delete + add in one transaction: atomically replaces whatever an earlier run
-    # (perhaps with another subnet) left, and never shows a moment without the rule.
-    _nft([
-        {"add": {"table": table}},
-        {"delete": {"table": table}},
-        {"add": {"table": table}},
-        {"add": {"chain": {**table, "table": NAT_TABLE, "name": NAT_CHAIN, "type": "nat",
-                           "hook": "postrouting", "prio": 100, "policy": "accept"}}},
-        {"add": {"rule": {"family": NAT_FAMILY, "table": NAT_TABLE, "chain": NAT_CHAIN,
-                          "comment": "bunshin workspaces", "expr": [
-                              {"match": {"op": "==", "left": saddr, "right": prefix}},
-                              {"match": {"op": "!=", "left": daddr, "right": prefix}},
-                              {"masquerade": None},
-                          ]}}},
-    ])
-    try:
-        current = IP_FORWARD.read_text().strip()
-        if current != "1":
-            if not _FORWARD_SAVED.exists():
-                _FORWARD_SAVED.write_text(current)
-            IP_FORWARD.write_text("1")
-    except OSError as e:
-        raise NetworkError(
-            f"cannot enable IPv4 forwarding ({IP_FORWARD}): {e}; run as root in the host's network namespace"
-        ) from e
-
-
-def _remove_nat() -> bool:
-    """Drop the NAT table and give ip_forward back its pre-NAT value; False if there was no table."""
-    removed = False
-    if _nat_table_exists():
-        _nft([{"delete": {"table": {"family": NAT_FAMILY, "name": NAT_TABLE}}}])
-        removed = True
-    with contextlib.suppress(FileNotFoundError):
-        value = _FORWARD_SAVED.read_text().strip() or "0"
-        try:
-            IP_FORWARD.write_text(value)
-        except OSError as e:
-            raise NetworkError(f"cannot restore {IP_FORWARD} to {value}: {e}; set it by hand") from e
-        _FORWARD_SAVED.unlink()
-    return removed
-
-
 def _nat_in_use(ipr: IPRoute, exclude: str) -> bool:
     if any(v.nat and v.owner != exclude for v in _host_veths(ipr)):
         return True
@@ -410,7 +305,7 @@ def _setup_bridge(ws_id: str, init_pid: int, nat: bool) -> dict[str, Any]:
         try:
             _plumb(ipr, nsfd, ws_id, result, br_idx)
             if nat:
-                _ensure_nat(net)
+                ensure_nat(net)
         except BaseException:
             with contextlib.suppress(Exception):
                 idx = _lookup(ipr, host_if)
@@ -418,7 +313,7 @@ def _setup_bridge(ws_id: str, init_pid: int, nat: bool) -> dict[str, Any]:
                     _delete_index(ipr, idx, host_if)
             with contextlib.suppress(Exception):
                 if nat and not _nat_in_use(ipr, exclude=ws_id):
-                    _remove_nat()
+                    remove_nat()
             raise
     return result
 
@@ -470,7 +365,7 @@ def teardown(ws_id: str, record: dict[str, Any]) -> None:
                 _delete_index(ipr, v.index, v.name)
         nat = bool(record.get("nat")) or any(v.nat and v.owner == ws_id for v in mine)
         if nat and not _nat_in_use(ipr, exclude=ws_id):
-            _remove_nat()
+            remove_nat()
 
 
 def leftover_interfaces() -> list[str]:
@@ -501,7 +396,7 @@ def gc() -> list[str]:
                 remaining.append(v)
         nat_needed = any(v.nat for v in remaining) or any(n.get("nat") for n in live.values())
         # Without the binding no NAT table can have been made, and gc must still work.
-        if not nat_needed and _nft_available() and _remove_nat():
+        if not nat_needed and nft_available() and remove_nat():
             removed.append(f"{NAT_FAMILY} {NAT_TABLE}")
         br = _lookup(ipr, BRIDGE)
         if br is not None and not live and _link_kind(ipr.get_links(br)[0]) == "bridge":
