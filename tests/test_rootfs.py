@@ -103,7 +103,7 @@ def test_usr_writes_stay_in_the_workspace(ws: Workspace) -> None:
     assert _sha256(target) == before
     assert os.path.exists("/usr/bin/env")
     # The writes landed in the workspace's private upper layer.
-    upper = Path(ws._rec.storage["path"]) / "upper"
+    upper = Path(ws._rec.fs.layer.path) / "upper"
     assert (upper / "usr/bin" / name).read_text() == "probe\n"
 
 

@@ -11,29 +11,12 @@ import contextlib
 import os
 import shutil
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
-from .. import native, state
+from .. import state
 from ..errors import SpecError
+from ..state import Layer
 from .btrfs import btrfsutil, is_btrfs
-
-
-@dataclass
-class Layer:
-    kind: str  # btrfs | dir
-    path: str  # the subvolume or directory holding upper/ and work/
-
-    @property
-    def upper(self) -> str:
-        return os.path.join(self.path, "upper")
-
-    @property
-    def work(self) -> str:
-        return os.path.join(self.path, "work")
-
-    def to_dict(self) -> dict:
-        return {"kind": self.kind, "path": self.path}
 
 
 def storage_root(storage_dir: str | None) -> Path:
@@ -60,8 +43,7 @@ def create_layer(ws_id: str, storage_dir: str | None) -> Layer:
     return layer
 
 
-def remove_layer(layer: dict | Layer) -> None:
-    lay = layer if isinstance(layer, Layer) else Layer(layer["kind"], layer["path"])
+def remove_layer(lay: Layer) -> None:
     if not os.path.lexists(lay.path):
         return
     if lay.kind == "btrfs":
@@ -81,12 +63,11 @@ def copy_tree(src: str, dst: str) -> None:
         raise OSError(f"copying layer {src} to {dst} failed: {proc.stderr.strip()}")
 
 
-def snapshot_layer(layer: dict | Layer, dest: str) -> Layer:
+def snapshot_layer(lay: Layer, dest: str) -> Layer:
     """A frozen, read-only copy of a layer: a btrfs snapshot, else a (reflink) copy.
 
     Called while the workspace is frozen, so the upper directory is consistent.
     """
-    lay = layer if isinstance(layer, Layer) else Layer(layer["kind"], layer["path"])
     Path(dest).parent.mkdir(parents=True, exist_ok=True)
     if lay.kind == "btrfs" and is_btrfs(Path(dest).parent):
         btrfsutil.create_snapshot(lay.path, dest, read_only=True)
@@ -95,9 +76,8 @@ def snapshot_layer(layer: dict | Layer, dest: str) -> Layer:
     return Layer("dir", dest)
 
 
-def clone_layer(snapshot: dict | Layer, ws_id: str, storage_dir: str | None) -> Layer:
+def clone_layer(snap: Layer, ws_id: str, storage_dir: str | None) -> Layer:
     """A new writable layer for a clone, sharing the snapshot's blocks where possible."""
-    snap = snapshot if isinstance(snapshot, Layer) else Layer(snapshot["kind"], snapshot["path"])
     root = storage_root(storage_dir)
     root.mkdir(parents=True, exist_ok=True)
     path = str(root / ws_id)
@@ -111,15 +91,3 @@ def clone_layer(snapshot: dict | Layer, ws_id: str, storage_dir: str | None) -> 
     shutil.rmtree(layer.work)
     os.mkdir(layer.work, 0o700)
     return layer
-
-
-def unmount_below(directory: str | os.PathLike[str]) -> None:
-    """Detach every host mount under `directory`, children before their parents. A restore that
-    failed, or whose creator died, leaves the clone's overlay (CRIU's --root) and CRIU's cgroup
-    yard mounted under the clone's state directory."""
-    prefix = str(directory) + "/"
-    with open("/proc/self/mountinfo") as f:
-        points = [line.split()[4] for line in f]
-    for mp in sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True):
-        with contextlib.suppress(OSError):
-            native.umount2(mp, native.MNT_DETACH)

@@ -30,6 +30,7 @@ from pyroute2 import IPRoute, NetlinkError
 
 from .. import state
 from ..errors import NetworkError
+from ..state import NetworkState
 from .nat import NAT_FAMILY, NAT_TABLE, ensure_nat, nft_available, remove_nat
 
 BRIDGE = "bunshin0"
@@ -113,15 +114,15 @@ def _parse_alias(alias: str) -> dict[str, str]:
     return dict(w.split("=", 1) for w in words[1:] if "=" in w)
 
 
-def _records() -> dict[str, tuple[dict[str, Any], bool]]:
-    """ws id -> (network dict, alive) for every workspace record under the state root that has one."""
-    out: dict[str, tuple[dict[str, Any], bool]] = {}
+def _records() -> dict[str, tuple[NetworkState, bool]]:
+    """ws id -> (network state, alive) for every workspace record under the state root that has one."""
+    out: dict[str, tuple[NetworkState, bool]] = {}
     for ws_id in state.all_ids():
         try:
             rec = state.Record.load(ws_id)
         except (OSError, ValueError, TypeError):
             continue
-        if not rec.network:
+        if rec.network is None:
             continue
         if rec.status == "running":
             alive = rec.init_alive()
@@ -129,7 +130,7 @@ def _records() -> dict[str, tuple[dict[str, Any], bool]]:
             alive = rec.creator_alive()
         else:
             alive = False
-        out[ws_id] = (dict(rec.network), alive)
+        out[ws_id] = (rec.network, alive)
     return out
 
 
@@ -268,40 +269,38 @@ def _netns_fd(init_pid: int) -> Iterator[int]:
 def _nat_in_use(ipr: IPRoute, exclude: str) -> bool:
     if any(v.nat and v.owner != exclude for v in _host_veths(ipr)):
         return True
-    return any(alive and n.get("nat") for i, (n, alive) in _records().items() if i != exclude)
+    return any(alive and n.nat for i, (n, alive) in _records().items() if i != exclude)
 
 
 # ---- public API ----
 
-def setup(ws_id: str, init_pid: int, mode: str, nat: bool = False) -> dict[str, Any]:
+def setup(ws_id: str, init_pid: int, mode: str, nat: bool = False) -> NetworkState:
     """Give the workspace whose init is `init_pid` its network; the result goes into its record."""
     if mode == "none":
         if nat:
             raise NetworkError("nat=True needs network='bridge'")
-        return {"mode": "none"}
+        return NetworkState("none")
     if mode == "bridge":
         return _setup_bridge(ws_id, init_pid, nat)
     raise NetworkError(f"unknown network mode {mode!r}; use 'none' or 'bridge'")
 
 
-def _setup_bridge(ws_id: str, init_pid: int, nat: bool) -> dict[str, Any]:
+def _setup_bridge(ws_id: str, init_pid: int, nat: bool) -> NetworkState:
     net = subnet()
     host_if = host_ifname(ws_id)
     with _lock(), _netns_fd(init_pid) as nsfd, IPRoute() as ipr:
         records = _records()
         veths = _host_veths(ipr)
         in_use = any(v.peer_elsewhere for v in veths) or any(
-            alive and n.get("mode") == "bridge" for i, (n, alive) in records.items() if i != ws_id
+            alive and n.mode == "bridge" for i, (n, alive) in records.items() if i != ws_id
         )
         br_idx = _ensure_bridge(ipr, net, in_use)
         # Dead records keep their address until gc: their veth may still be on its way out.
-        taken = {str(n["ip"]) for i, (n, _) in records.items() if i != ws_id and n.get("ip")}
+        taken = {n.ip for i, (n, _) in records.items() if i != ws_id and n.ip}
         taken |= {v.ip for v in veths if v.ip and v.owner != ws_id}
         ip = _allocate(net, taken)
-        result: dict[str, Any] = {
-            "mode": "bridge", "bridge": BRIDGE, "host_if": host_if, "ip": str(ip),
-            "prefixlen": net.prefixlen, "gateway": str(_gateway(net)), "nat": bool(nat),
-        }
+        result = NetworkState(mode="bridge", bridge=BRIDGE, host_if=host_if, ip=str(ip),
+                              prefixlen=net.prefixlen, gateway=str(_gateway(net)), nat=bool(nat))
         try:
             _plumb(ipr, nsfd, ws_id, result, br_idx)
             if nat:
@@ -318,8 +317,8 @@ def _setup_bridge(ws_id: str, init_pid: int, nat: bool) -> dict[str, Any]:
     return result
 
 
-def _plumb(ipr: IPRoute, nsfd: int, ws_id: str, net: dict[str, Any], br_idx: int) -> None:
-    host_if = net["host_if"]
+def _plumb(ipr: IPRoute, nsfd: int, ws_id: str, net: NetworkState, br_idx: int) -> None:
+    host_if = net.host_if
     try:
         # The peer is born inside the workspace netns as eth0, so no temporary name ever
         # shows on the host and nothing there can race for it.
@@ -329,7 +328,7 @@ def _plumb(ipr: IPRoute, nsfd: int, ws_id: str, net: dict[str, Any], br_idx: int
     idx = _lookup(ipr, host_if)
     if idx is None:
         raise NetworkError(f"veth {host_if} vanished right after creation; did the workspace die?")
-    alias = f"{_ALIAS_TAG} ws={ws_id} ip={net['ip']} nat={int(net['nat'])}"
+    alias = f"{_ALIAS_TAG} ws={ws_id} ip={net.ip} nat={int(net.nat)}"
     try:
         ipr.link("set", index=idx, ifalias=alias)
         ipr.link("set", index=idx, master=br_idx, state="up")
@@ -341,29 +340,29 @@ def _plumb(ipr: IPRoute, nsfd: int, ws_id: str, net: dict[str, Any], br_idx: int
             ws_idx = _lookup(ns, WS_IFNAME)
             if ws_idx is None:
                 raise NetworkError(f"{WS_IFNAME} did not appear inside the workspace; did the workspace die?")
-            ns.addr("add", index=ws_idx, address=net["ip"], prefixlen=net["prefixlen"])
+            ns.addr("add", index=ws_idx, address=net.ip, prefixlen=net.prefixlen)
             ns.link("set", index=ws_idx, state="up")
-            ns.route("add", dst="0.0.0.0/0", gateway=net["gateway"])
+            ns.route("add", dst="0.0.0.0/0", gateway=net.gateway)
     except NetlinkError as e:
         raise _netlink_failure(f"cannot configure {WS_IFNAME} inside the workspace", e) from e
 
 
-def teardown(ws_id: str, record: dict[str, Any]) -> None:
+def teardown(ws_id: str, record: NetworkState | None) -> None:
     """Undo setup(). Idempotent: what is already gone is fine.
 
-    An empty record (setup never returned: the creator crashed or setup failed) still removes
+    No record (setup never returned: the creator crashed or setup failed) still removes
     a veth labelled with this workspace's id.
     """
-    if record and record.get("mode") != "bridge":
+    if record is not None and record.mode != "bridge":
         return
-    host_if = str(record.get("host_if") or host_ifname(ws_id))
+    host_if = (record.host_if if record is not None else None) or host_ifname(ws_id)
     with _lock(), IPRoute() as ipr:
         mine = [v for v in _host_veths(ipr) if v.name == host_if]
         for v in mine:
             # Another workspace's label means a name collision: that veth is not ours to remove.
-            if v.owner == ws_id or (record and v.owner is None):
+            if v.owner == ws_id or (record is not None and v.owner is None):
                 _delete_index(ipr, v.index, v.name)
-        nat = bool(record.get("nat")) or any(v.nat and v.owner == ws_id for v in mine)
+        nat = (record is not None and record.nat) or any(v.nat and v.owner == ws_id for v in mine)
         if nat and not _nat_in_use(ipr, exclude=ws_id):
             remove_nat()
 
@@ -384,8 +383,8 @@ def gc() -> list[str]:
     removed: list[str] = []
     with _lock(), IPRoute() as ipr:
         records = _records()
-        live = {i: n for i, (n, alive) in records.items() if alive and n.get("mode") == "bridge"}
-        keep = {str(n.get("host_if") or host_ifname(i)) for i, n in live.items()}
+        live = {i: n for i, (n, alive) in records.items() if alive and n.mode == "bridge"}
+        keep = {n.host_if or host_ifname(i) for i, n in live.items()}
         remaining: list[_HostVeth] = []
         for v in _host_veths(ipr):
             known_dead = v.owner is not None and v.owner in records and v.owner not in live
@@ -394,7 +393,7 @@ def gc() -> list[str]:
                 removed.append(v.name)
             elif not orphan:
                 remaining.append(v)
-        nat_needed = any(v.nat for v in remaining) or any(n.get("nat") for n in live.values())
+        nat_needed = any(v.nat for v in remaining) or any(n.nat for n in live.values())
         # Without the binding no NAT table can have been made, and gc must still work.
         if not nat_needed and nft_available() and remove_nat():
             removed.append(f"{NAT_FAMILY} {NAT_TABLE}")

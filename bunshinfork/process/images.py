@@ -11,6 +11,9 @@ except ImportError:  # pragma: no cover - set-up installs pycriu into the venv
     fdinfo_pb2 = None
 
 IMG_COMMON_MAGIC, FILES_MAGIC = 0x54564319, 0x56303138  # criu/include/magic.h
+# Names CRIU gives its files in an image directory.
+PAGES_PREFIX = "pages-"
+LOG_SUFFIX = ".log"
 
 
 def rearm_expired_timerfds(images: Path) -> int:
