@@ -44,8 +44,7 @@ from bunshinfork.commands import CommandHandle
 from bunshinfork.errors import BunshinError, ForkError, WorkspaceStateError
 from bunshinfork.memory import ksm
 from bunshinfork.process import criu, restore
-from bunshinfork.snapshot import Snapshot
-from bunshinfork.workspace import Workspace
+from bunshinfork.workspace import Snapshot, Workspace
 
 # The guest (qemu TCG, 10-30x slower than here) runs the cow parameters on a smaller source.
 BIG_MIB = int(os.environ.get("BUNSHIN_TEST_BIG_MIB", "512"))
