@@ -74,8 +74,10 @@ class SharedSnapshot:
         """The memory engine it was captured for; every fork of it uses that engine."""
         return self.snap.memory
 
-    def fork(self) -> Workspace:
-        out = self.snap.fork(1)[0]
+    def fork(self, memory: str | None = None) -> Workspace:
+        """A clone, with the engine the state was captured for (or one that restores the same
+        capture: see Snapshot.fork)."""
+        out = self.snap.fork(1, memory)[0]
         if isinstance(out, Exception):
             raise out
         return out

@@ -19,10 +19,10 @@ from ..contract import Build, Capture, Check, Held, Part
 from ..errors import BunshinError, ForkError
 from ..state import InitState, proc_starttime
 from . import control, criu, init
-from .dump import dump
+from .dump import dump_tree
 from .options import dump_opts, restore_opts
 from .reaper import reaper
-from .restore import restore
+from .restore import restore_tree
 from .tree import ProcInfo, tree
 
 __all__ = ["ProcInfo", "ProcessPart", "dump_opts", "restore_opts", "tree"]
@@ -100,11 +100,11 @@ class ProcessPart(Part):
                                             b.ksm_merge)
 
     def capture(self, c: Capture) -> None:
-        dump(c)
+        dump_tree(c)
 
     def restore(self, b: Build) -> None:
         rec = b.rec
-        pid = restore(b)
+        pid = restore_tree(b)
         rec.process = InitState(pid, proc_starttime(pid) or 0)
         rec.save()
         b.pidfd = os.pidfd_open(pid)

@@ -9,7 +9,7 @@ from .images import rearm_expired_timerfds
 from .options import dump_opts
 
 
-def dump(c: Capture) -> None:
+def dump_tree(c: Capture) -> None:
     """CRIU seizes the tree through its already frozen freezer cgroup, so it never runs between
     the freeze and the dump; what other parts queued for after the dump runs still frozen."""
     rec = c.source

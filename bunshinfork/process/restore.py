@@ -20,7 +20,7 @@ from .options import restore_opts
 RESTORE_HOOK: Callable[[criu.Session], None] | None = None
 
 
-def restore(b: Build) -> int:
+def restore_tree(b: Build) -> int:
     """Run CRIU's restore into b.root and b.rec's cgroup; returns the restored init's host pid.
 
     rst_sibling makes the restored init our child rather than criu's, so it is reaped like a
