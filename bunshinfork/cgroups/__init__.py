@@ -90,7 +90,7 @@ class CgroupsPart(Part):
 
     def gc(self) -> list[str]:
         """Workspace cgroups with no record under this state root, no task and some age: left
-        by a creator killed between creating the cgroup and writing it into its record."""
+        where a release could not remove them (a task still dying) and the record went anyway."""
         removed = []
         now = time.time()
         for d in leftover_cgroups():
