@@ -1,9 +1,10 @@
 """CRIU 4.2.1 driven over its RPC protocol (criu swrk + pycriu's protobufs).
 
 pycriu's own client sends one request and reads one response; forking needs CRIU's
-notifications (post-dump runs while the tree is still frozen, which is when the file
-system must be snapshotted), so this module runs the request/notify loop itself.
-Logs are kept next to the images and quoted in errors.
+notifications (setup-namespaces names a clone's init, pre-resume is where the cow engine
+shares memory into the still-stopped tasks), so this module runs the request/notify loop
+itself. Logs are kept next to the images and quoted in errors. VERSION and CHECK are asked
+the same way, for `bunshin doctor`.
 """
 
 from __future__ import annotations
