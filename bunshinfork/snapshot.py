@@ -8,6 +8,7 @@ clone is built. save() and load() make a snapshot durable in a directory of its 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -57,9 +58,20 @@ def take(rec: Record, engine: str) -> Captured:
     return snap
 
 
-def retained_fixed_bytes(snap: Captured) -> int:
-    """Images and file-system layer: what a snapshot keeps whatever its source does later."""
-    return fs.apparent_bytes(snap)
+def file_bytes(snap: Captured) -> int:
+    """Its images and file-system layer, by file size: what a snapshot keeps whatever its source
+    does later."""
+    layer = snap.meta.fs.layer if snap.meta.fs else None
+    paths = [snap.dir]
+    if layer is not None and not Path(layer.path).is_relative_to(snap.dir):
+        paths.append(Path(layer.path))  # a btrfs snapshot lives beside the other layers
+    total = 0
+    for p in paths:
+        for dirpath, _dirs, files in os.walk(p):
+            for f in files:
+                with contextlib.suppress(FileNotFoundError):
+                    total += os.lstat(os.path.join(dirpath, f)).st_size
+    return total
 
 
 def save(snap: Captured, path: str | os.PathLike[str]) -> Future[str]:

@@ -247,7 +247,7 @@ class Snapshot:
     @classmethod
     def take(cls, ws: Workspace, memory: str = "auto") -> Snapshot:
         """Capture `ws` for the memory engine `memory` (see Workspace.snapshot)."""
-        engine = memory_engines.choose(memory)  # an engine this host lacks fails before any freeze
+        engine = memory_engines.resolve(memory)  # an engine this host lacks fails before any freeze
         ws._live_init_pid()
         return cls(snapshot.take(ws._rec, engine))
 
@@ -301,7 +301,7 @@ class Snapshot:
         """
         self._check_live()
         if self._fixed_bytes is None:
-            self._fixed_bytes = snapshot.retained_fixed_bytes(self._snap)
+            self._fixed_bytes = snapshot.file_bytes(self._snap)
         return self._fixed_bytes + memory_engines.held_bytes(self._snap)
 
     def _check_live(self) -> None:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from .. import native, state
-from ..contract import Build, Capture, Captured, Check, Held, Mount, Part
+from ..contract import Build, Capture, Check, Held, Mount, Part
 from ..errors import ForkError
 from ..state import FsState, Layer
 from . import identity, layers, rootfs
@@ -160,19 +160,3 @@ def load(fs: FsState, directory: Path, snap_id: str) -> FsState:
             f"({fs.rootfs.digest} -> {current.digest}); clones would see different files"
         )
     return FsState(current, Layer("dir", str(directory / SAVED_LAYER)))
-
-
-def apparent_bytes(captured: Captured) -> int:
-    """What a snapshot's directory and layer take on disk, by file size."""
-    layer = captured.meta.fs.layer if captured.meta.fs else None
-    paths = [captured.dir]
-    if layer is not None and not Path(layer.path).is_relative_to(captured.dir):
-        paths.append(Path(layer.path))  # a btrfs snapshot lives beside the other layers
-    total = 0
-    for p in paths:
-        for dirpath, _dirs, files in os.walk(p):
-            for f in files:
-                with contextlib.suppress(FileNotFoundError):
-                    total += os.lstat(os.path.join(dirpath, f)).st_size
-    return total
-

@@ -23,7 +23,7 @@ from ..errors import KernelFeatureError, SpecError
 from . import cow, ksm
 from .engines import ENGINES, Engine
 
-__all__ = ["ENGINES", "MemoryPart", "choose", "for_fork", "for_images", "resolve"]
+__all__ = ["ENGINES", "MemoryPart", "for_fork", "for_images", "resolve"]
 
 NAMES = ("copy", "ksm", "cow")
 
@@ -41,11 +41,6 @@ def resolve(name: str) -> str:
     if name == "ksm" and (why := ksm.unavailable_reason()):
         raise KernelFeatureError(f"memory='ksm' is unavailable: {why}")
     return name
-
-
-def choose(name: str) -> str:
-    """The engine a snapshot taken now with memory=`name` records."""
-    return resolve(name)
 
 
 def _image_engine() -> str:
