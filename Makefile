@@ -52,7 +52,7 @@ kernel-check:
 # built for it and runs the cow tests; see kernel/README.md. GUEST_KERNEL=6.12 runs them on
 # Debian's newer line (CI runs both). A kernel BUG/WARNING fails the run.
 GUEST_TIMEOUT ?= 3000
-GUEST_MARKS ?= cow
+GUEST_MARKS ?= cow or guest
 GUEST_KERNEL ?= 6.1
 .PHONY: test-guest
 test-guest: setup

@@ -84,8 +84,10 @@ def held_bytes(snap: Captured) -> int:
     return engine(snap).held_bytes(snap)
 
 
-def write_images(snap: Captured, dest: Path) -> None:
-    engine(snap).write_images(snap, dest)
+def write_images(snap: Captured, dest: Path, incremental: bool = False) -> bool:
+    """The snapshot's images for a durable save at `dest`; True when only its own pages were
+    written (incremental, where its engine keeps all its memory in images)."""
+    return engine(snap).write_images(snap, dest, incremental)
 
 
 def check_ksm() -> Check:
