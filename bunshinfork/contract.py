@@ -5,6 +5,7 @@ dump_one_timerfd and the restore side, while cr-dump.c and cr-restore.c only seq
 each subsystem of a workspace (process, memory, fs, network, cgroups) is one Part:
 
 - prepare(build): its share of a new workspace;
+- precapture(capture): work that shortens the freeze, while the source still runs;
 - capture(capture): its share of a snapshot, while the source is frozen;
 - restore(build): its share of a clone, from a snapshot;
 - release(held): give back what it holds for a workspace or a snapshot (idempotent, and
@@ -121,6 +122,9 @@ class Capture:
     # (a snapshot forked at once and released skips it).
     delta: bool = True
     dedupe: bool = True
+    # memory: False when the engine keeps anonymous memory out of the images (cow's holders):
+    # then the dump writes little, and a pre-dump would not shorten the freeze.
+    images_hold_memory: bool = True
     dump_env: dict[str, str] = field(default_factory=dict)  # memory: for the CRIU dump
     # memory: run after the CRIU dump, the tree still frozen (CRIU keeps a frozen cgroup frozen).
     after_dump: list[Callable[[], None]] = field(default_factory=list)
@@ -147,6 +151,9 @@ class Part:
 
     def prepare(self, b: Build) -> None:
         """A new workspace: set this subsystem up and record its state in b.rec."""
+
+    def precapture(self, c: Capture) -> None:
+        """The source still runs, just before the freeze: work that makes capture() shorter."""
 
     def capture(self, c: Capture) -> None:
         """The source is frozen: add this subsystem's state to c.snap."""

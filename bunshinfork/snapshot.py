@@ -1,9 +1,11 @@
 """A snapshot: every subsystem's capture within one short freeze of the source.
 
-The source is frozen through its cgroup; each part captures its share in pipeline.CAPTURE
-order (CRIU dumps the process tree, leaving it running; the memory engine keeps what the
-dump leaves out; the private file-system layer is copied); the source resumes before any
-clone is built. save() and load() make a snapshot durable in a directory of its own.
+What can be done with the source running is done first (CRIU's pre-dump). The source is then
+frozen through its cgroup; each part captures its share in pipeline.CAPTURE order (CRIU dumps
+the process tree, leaving it running; the memory engine keeps what the dump leaves out; the
+private file-system layer is copied); the source resumes, the images are compacted against
+their parent, and only then is any clone built. save() and load() make a snapshot durable in a
+directory of its own.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ def take(rec: Record, engine: str, *, delta: bool = True, dedupe: bool = True) -
     c = Capture(rec, snap, delta=delta, dedupe=dedupe)
     cg = Cgroup(rec.cgroups)
     try:
+        for part in pipeline.capture_order():
+            part.precapture(c)
+        c.started = time.monotonic()
         with c.stage("freeze"):
             cg.freeze()
         try:

@@ -181,6 +181,24 @@ def test_with_dirty_tracking_the_freeze_writes_only_what_changed(src: Workspace)
                 s.release()
 
 
+@pytest.mark.guest
+@NO_TRACKING
+def test_with_dirty_tracking_a_first_snapshot_is_predumped(src: Workspace) -> None:
+    """A clone's first snapshot has no dump of its own to be incremental against: CRIU's pre-dump
+    writes its pages with the clone running, and the freeze writes only what changed since."""
+    with src.snapshot("copy", incremental=False) as base, fork_of(base) as (clone,):
+        sha = agent(clone, "dirty", pages=DIRTY_PAGES)
+        with clone.snapshot("copy") as s:
+            t = s.timing
+            assert t.stages["predump"] > 0 and t.criu["predump_pages_written"] > (8 << 20) // PAGE
+            assert t.criu["pages_written"] < t.criu["predump_pages_written"] / 4
+            # The pre-dump was folded into the snapshot's images, and those compared with base's.
+            assert s.parent == base.id and not (s.dir / chain.PREDUMP).exists()
+            assert s.retained_bytes() < base.retained_bytes() / 2
+            with fork_of(s) as (c,):
+                assert _big_sha(c) == sha
+
+
 @pytest.mark.parametrize("memory", ["copy", COW])
 def test_fork_profile_names_every_stage(src: Workspace, memory: str) -> None:
     with src.snapshot(memory) as snap, fork_of(snap, memory=memory) as (c,):

@@ -135,6 +135,9 @@ class MemoryPart(Part):
         # spec.ksm: the workspace's processes opt in, so that a ksm fork can merge it with its clones.
         b.ksm_merge = b.rec.spec.ksm
 
+    def precapture(self, c: Capture) -> None:
+        engine(c.snap).precapture(c)
+
     def capture(self, c: Capture) -> None:
         engine(c.snap).capture(c)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from ..cgroups import Cgroup
 from ..contract import Build, Capture, Captured
 from ..errors import ForkError
-from ..process import pages
+from ..process import chain, pages
 from . import cow, holders, ksm, materialize
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -25,6 +25,9 @@ class Engine:
     name = "copy"
     # Where a snapshot keeps its anonymous memory: "image" (CRIU's page images) or "cow".
     kind = "image"
+
+    def precapture(self, c: Capture) -> None:
+        pass
 
     def capture(self, c: Capture) -> None:
         pass
@@ -38,12 +41,9 @@ class Engine:
 
     def write_images(self, snap: Captured, dest: Path, incremental: bool) -> bool:
         """CRIU images of the snapshot at `dest`, for a durable save: complete (the pages its
-        images read from a parent snapshot included), or with `incremental` its own level only,
-        without the parent link (returns True)."""
-        if incremental:
-            pages.copy_level(snap.images, dest)
-        else:
-            pages.flatten(snap.images, dest)
+        images read from a parent snapshot included), or with `incremental` one level holding
+        all but the pages it reads from its parent snapshot, without the parent link (True)."""
+        pages.squash(snap.images, dest, until=chain.external_parent(snap.dir) if incremental else None)
         return incremental
 
     def release(self, snap: Captured) -> None:
@@ -72,10 +72,13 @@ class Cow(Engine):
     name = "cow"
     kind = "cow"
 
+    def precapture(self, c: Capture) -> None:
+        c.dump_env.update(cow.DUMP_ENV)
+        c.images_hold_memory = False
+
     def capture(self, c: Capture) -> None:
         assert c.source.cgroups is not None
         cg = Cgroup(c.source.cgroups)
-        c.dump_env.update(cow.DUMP_ENV)
 
         def take_holders() -> None:
             # The holders image exactly the state the dump describes.

@@ -19,7 +19,7 @@ from ..contract import Build, Capture, Check, Held, Part
 from ..errors import BunshinError, ForkError
 from ..state import InitState, Lineage, proc_starttime
 from . import control, criu, init
-from .dump import dump_tree
+from .dump import dump_tree, predump_tree
 from .options import dump_opts, restore_opts
 from .reaper import reaper
 from .restore import restore_tree
@@ -98,6 +98,9 @@ class ProcessPart(Part):
         assert b.rec.cgroups is not None
         b.rec.process, b.pidfd = init.spawn(b.rec, str(b.root.path), b.root.options, Cgroup(b.rec.cgroups),
                                             b.ksm_merge)
+
+    def precapture(self, c: Capture) -> None:
+        predump_tree(c)
 
     def capture(self, c: Capture) -> None:
         dump_tree(c)

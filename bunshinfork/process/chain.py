@@ -27,6 +27,9 @@ from .images import PAGEMAP_PREFIX, PAGES_PREFIX
 PARENT = "parent"  # CRIU's CR_PARENT_LINK
 RELEASED = ".released"  # in a released snapshot's directory that others' images still read
 IMAGES = "images"
+# A level of images below IMAGES inside the same snapshot's directory: CRIU's pre-dump, taken
+# with the source running, that the frozen dump's images read (dump.py merges it when it can).
+PREDUMP = "predump"
 MAX_DEPTH = 64  # CRIU opens every level of a chain on restore: a deeper parent is not linked
 
 
@@ -36,6 +39,10 @@ def _lock() -> contextlib.AbstractContextManager[None]:
 
 def _root() -> Path:
     return state.RUN_ROOT / state.SNAPSHOTS
+
+
+def snapshot_dir(snap_id: str) -> Path:
+    return _root() / snap_id
 
 
 def parent_images(images: Path) -> Path | None:
@@ -56,8 +63,16 @@ def depth(images: Path) -> int:
     return n
 
 
-def _parent_name(snap_dir: Path) -> str | None:
+def external_parent(snap_dir: Path) -> Path | None:
+    """The first level of images below snap_dir's own (its pre-dump's) in another snapshot."""
     p = parent_images(snap_dir / IMAGES)
+    while p is not None and p.parent == snap_dir:
+        p = parent_images(p)
+    return p
+
+
+def _parent_name(snap_dir: Path) -> str | None:
+    p = external_parent(snap_dir)
     return p.parent.name if p is not None and p.parent.parent == _root() else None
 
 
@@ -77,6 +92,15 @@ def adopt(images: Path, parent_id: str) -> Path | None:
             return None
         os.symlink(os.path.relpath(pimages, images), images / PARENT)
     return pimages
+
+
+def replace_levels(snap_dir: Path, merged: Path) -> None:
+    """Put the single level `merged` (already linked to the same external parent) in place of
+    snap_dir's images and pre-dump, with no moment at which that parent is not pinned."""
+    with _lock():
+        shutil.rmtree(snap_dir / IMAGES)
+        os.rename(merged, snap_dir / IMAGES)
+        shutil.rmtree(snap_dir / PREDUMP, ignore_errors=True)
 
 
 def unlink(images: Path) -> None:
@@ -99,16 +123,17 @@ def _children() -> dict[str, list[str]]:
 def _trim(snap_dir: Path) -> None:
     """What a released snapshot keeps for the images that read it: its pages and their maps."""
     for entry in os.scandir(snap_dir):
-        if entry.name in (IMAGES, RELEASED, SnapshotMeta.FILE):
+        if entry.name in (IMAGES, PREDUMP, RELEASED, SnapshotMeta.FILE):
             continue
         if entry.is_dir(follow_symlinks=False):
             shutil.rmtree(entry.path)
         else:
             os.unlink(entry.path)
-    for entry in os.scandir(snap_dir / IMAGES):
-        name = entry.name
-        if name != PARENT and not name.startswith((PAGEMAP_PREFIX, PAGES_PREFIX)):
-            os.unlink(entry.path)
+    for level in (snap_dir / IMAGES, snap_dir / PREDUMP):
+        for entry in os.scandir(level) if level.is_dir() else ():
+            name = entry.name
+            if name != PARENT and not name.startswith((PAGEMAP_PREFIX, PAGES_PREFIX)):
+                os.unlink(entry.path)
 
 
 def retire(snap_dir: Path) -> None:
@@ -149,11 +174,12 @@ def sweep() -> list[str]:
     return removed
 
 
-def _ancestors(images: Path) -> Iterator[Path]:
-    p = parent_images(images)
+def _ancestors(snap_dir: Path) -> Iterator[Path]:
+    """The snapshot directories whose pages snap_dir's images read, nearest first."""
+    p = external_parent(snap_dir)
     while p is not None:
         yield p.parent
-        p = parent_images(p)
+        p = external_parent(p.parent)
 
 
 def _bytes(path: Path) -> int:
@@ -169,7 +195,7 @@ def pinned_bytes(snap_dir: Path) -> int:
     """What released snapshots whose pages this one's images still read keep on the host, split
     evenly among the retained snapshots that read them (so that the shares add up to the whole)."""
     held = []
-    for a in _ancestors(snap_dir / IMAGES):
+    for a in _ancestors(snap_dir):
         if not released(a):
             break  # a retained ancestor pays for itself and what it reads
         held.append(a)

@@ -185,9 +185,9 @@ def request(kind: str, opts: rpc.criu_opts, on_notify: Notify | None = None, kee
             ksm_merge: bool = False, log: Path | None = None,
             session_hook: Callable[[Session], None] | None = None,
             env: dict[str, str] | None = None) -> rpc.criu_resp:
-    """Run one DUMP or RESTORE; raise CriuError with the log's error lines on failure."""
+    """Run one DUMP, PRE_DUMP or RESTORE; raise CriuError with the log's error lines on failure."""
     req = rpc.criu_req()
-    req.type = {"dump": rpc.DUMP, "restore": rpc.RESTORE}[kind]
+    req.type = {"dump": rpc.DUMP, "pre_dump": rpc.PRE_DUMP, "restore": rpc.RESTORE}[kind]
     req.opts.MergeFrom(opts)
     req.opts.notify_scripts = on_notify is not None
     with Session(keep_fds, ksm_merge, env) as s:

@@ -4,8 +4,11 @@ A workspace's snapshots store their pages as deltas against the snapshot its mem
 matched (state.Lineage: the one it was forked from, or its previous snapshot). Where the kernel
 tracks dirty pages, every dump resets the tracking (--track-mem), and the next one names the
 previous as its parent: CRIU then writes only the pages written since, while the source is
-frozen. Elsewhere CRIU writes every page and, once the source has resumed, the pages equal to
-the parent's are replaced by references to them (pages.dedupe).
+frozen. With no such parent (a workspace's first snapshot, a clone's), CRIU's pre-dump writes
+the pages first with the source running, and the freeze writes only those written since the
+pre-dump. Without dirty tracking CRIU writes every page while frozen. Either way, once the
+source has resumed, the pages equal to the parent snapshot's are replaced by references to
+them (pages.dedupe), and a pre-dump is merged into the snapshot's own images.
 """
 
 from __future__ import annotations
@@ -23,20 +26,49 @@ from .options import dump_opts
 LINEAGE_KEPT = 4  # earlier snapshots a workspace remembers, should the newest be released
 
 
+def _freezer(c: Capture) -> str:
+    assert c.source.cgroups is not None
+    cg = Cgroup(c.source.cgroups)
+    return cg.paths.get("freezer") or cg.paths["unified"]
+
+
+def predump_tree(c: Capture) -> None:
+    """The source still runs: where the frozen dump would write every page although the kernel
+    tracks dirty pages, CRIU's pre-dump writes them now. It stops the tasks (ptrace) only while
+    it collects their pages into pipes, and resets the tracking."""
+    rec = c.source
+    assert rec.process is not None
+    if not (c.delta and c.images_hold_memory and criu.dirty_tracking()) \
+            or _tracked_candidate(c, rec.lineage or Lineage()):
+        return
+    level = c.snap.dir / chain.PREDUMP
+    level.mkdir()
+    opts = dump_opts(rec.process.pid, level, _freezer(c))
+    opts.ClearField("freeze_cgroup")  # the source is not frozen: CRIU stops it itself, briefly
+    opts.track_mem = True
+    with c.stage("predump"):
+        criu.request("pre_dump", opts, log=level / "dump.log", env=c.dump_env or None)
+    c.criu.update({f"predump_{k}": v for k, v in dump_stats(level).items()})
+
+
 def dump_tree(c: Capture) -> None:
     """CRIU seizes the tree through its already frozen freezer cgroup, so it never runs between
     the freeze and the dump; what other parts queued for after the dump runs still frozen."""
     rec = c.source
-    assert rec.process is not None and rec.cgroups is not None
-    cg = Cgroup(rec.cgroups)
+    assert rec.process is not None
     images = c.snap.images
     images.mkdir()
-    opts = dump_opts(rec.process.pid, images, cg.paths.get("freezer") or cg.paths["unified"])
+    opts = dump_opts(rec.process.pid, images, _freezer(c))
     lineage = rec.lineage or Lineage()
     tracking = criu.dirty_tracking()
+    predump = c.snap.dir / chain.PREDUMP
     if tracking:
         opts.track_mem = True  # resets the dirty bits, so that the next dump can be incremental
-        parent = _tracked_parent(c, images, lineage)
+        if predump.is_dir():
+            os.symlink(os.path.relpath(predump, images), images / chain.PARENT)
+            parent: Path | None = predump
+        else:
+            parent = _tracked_parent(c, images, lineage)
         if parent is not None:
             opts.parent_img = os.path.relpath(parent, images)
     with c.stage("dump"):
@@ -50,40 +82,63 @@ def dump_tree(c: Capture) -> None:
     # Image fix-ups need not hold the source frozen.
     c.after_thaw.append(lambda: rearm_expired_timerfds(images))
     if c.delta and c.dedupe:
-        c.after_thaw.append(lambda: _dedupe(c, images, lineage))
-    elif parent_id := _linked_parent(images):
-        c.snap.meta.parent = parent_id
+        c.after_thaw.append(lambda: _dedupe(c, lineage))
+    else:
+        _record_parent(c)
+
+
+def _tracked_candidate(c: Capture, lineage: Lineage) -> bool:
+    """Whether lineage's newest snapshot can be CRIU's parent: this workspace's previous dump,
+    which reset the dirty bits, retained, and dumped the same way (the cow engine's dump leaves
+    anonymous memory out: its parent lacks those pages)."""
+    if not (lineage.tracked and lineage.snapshots):
+        return False
+    d = chain.snapshot_dir(lineage.snapshots[0])
+    try:
+        return not chain.released(d) and SnapshotMeta.load(d).memory == c.snap.meta.memory
+    except (FileNotFoundError, ValueError):
+        return False
 
 
 def _tracked_parent(c: Capture, images: Path, lineage: Lineage) -> Path | None:
-    """The previous snapshot of this workspace, linked as CRIU's parent, when the dirty bits were
-    reset by its dump and it was dumped the same way (the cow engine's dump leaves anonymous
-    memory out: its parent lacks those pages)."""
-    if not (c.delta and lineage.tracked and lineage.snapshots):
+    """lineage's newest snapshot, linked as CRIU's parent, where _tracked_candidate allows."""
+    if not (c.delta and _tracked_candidate(c, lineage)):
         return None
-    parent = chain.adopt(images, lineage.snapshots[0])
-    if parent is not None and SnapshotMeta.load(parent.parent).memory != c.snap.meta.memory:
-        chain.unlink(images)
-        return None
-    return parent
+    return chain.adopt(images, lineage.snapshots[0])
 
 
-def _linked_parent(images: Path) -> str | None:
-    p = chain.parent_images(images)
-    return p.parent.name if p is not None else None
+def _record_parent(c: Capture) -> None:
+    p = chain.external_parent(c.snap.dir)
+    c.snap.meta.parent = p.parent.name if p is not None else None
 
 
-def _dedupe(c: Capture, images: Path, lineage: Lineage) -> None:
+def _adopt_lineage(level: Path, lineage: Lineage) -> Path | None:
+    for snap_id in lineage.snapshots:
+        if (p := chain.adopt(level, snap_id)) is not None:
+            return p
+    return None
+
+
+def _dedupe(c: Capture, lineage: Lineage) -> None:
+    images = c.snap.images
+    predump = c.snap.dir / chain.PREDUMP
     with c.stage("dedupe"):
-        if chain.parent_images(images) is None:
-            for snap_id in lineage.snapshots:
-                if chain.adopt(images, snap_id) is not None:
-                    break
-            else:
-                return
-        stats = pages.dedupe(images)
-        c.criu["pages_kept"] = stats.pages_kept
-        if stats.pages_in_parent:
-            c.snap.meta.parent = _linked_parent(images)
-        else:
-            chain.unlink(images)
+        if predump.is_dir():
+            # The pre-dump holds the pages; the frozen dump, those written since. Compare the
+            # pre-dump's with the parent's, then fold what remains of it into the images.
+            parent = _adopt_lineage(predump, lineage)
+            if parent is not None:
+                pages.dedupe(predump)
+            merged = c.snap.dir / "images.merged"
+            pages.squash(images, merged, until=parent)
+            if parent is not None:
+                os.symlink(os.path.relpath(parent, images), merged / chain.PARENT)
+            chain.replace_levels(c.snap.dir, merged)
+        elif chain.parent_images(images) is None:
+            _adopt_lineage(images, lineage)
+        if chain.parent_images(images) is not None:
+            stats = pages.dedupe(images)
+            c.criu["pages_kept"] = stats.pages_kept
+            if not stats.pages_in_parent:
+                chain.unlink(images)
+    _record_parent(c)

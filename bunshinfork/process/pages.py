@@ -128,8 +128,12 @@ def _pages_file(images: Path, pagemap: dict) -> Path:
     return images / f"{PAGES_PREFIX}{pagemap['entries'][0]['pages_id']}.img"
 
 
-def _resolve(images: Path | None, name: str, files: _Files, level: int = 0) -> list[Run]:
-    """Where every page `name` lists in `images` lies, following PE_PARENT entries down its chain."""
+IN_STOP = -1  # Run.src of pages that lie in the level a resolution stops at
+
+
+def _resolve(images: Path | None, name: str, files: _Files, stop: Path | None = None, level: int = 0) -> list[Run]:
+    """Where every page `name` lists in `images` lies, following PE_PARENT entries down its chain;
+    pages it reads from `stop` (a level of that chain) are runs with src IN_STOP."""
     if images is None or not (images / name).exists() or level > chain.MAX_DEPTH:
         return []
     pm = _load(images / name)
@@ -137,15 +141,19 @@ def _resolve(images: Path | None, name: str, files: _Files, level: int = 0) -> l
     out: list[Run] = []
     off = 0
     below: _Runs | None = None
+    parent = chain.parent_images(images)
     for e in pm["entries"][1:]:
-        n, flags = e["nr_pages"], e.get("flags", PE_PRESENT)
+        va, n, flags = e["vaddr"], e["nr_pages"], e.get("flags", PE_PRESENT)
         if flags & PE_PRESENT:
-            out.append(Run(e["vaddr"], n, src, off, flags))
+            out.append(Run(va, n, src, off, flags))
             off += n * PAGE
         elif flags & PE_PARENT:
+            if stop is not None and parent == stop:
+                out.append(Run(va, n, IN_STOP, 0, PE_PARENT))
+                continue
             if below is None:
-                below = _Runs(_resolve(chain.parent_images(images), name, files, level + 1))
-            out.extend(below.clip(e["vaddr"], n))
+                below = _Runs(_resolve(parent, name, files, stop, level + 1))
+            out.extend(below.clip(va, n))
     return out
 
 
@@ -248,9 +256,10 @@ def _dedupe_one(images: Path, name: str, parent: _Runs, files: _Files) -> tuple[
     return written, kept, _in_parent(out.entries)
 
 
-def flatten(images: Path, dest: Path) -> None:
-    """Complete images of `images` at the new directory `dest`: every page its chain holds for
-    it is written into its own page files, and dest has no parent link."""
+def squash(images: Path, dest: Path, until: Path | None = None) -> None:
+    """`images` as one level at the new directory `dest`: every page its chain holds for it is
+    written into dest's own page files, except those it reads from the level `until`, which
+    stay PE_PARENT entries (dest then needs `until` as its parent). dest gets no parent link."""
     dest.mkdir()
     names = set(pagemaps(images))
     page_files = set()
@@ -259,10 +268,12 @@ def flatten(images: Path, dest: Path) -> None:
         for name in names:
             pm = _load(images / name)
             page_files.add(_pages_file(images, pm).name)
-            runs = _resolve(images, name, files)
             out = _Writer()
             with open(_pages_file(dest, pm), "wb") as f:
-                for r in runs:
+                for r in _resolve(images, name, files, stop=until):
+                    if r.src == IN_STOP:
+                        out.add(r.vaddr, r.n, PE_PARENT)
+                        continue
                     out.add(r.vaddr, r.n, r.flags & ~PE_PARENT)
                     m = files.map(r.src)
                     f.write(m[r.offset:r.offset + r.n * PAGE])
@@ -277,7 +288,6 @@ def flatten(images: Path, dest: Path) -> None:
             shutil.copy2(entry.path, dest / entry.name)
 
 
-def copy_level(images: Path, dest: Path) -> None:
-    """`images` as they are, PE_PARENT entries included, at the new directory `dest`, without
-    the parent link: whoever loads the copy supplies the parent's images there."""
-    shutil.copytree(images, dest, ignore=lambda _d, names: [n for n in names if n == chain.PARENT])
+def flatten(images: Path, dest: Path) -> None:
+    """Complete images of `images` at the new directory `dest`, reading nothing from another."""
+    squash(images, dest, until=None)
