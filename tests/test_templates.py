@@ -29,6 +29,7 @@ from bunshinfork.templates import (
     WaylandWorkspace,
     WebShopWorkspace,
     Window,
+    _wtype,
     attach_desktop,
     gui_workspace,
     wayland_workspace,
@@ -310,6 +311,35 @@ def test_wayland_fork_clones_have_their_own_compositor() -> None:
     # destroy leaves nothing behind: no process of the desktop survives (the leak check
     # covers mounts, cgroups, state and init processes).
     wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in pids), "desktop processes outlived destroy()", 10)
+
+
+def test_wtype_keycodes_look_like_a_us_keyboard() -> None:
+    """Pure planning, no workspace: which keycode each keysym of a wtype call gets."""
+
+    def codes(argv: list[str]) -> dict[str, int]:
+        # wtype numbers keysyms from 1 in order of first use; the plan puts them first.
+        keys = [argv[i + 1] for i in range(1, len(argv), 2) if argv[i] == "-p"]
+        return {k: i + 1 for i, k in enumerate(keys)}
+
+    (call,) = _wtype.argv(_wtype.text_steps("<title>a\tb\n"), 8)
+    plan = codes(call)
+    assert plan["Return"] == 28 and plan["Tab"] == 15
+    chars = [plan[_wtype.char_keysym(c)] for c in "<title>ab"]
+    assert set(chars) <= set(_wtype.CHARACTER_CODES) and 14 not in chars
+    assert max(plan.values()) > max(plan[k] for k in ("Return", "Tab", *map(_wtype.char_keysym, "<title>ab")))
+    (combo,) = _wtype.argv(_wtype.combo_steps("ctrl+s ctrl+End BackSpace"))
+    # After the plan, the steps themselves, in order.
+    assert combo[combo.index("-M"):] == ["-M", "ctrl", "-k", "U0073", "-m", "ctrl", "-M", "ctrl", "-k", "End",
+                                         "-m", "ctrl", "-k", "BackSpace"]
+    plan = codes(combo)
+    assert plan["End"] == 107 and plan["BackSpace"] == 14 and plan["U0073"] == 2 and max(plan.values()) == 108
+    # More distinct characters than character keys: more than one call, none over the limit.
+    calls = _wtype.argv(_wtype.text_steps("".join(chr(0x100 + i) for i in range(100))))
+    assert len(calls) == 3 and all(len(codes(c)) <= 54 for c in calls)
+    with pytest.raises(TemplateError, match="modifier"):
+        _wtype.combo_steps("hyper+x")
+    with pytest.raises(TemplateError, match="control character"):
+        _wtype.text_steps("\x07")
 
 
 @pytest.mark.slow
