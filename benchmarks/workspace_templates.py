@@ -102,9 +102,9 @@ def run(template: str, engine: str, clones: int, settle_timeout: float) -> dict[
         mem = src.ws.memory()
         before_used = used_bytes()
         t0 = time.monotonic()
-        snap = src.ws.snapshot()
+        snap = src.ws.snapshot(engine)
         t_snap = time.monotonic()
-        out = snap.fork(clones, memory=engine)
+        out = snap.fork(clones)
         t_fork = time.monotonic()
         timing = snap.timing
         image_bytes = snap.image_bytes()

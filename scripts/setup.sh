@@ -101,7 +101,9 @@ if [ ! -x "$venv/bin/python" ]; then
   /usr/bin/python3 -m venv --system-site-packages "$venv"
 fi
 stamp=$venv/.bunshin-installed
-if [ ! -f "$stamp" ] || [ "$here/pyproject.toml" -nt "$stamp" ] || [ -n "$(find "$here/csrc" -newer "$stamp" -print -quit)" ]; then
+# The native module compiles csrc/ and the kernel module's uapi header (kernel/bunshin_uapi.h).
+if [ ! -f "$stamp" ] || [ "$here/pyproject.toml" -nt "$stamp" ] \
+   || [ -n "$(find "$here/csrc" "$here/kernel/bunshin_uapi.h" -newer "$stamp" -print -quit)" ]; then
   log "installing bunshin into $venv"
   "$venv/bin/pip" install -q --upgrade pip >/dev/null 2>&1
   # The image's pip.conf names an extra local index that may be absent; its warnings are noise.
