@@ -101,6 +101,19 @@ def wait_for(probe, what: object, timeout: float = 20.0) -> None:
         time.sleep(0.1)
 
 
+def assert_live_view(m: GuiWorkspace | WaylandWorkspace) -> None:
+    """noVNC's page through the host relay, and the VNC server's banner inside the workspace."""
+    import urllib.request
+
+    with urllib.request.urlopen(m.forward_live_view(), timeout=10) as r:
+        assert b"noVNC" in r.read()
+    rfb = m.ws.commands.run(
+        "python3 -c \"import socket; s=socket.create_connection(('127.0.0.1', 5900)); "
+        "print(s.recv(12).decode())\"", timeout=30)
+    assert rfb.stdout.startswith("RFB 003."), rfb
+    m.close()
+
+
 def host_pids(ws: Workspace) -> set[int]:
     """The host pids of every process in the workspace's pid namespace."""
     ns = os.readlink(f"/proc/{ws.init_pid}/ns/pid")
@@ -173,7 +186,6 @@ def test_gui_fork_clones_have_their_own_display() -> None:
 @pytest.mark.slow
 def test_gui_desktop_with_browser_and_live_view_forks_with_ksm() -> None:
     gui = gui_workspace(live_view=True)
-    fwd_urls: list[str] = []
     try:
         titles = [w.title for w in gui.windows()]
         assert any("Chromium" in t for t in titles), titles
@@ -204,17 +216,7 @@ def test_gui_desktop_with_browser_and_live_view_forks_with_ksm() -> None:
 
             # The live view was forked too: each clone serves its own desktop over noVNC.
             for m in clones:
-                url = m.forward_live_view()
-                fwd_urls.append(url)
-                import urllib.request
-
-                with urllib.request.urlopen(url, timeout=10) as r:
-                    assert b"noVNC" in r.read()
-                rfb = m.ws.commands.run(
-                    "python3 -c \"import socket; s=socket.create_connection(('127.0.0.1', 5900)); "
-                    "print(s.recv(12).decode())\"", timeout=30)
-                assert rfb.stdout.startswith("RFB 003."), rfb
-                m.close()
+                assert_live_view(m)
     finally:
         gui.destroy()
 
@@ -379,16 +381,7 @@ def test_wayland_desktop_with_browser_xwayland_and_live_view_forks_with_ksm() ->
 
             # The live view was forked too: each clone serves its own desktop over noVNC.
             for m in clones:
-                url = m.forward_live_view()
-                import urllib.request
-
-                with urllib.request.urlopen(url, timeout=10) as r:
-                    assert b"noVNC" in r.read()
-                rfb = m.ws.commands.run(
-                    "python3 -c \"import socket; s=socket.create_connection(('127.0.0.1', 5900)); "
-                    "print(s.recv(12).decode())\"", timeout=30)
-                assert rfb.stdout.startswith("RFB 003."), rfb
-                m.close()
+                assert_live_view(m)
     finally:
         desk.destroy()
 

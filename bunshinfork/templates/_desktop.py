@@ -8,11 +8,11 @@ import os
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 from .. import native
 from ..workspace import Workspace
-from ._common import run, start_daemon, wait_until
+from ._common import fork_hint, run, start_daemon, wait_until
 
 CHROMIUM = "/usr/lib/chromium/chromium"
 # --no-sandbox: Chromium refuses to run as root with its sandbox ("Running as root without
@@ -56,6 +56,45 @@ class Window:
     title: str
     app_id: str = ""  # the Wayland app id, or the X window's WM_CLASS instance
     focused: bool = False
+
+
+class Desktop:
+    """What both desktop wrappers share: the workspace, the live view's host relays, the lifecycle."""
+
+    def __init__(self, ws: Workspace, config: Any) -> None:
+        self.ws = ws
+        self.config = config
+        self._forwarders: list[Forwarder] = []
+
+    @property
+    def id(self) -> str:
+        return self.ws.id
+
+    def forward_live_view(self, host_port: int = 0) -> str:
+        """Serve the live view on the host's 127.0.0.1 (each connection is relayed into this
+        workspace's network namespace); returns the host URL. Closed by close()/destroy()."""
+        fwd = Forwarder(self.ws, host_port=host_port)
+        self._forwarders.append(fwd)
+        return fwd.live_view_url
+
+    def fork(self, count: int = 1, memory: str = "auto") -> list[Self | Exception]:
+        return [fork_hint(c) if isinstance(c, Exception) else type(self)(c, self.config)
+                for c in self.ws.fork(count, memory)]
+
+    def close(self) -> None:
+        for f in self._forwarders:
+            f.close()
+        self._forwarders.clear()
+
+    def destroy(self) -> None:
+        self.close()
+        self.ws.destroy()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.destroy()
 
 
 def start_websockify(ws: Workspace) -> str:

@@ -23,14 +23,14 @@ from typing import Any, ClassVar
 
 from ..errors import BunshinError
 from ..workspace import Workspace
-from ._common import TemplateError, fork_hint, run, start_daemon, wait_until
+from ._common import TemplateError, run, start_daemon, wait_until
 from ._desktop import (
     CHROMIUM,
     CHROMIUM_FLAGS,
     GSETTINGS,
     GSETTINGS_FILE,
     LIVE_VIEW_VNC_PORT,
-    Forwarder,
+    Desktop,
     Window,
     start_websockify,
 )
@@ -66,7 +66,7 @@ def _app_command(app: str, cfg: GuiConfig) -> tuple[str, str]:
     raise TemplateError(f"unknown app {app!r}; use one of {', '.join(APPS)} or launch(command=...)")
 
 
-class GuiWorkspace:
+class GuiWorkspace(Desktop):
     """A Workspace with a running X desktop and computer-use tools.
 
     Wraps a plain Workspace: `GuiWorkspace.attach(ws)` works on any workspace the template
@@ -77,19 +77,14 @@ class GuiWorkspace:
     config_path: ClassVar[str] = CONFIG_PATH
 
     def __init__(self, ws: Workspace, config: GuiConfig | None = None) -> None:
-        self.ws = ws
-        self.config = config or GuiConfig()
-        self._forwarders: list[Forwarder] = []
+        super().__init__(ws, config or GuiConfig())
+        self.config: GuiConfig
 
     @classmethod
     def attach(cls, ws: Workspace) -> GuiWorkspace:
         raw = json.loads(str(ws.files.read(CONFIG_PATH)))
         raw["apps"] = tuple(raw.get("apps", ()))
         return cls(ws, GuiConfig(**raw))
-
-    @property
-    def id(self) -> str:
-        return self.ws.id
 
     @property
     def env(self) -> dict[str, str]:
@@ -261,34 +256,6 @@ class GuiWorkspace:
                "-forever -shared -nopw -noxdamage -quiet")
         start_daemon(self.ws, vnc, "/tmp/x11vnc.log", env=self.env)
         return start_websockify(self.ws)
-
-    def forward_live_view(self, host_port: int = 0) -> str:
-        """Serve the live view on the host's 127.0.0.1 (each connection is relayed into this
-        workspace's network namespace); returns the host URL. Closed by close()/destroy()."""
-        fwd = Forwarder(self.ws, host_port=host_port)
-        self._forwarders.append(fwd)
-        return fwd.live_view_url
-
-    # ---- lifecycle ----
-
-    def fork(self, count: int = 1, memory: str = "auto") -> list[GuiWorkspace | Exception]:
-        return [fork_hint(c) if isinstance(c, Exception) else GuiWorkspace(c, self.config)
-                for c in self.ws.fork(count, memory)]
-
-    def close(self) -> None:
-        for f in self._forwarders:
-            f.close()
-        self._forwarders.clear()
-
-    def destroy(self) -> None:
-        self.close()
-        self.ws.destroy()
-
-    def __enter__(self) -> GuiWorkspace:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.destroy()
 
     def __repr__(self) -> str:
         return f"<GuiWorkspace {self.ws.id} {self.config.display} {self.config.width}x{self.config.height}>"

@@ -29,14 +29,14 @@ from typing import Any, ClassVar
 from ..errors import BunshinError
 from ..workspace import Workspace
 from . import _wtype
-from ._common import TemplateError, add_user, fork_hint, run, start_daemon, wait_until
+from ._common import TemplateError, add_user, run, start_daemon, wait_until
 from ._desktop import (
     CHROMIUM,
     CHROMIUM_FLAGS,
     GSETTINGS,
     GSETTINGS_FILE,
     LIVE_VIEW_VNC_PORT,
-    Forwarder,
+    Desktop,
     Window,
     start_websockify,
 )
@@ -97,7 +97,7 @@ def _app_command(app: str, cfg: WaylandConfig) -> str:
     raise TemplateError(f"unknown app {app!r}; use one of {', '.join(APPS)} or launch(command=...)")
 
 
-class WaylandWorkspace:
+class WaylandWorkspace(Desktop):
     """A Workspace with a running Wayland desktop and computer-use tools (GuiWorkspace's).
 
     `WaylandWorkspace.attach(ws)` works on any workspace the template created, including
@@ -108,19 +108,14 @@ class WaylandWorkspace:
     config_path: ClassVar[str] = CONFIG_PATH
 
     def __init__(self, ws: Workspace, config: WaylandConfig | None = None) -> None:
-        self.ws = ws
-        self.config = config or WaylandConfig()
-        self._forwarders: list[Forwarder] = []
+        super().__init__(ws, config or WaylandConfig())
+        self.config: WaylandConfig
 
     @classmethod
     def attach(cls, ws: Workspace) -> WaylandWorkspace:
         raw = json.loads(str(ws.files.read(CONFIG_PATH)))
         raw["apps"] = tuple(raw.get("apps", ()))
         return cls(ws, WaylandConfig(**raw))
-
-    @property
-    def id(self) -> str:
-        return self.ws.id
 
     @property
     def env(self) -> dict[str, str]:
@@ -362,34 +357,6 @@ class WaylandWorkspace:
         """noVNC's websockify in front of the workspace's wayvnc, on the workspace's own
         127.0.0.1; returns the URL as seen inside it. forward_live_view() reaches it from the host."""
         return start_websockify(self.ws)
-
-    def forward_live_view(self, host_port: int = 0) -> str:
-        """Serve the live view on the host's 127.0.0.1 (each connection is relayed into this
-        workspace's network namespace); returns the host URL. Closed by close()/destroy()."""
-        fwd = Forwarder(self.ws, host_port=host_port)
-        self._forwarders.append(fwd)
-        return fwd.live_view_url
-
-    # ---- lifecycle ----
-
-    def fork(self, count: int = 1, memory: str = "auto") -> list[WaylandWorkspace | Exception]:
-        return [fork_hint(c) if isinstance(c, Exception) else WaylandWorkspace(c, self.config)
-                for c in self.ws.fork(count, memory)]
-
-    def close(self) -> None:
-        for f in self._forwarders:
-            f.close()
-        self._forwarders.clear()
-
-    def destroy(self) -> None:
-        self.close()
-        self.ws.destroy()
-
-    def __enter__(self) -> WaylandWorkspace:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.destroy()
 
     def __repr__(self) -> str:
         return f"<WaylandWorkspace {self.ws.id} {self.config.width}x{self.config.height}>"
