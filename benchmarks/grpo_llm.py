@@ -12,9 +12,9 @@ verifiable task suite, token by token:
 
 For every seed: the trained run (Base engine) and the untrained model rolled out under the same
 constraints (the random baseline; --random-epochs). For the first seed also Spec and Full
-(--config-epochs), which must train bit-identically to Base's first epochs (for vllm the server
-then runs one sequence at a time: batch composition changes CPU numerics, so --max-num-seqs
-defaults to 1).
+(--config-epochs), which must train bit-identically to Base. With vllm, those three run on a
+server restarted with one sequence at a time (batch composition changes CPU numerics); the
+learning runs use a batching server (--max-num-seqs).
 
 DIR/grpo_llm.json: reward_per_epoch (trained, mean over seeds), random_reward_per_epoch,
 learning (final reward per seed vs baseline, margin vs spread), weight_syncs (one per epoch,
@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
                     "--quick: 3)")
     ap.add_argument("--config-epochs", type=int, help="epochs of Spec and Full (default: --epochs; --quick: 3)")
     ap.add_argument("--lr", type=float, default=5e-3)
-    ap.add_argument("--max-num-seqs", type=int, default=1, help="vllm: sequences the server runs at once")
+    ap.add_argument("--max-num-seqs", type=int, default=8,
+                    help="vllm: sequences the server batches in the learning runs (Base/Spec/Full compare at 1)")
     ap.add_argument("--no-learning-target", action="store_true",
                     help="do not fail when training does not beat the baseline (runs too short to learn)")
     args = ap.parse_args(argv)
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     epochs = args.epochs or (6 if args.quick else 10)
     random_epochs = args.random_epochs or (min(3, epochs) if args.quick else epochs)
     config_epochs = min(args.config_epochs or (3 if args.quick else epochs), epochs)
-    group = args.group or (6 if args.quick else 8)
+    group = args.group or 8
     seeds = [int(s) for s in (args.seeds or "0,1,2").split(",")]
     wanted = args.tasks.split(",") if args.tasks else (list(QUICK_TASKS) if args.quick else None)
     tasks = [t for t in suite() if wanted is None or t.id in wanted]
@@ -96,20 +97,25 @@ def main(argv: list[str] | None = None) -> int:
             random.append(experiment.run(lab, "Random", tasks, random_epochs, grpo, current_seed, log))
             trained.append(experiment.run(lab, "Base", tasks, epochs, grpo, current_seed, log))
         current_seed = seeds[0]
+        base = trained[0]
+        if args.backend == "vllm" and args.max_num_seqs != 1 and len(configs) > 1:
+            lab.restart(max_num_seqs=1)
+            base = experiment.run(lab, "Base", tasks, config_epochs, grpo, current_seed, log)
         for name in configs:
             if name != "Base":
                 extra[name] = experiment.run(lab, name, tasks, config_epochs, grpo, current_seed, log)
         server_seconds = lab.server_seconds
-    runs = {"Base": trained[0], **extra}
-    summary = {n: experiment.config_summary(r, None if n == "Base" else trained[0]) for n, r in runs.items()}
+    runs = {"Base": base, **extra}
+    summary = {n: experiment.config_summary(r, None if n == "Base" else base) for n, r in runs.items()}
     verdict = experiment.learning(trained, random)
-    base = trained[0]
+    learner = trained[0]
     drifts = [d for r in trained for d in r.series("logprob_drift") if d is not None]
     report = {
         "settings": {"backend": args.backend, "tasks": [t.id for t in tasks], "group_size": group, "epochs": epochs,
                      "random_epochs": random_epochs, "config_epochs": config_epochs,
                      "seeds": seeds, "lr": args.lr, "quick": args.quick, "configs": configs,
                      "max_num_seqs": args.max_num_seqs if args.backend == "vllm" else None,
+                     "configs_max_num_seqs": 1 if args.backend == "vllm" else None,
                      "server_start_seconds": server_seconds or None, "wall_seconds": time.monotonic() - t0},
         "reward_per_epoch": experiment.mean_series(trained),
         "random_reward_per_epoch": experiment.mean_series(random),
@@ -117,12 +123,13 @@ def main(argv: list[str] | None = None) -> int:
         "reward_per_epoch_by_seed": {r.seed: r.series("reward") for r in trained},
         "random_reward_per_epoch_by_seed": {r.seed: r.series("reward") for r in random},
         "learning": verdict,
-        "weight_syncs": base.weight_syncs,
-        "sync_seconds_mean": statistics.fmean(s["seconds"] for s in base.weight_syncs) if base.weight_syncs else None,
-        "logprob_drift": {"per_epoch": base.series("logprob_drift"),
+        "weight_syncs": learner.weight_syncs,
+        "sync_seconds_mean": (statistics.fmean(s["seconds"] for s in learner.weight_syncs)
+                              if learner.weight_syncs else None),
+        "logprob_drift": {"per_epoch": learner.series("logprob_drift"),
                           "mean": statistics.fmean(drifts) if drifts else None,
                           "max": max(drifts) if drifts else None},
-        "tokens_trained": base.series("tokens_trained"),
+        "tokens_trained": learner.series("tokens_trained"),
         "configs": summary,
     }
     path = experiment.write_report(args.out, "grpo_llm.json", report)
@@ -135,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"final reward {t['mean']:.3f} (std {t['std']:.3f} over seeds) vs untrained {b['mean']:.3f} "
           f"(std {b['std']:.3f}): margin {verdict['margin']:.3f}, spread {verdict['spread']:.3f}, "
           f"beats random: {verdict['beats_random']}")
-    print(f"weight syncs: {len(base.weight_syncs)} ({report['sync_seconds_mean'] or 0:.3f}s mean), served versions "
-          f"{[s['served_version'] for s in base.weight_syncs]}; logprob drift mean "
+    print(f"weight syncs: {len(learner.weight_syncs)} ({report['sync_seconds_mean'] or 0:.3f}s mean), served versions "
+          f"{[s['served_version'] for s in learner.weight_syncs]}; logprob drift mean "
           f"{report['logprob_drift']['mean'] or 0:.2e} max {report['logprob_drift']['max'] or 0:.2e}")
     for name, s in summary.items():
         same = "" if s["identical_to_base"] is None else f"  identical to Base: {s['identical_to_base']}"

