@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="engine configurations trained with the first seed")
     ap.add_argument("--random-epochs", type=int, help="epochs of the untrained baseline (default: --epochs; "
                     "--quick: 3)")
-    ap.add_argument("--config-epochs", type=int, help="epochs of Spec and Full (default: --epochs; --quick: 3)")
+    ap.add_argument("--config-epochs", type=int, help="epochs of Spec and Full (default: --epochs; --quick: 2)")
     ap.add_argument("--lr", type=float, default=5e-3)
     ap.add_argument("--max-num-seqs", type=int, default=8,
                     help="vllm: sequences the server batches in the learning runs (Base/Spec/Full compare at 1)")
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     epochs = args.epochs or (6 if args.quick else 10)
     random_epochs = args.random_epochs or (min(3, epochs) if args.quick else epochs)
-    config_epochs = min(args.config_epochs or (3 if args.quick else epochs), epochs)
+    config_epochs = min(args.config_epochs or (2 if args.quick else epochs), epochs)
     group = args.group or 8
     seeds = [int(s) for s in (args.seeds or "0,1,2").split(",")]
     wanted = args.tasks.split(",") if args.tasks else (list(QUICK_TASKS) if args.quick else None)

@@ -71,6 +71,12 @@ class OpenAIPolicy:
                                               max_retries=self.max_retries))
         return self._client[1]
 
+    async def aclose(self) -> None:
+        """Close the client of the running loop (its connections cannot outlive the loop)."""
+        if self._client is not None and self._client[0] is asyncio.get_running_loop():
+            await self._client[1].close()
+        self._client = None
+
     def choices(self, task_id: str) -> tuple[str, ...] | None:
         return candidate_replies(self.tasks[task_id]) if self.constrain else None
 

@@ -234,6 +234,9 @@ class GRPOTrainer:
 
     async def aclose(self) -> None:
         await self.bundle.aclose()
+        close = getattr(self.rollout_policy, "aclose", None)
+        if callable(close):
+            await close()
 
     def run(self, epochs: int, log: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
         """train() and close the engine, from synchronous code."""
