@@ -40,11 +40,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fork_memory import drop_caches, meminfo, used_bytes
+from fork_memory import available_engines, drop_caches, meminfo, used_bytes
 from workloads import dirty, populate
 
 from bunshinfork import Snapshot, Workspace
-from bunshinfork.memory import cow, ksm
 from bunshinfork.process import chain, criu
 
 
@@ -214,13 +213,7 @@ def main() -> int:
                     help="fresh sources per engine (heap content seeded), engines interleaved in rotated order")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    engines = [e for e in args.engines.split(",") if e]
-    if "cow" in engines and not cow.available():
-        print(f"skipping cow: {cow.unavailable_reason()}", flush=True)
-        engines.remove("cow")
-    if "ksm" in engines and (why := ksm.unavailable_reason()):
-        print(f"skipping ksm: {why}", flush=True)
-        engines.remove("ksm")
+    engines = available_engines(args.engines)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     forks = [int(x) for x in args.forks.split(",")]
