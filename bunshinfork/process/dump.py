@@ -13,11 +13,14 @@ them (pages.dedupe), and a pre-dump is merged into the snapshot's own images.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 from pathlib import Path
 
 from ..cgroups import Cgroup
 from ..contract import Capture
+from ..errors import CriuError
 from ..state import Lineage, SnapshotMeta
 from . import chain, criu, pages
 from .images import dump_stats, rearm_expired_timerfds
@@ -46,8 +49,17 @@ def predump_tree(c: Capture) -> None:
     opts = dump_opts(rec.process.pid, level, _freezer(c))
     opts.ClearField("freeze_cgroup")  # the source is not frozen: CRIU stops it itself, briefly
     opts.track_mem = True
-    with c.stage("predump"):
-        criu.request("pre_dump", opts, log=level / "dump.log", env=c.dump_env or None)
+    try:
+        with c.stage("predump"):
+            criu.request("pre_dump", opts, log=level / "dump.log", env=c.dump_env or None)
+    except CriuError:
+        # Only an optimisation: the frozen dump then writes every page, as without tracking.
+        # CRIU's log stays beside the snapshot's own (predump-failed.log).
+        with contextlib.suppress(OSError):
+            os.replace(level / "dump.log", c.snap.dir / "predump-failed.log")
+        shutil.rmtree(level, ignore_errors=True)
+        c.criu["predump_failed"] = 1
+        return
     c.criu.update({f"predump_{k}": v for k, v in dump_stats(level).items()})
 
 
