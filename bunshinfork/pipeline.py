@@ -178,10 +178,15 @@ def _gc_records() -> list[str]:
 
 def _gc_snapshots() -> list[str]:
     removed = []
-    for name in state.snapshot_ids():
-        d = state.RUN_ROOT / state.SNAPSHOTS / name
-        if chain.released(d):
-            continue  # released already: goes with the last snapshot reading its pages (sweep below)
+    root = state.RUN_ROOT / state.SNAPSHOTS
+    ids = state.snapshot_ids()
+    # Released snapshots kept for their readers' sake: they go with the last of those (sweep
+    # below, or the release of a reader here), and are reported then.
+    kept_levels = [n for n in ids if chain.released(root / n)]
+    for name in ids:
+        d = root / name
+        if name in kept_levels or not d.exists():
+            continue
         try:
             meta = SnapshotMeta.load(d)
         except (FileNotFoundError, ValueError):
@@ -193,4 +198,5 @@ def _gc_snapshots() -> list[str]:
         else:
             release(Captured(meta, d))
         removed.append(name)
-    return removed + chain.sweep()
+    swept = chain.sweep()
+    return removed + swept + [n for n in kept_levels if n not in swept and not (root / n).exists()]
