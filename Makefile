@@ -30,7 +30,8 @@ clean:
 
 # The fork benchmark with the cow engine: in a guest kernel, since this host cannot load
 # modules. Debian's 6.12 line, where ksm (PR_SET_MEMORY_MERGE, Linux 6.4) runs beside cow and
-# copy. Results land in results/guest/{engines,sizes}.
+# copy, and the snapshot-cost benchmark there with soft-dirty tracking. Results land in
+# results/guest/{engines,sizes,snapshots}.
 BENCH_GUEST_KERNEL ?= 6.12
 # Both host cores for the guest's two vCPUs, for timings comparable with 6.1's; a text-patching
 # oops under multi-threaded TCG (see kernel/guest.py) ends the run loudly, never skews it.
@@ -39,13 +40,15 @@ BENCH_TCG_THREAD ?= multi
 bench-guest: setup
 	BUNSHIN_GUEST_LINE=$(BENCH_GUEST_KERNEL) bash kernel/setup-guest.sh
 	mkdir -p results/guest
-	$(PY) kernel/guest.py --kernel $(BENCH_GUEST_KERNEL) --tcg-thread $(BENCH_TCG_THREAD) --mem 16384 --timeout 5000 \
+	$(PY) kernel/guest.py --kernel $(BENCH_GUEST_KERNEL) --tcg-thread $(BENCH_TCG_THREAD) --mem 16384 --timeout 8000 \
 		--out $(CURDIR)/results/guest -- '\
 	insmod $$BUNSHIN_GUEST_MODULE || exit 1; \
 	$(CURDIR)/$(PY) benchmarks/fork_memory.py --engines copy,ksm,cow --forks 1,2,4,8,16 --size-mib 1024 \
 		--settle-timeout 180 --out $$BUNSHIN_GUEST_OUT/engines && \
 	$(CURDIR)/$(PY) benchmarks/fork_memory.py --engines cow --forks 1,4,16 --size-mib 256,2048 \
-		--out $$BUNSHIN_GUEST_OUT/sizes'
+		--out $$BUNSHIN_GUEST_OUT/sizes && \
+	$(CURDIR)/$(PY) benchmarks/snapshot_cost.py --engines copy,ksm,cow --size-mib 1024 --dirty-mib 10 \
+		--snapshots 10 --seeds 2 --forks 1,4 --out $$BUNSHIN_GUEST_OUT/snapshots'
 
 # Compiles the module against bookworm's newest 6.12 headers with warnings as errors.
 .PHONY: kernel-check
@@ -56,7 +59,7 @@ kernel-check:
 # built for it and runs the cow tests; see kernel/README.md. GUEST_KERNEL=6.12 runs them on
 # Debian's newer line (CI runs both). A kernel BUG/WARNING fails the run.
 GUEST_TIMEOUT ?= 3000
-GUEST_MARKS ?= cow
+GUEST_MARKS ?= cow or guest
 GUEST_KERNEL ?= 6.1
 .PHONY: test-guest
 test-guest: setup

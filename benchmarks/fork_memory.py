@@ -224,6 +224,18 @@ def plot(rows: list[dict], out: Path) -> None:
     fig.savefig(out, dpi=120)
 
 
+def available_engines(spec: str) -> list[str]:
+    """The comma-separated engines of `spec` that this host can run (a skipped one is printed)."""
+    engines = [e for e in spec.split(",") if e]
+    if "cow" in engines and not cow.available():
+        print(f"skipping cow: {cow.unavailable_reason()}", flush=True)
+        engines.remove("cow")
+    if "ksm" in engines and (why := ksm.unavailable_reason()):
+        print(f"skipping ksm: {why}", flush=True)
+        engines.remove("ksm")
+    return engines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", default="copy,ksm")
@@ -232,13 +244,7 @@ def main() -> int:
     ap.add_argument("--settle-timeout", type=float, default=180.0)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    engines = [e for e in args.engines.split(",") if e]
-    if "cow" in engines and not cow.available():
-        print(f"skipping cow: {cow.unavailable_reason()}", flush=True)
-        engines.remove("cow")
-    if "ksm" in engines and (why := ksm.unavailable_reason()):
-        print(f"skipping ksm: {why}", flush=True)
-        engines.remove("ksm")
+    engines = available_engines(args.engines)
     forks = [int(x) for x in args.forks.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -10,9 +10,10 @@ from bunshinfork import Workspace
 WORKER = r'''
 import mmap, os, random, sys, time
 kind, mib, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+content_seed = int(sys.argv[4]) if len(sys.argv) > 4 else 0
 if kind == "heap":
     import signal
-    rnd = random.Random(seed)
+    rnd = random.Random(seed + 1000 * content_seed)
     # Distinct pseudo-random pages: nothing for the zero page or KSM to merge inside one process.
     heap = [bytearray(rnd.randbytes(1 << 20)) for _ in range(mib)]
 
@@ -23,7 +24,20 @@ if kind == "heap":
                 chunk[off] ^= 0xFF
         open(f"/tmp/scribbled-{seed}", "a").write("x")
 
+    cursor = [0]
+
+    def dirty(_sig, _frame):
+        # SIGUSR2: one byte in each of the next N pages (N read from a file), then a marker file.
+        n, per_chunk = int(open("/tmp/dirty-pages").read()), len(heap[0]) // 4096
+        for k in range(n):
+            i = (cursor[0] + k) % (len(heap) * per_chunk)
+            chunk, off = heap[i // per_chunk], (i % per_chunk) * 4096
+            chunk[off] = (chunk[off] + 1) & 0xFF
+        cursor[0] += n
+        open(f"/tmp/dirtied-{seed}", "a").write("x")
+
     signal.signal(signal.SIGUSR1, scribble)
+    signal.signal(signal.SIGUSR2, dirty)
 elif kind == "file":
     # File-backed pages from the shared read-only lower layer: one page cache for every clone.
     maps, left = [], mib << 20
@@ -61,30 +75,47 @@ def heap_mib_per_proc(size_mib: int, heap_procs: int = 8) -> int:
     return max((size_mib - max(size_mib // 8, 1)) // heap_procs, 1)
 
 
-def scribble(ws: Workspace, heap_procs: int = 8, timeout: float = 300) -> int:
-    """Have every heap worker write a quarter of its pages; returns the bytes written."""
-    rounds = {i: len(str(ws.files.read(f"/tmp/scribbled-{i}"))) if ws.files.exists(f"/tmp/scribbled-{i}") else 0
-              for i in range(heap_procs)}
-    ws.commands.run("pkill -USR1 -f 'worker.py heap'", timeout=30)
+def _signal_heaps(ws: Workspace, signal: str, marker: str, heap_procs: int, timeout: float) -> None:
+    """Signal every heap worker and wait until each has appended to its marker file."""
+    def rounds(i: int) -> int:
+        path = f"/tmp/{marker}-{i}"
+        return len(str(ws.files.read(path))) if ws.files.exists(path) else 0
+
+    before = {i: rounds(i) for i in range(heap_procs)}
+    ws.commands.run(f"pkill -{signal} -f 'worker.py heap'", timeout=30)
     deadline = time.monotonic() + timeout
-    for i, n in rounds.items():
-        path = f"/tmp/scribbled-{i}"
-        while not (ws.files.exists(path) and len(str(ws.files.read(path))) > n):
+    for i, n in before.items():
+        while rounds(i) <= n:
             if time.monotonic() > deadline:
                 raise TimeoutError("heap workers did not write their pages")
-            time.sleep(0.1)
+            time.sleep(0.05)
+
+
+def scribble(ws: Workspace, heap_procs: int = 8, timeout: float = 300) -> int:
+    """Have every heap worker write a quarter of its pages; returns the bytes written."""
+    _signal_heaps(ws, "USR1", "scribbled", heap_procs, timeout)
     mib = int(str(ws.files.read("/root/heap-mib")))
     return heap_procs * max(mib // 4, 1) << 20
 
 
-def populate(ws: Workspace, size_mib: int, heap_procs: int = 8) -> int:
-    """Start the mixed workload; returns the number of worker processes started."""
+def dirty(ws: Workspace, mib: float, heap_procs: int = 8, timeout: float = 300) -> int:
+    """Have the heap workers write one byte in `mib` MiB of pages they did not write last time,
+    spread evenly; returns the bytes of pages dirtied."""
+    per_worker = max(int(mib * 256) // heap_procs, 1)
+    ws.files.write("/tmp/dirty-pages", str(per_worker))
+    _signal_heaps(ws, "USR2", "dirtied", heap_procs, timeout)
+    return per_worker * heap_procs * 4096
+
+
+def populate(ws: Workspace, size_mib: int, heap_procs: int = 8, seed: int = 0) -> int:
+    """Start the mixed workload (seed: its heaps' pseudo-random content); returns the number of
+    worker processes started."""
     ws.files.write("/root/worker.py", WORKER)
     file_mib = max(size_mib // 8, 1)
     heap_mib = heap_mib_per_proc(size_mib, heap_procs)
     ws.files.write("/root/heap-mib", str(heap_mib))
     for i in range(heap_procs):
-        ws.commands.run(f"python3 /root/worker.py heap {heap_mib} {i}", background=True)
+        ws.commands.run(f"python3 /root/worker.py heap {heap_mib} {i} {seed}", background=True)
     ws.commands.run(f"python3 /root/worker.py file {file_mib} 0", background=True)
     ws.commands.run(SERVER, timeout=30)
     deadline = time.monotonic() + 300

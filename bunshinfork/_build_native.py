@@ -30,7 +30,7 @@ ffibuilder.cdef((ROOT / "csrc" / "native.h").read_text() + UAPI_CDEF)
 ffibuilder.set_source(
     "bunshinfork._native",
     '#include "native.h"\n#include "bunshin_uapi.h"',
-    sources=[os.path.join(CSRC_REL, "native.c"), os.path.join(CSRC_REL, "inject.c")],
+    sources=[os.path.join(CSRC_REL, f) for f in ("native.c", "inject.c", "pages.c")],
     include_dirs=[str(ROOT / "csrc"), str(ROOT / "kernel")],
     extra_compile_args=["-O2", "-Wall"],
 )

@@ -5,6 +5,7 @@ dump_one_timerfd and the restore side, while cr-dump.c and cr-restore.c only seq
 each subsystem of a workspace (process, memory, fs, network, cgroups) is one Part:
 
 - prepare(build): its share of a new workspace;
+- precapture(capture): work that shortens the freeze, while the source still runs;
 - capture(capture): its share of a snapshot, while the source is frozen;
 - restore(build): its share of a clone, from a snapshot;
 - release(held): give back what it holds for a workspace or a snapshot (idempotent, and
@@ -20,8 +21,9 @@ the fields of Build and Capture below.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +55,16 @@ def run_probe(probe: Probe) -> Check:
     except Exception as e:
         name = getattr(probe, "__name__", "check").removeprefix("check_")
         return Check(name, False, f"check crashed: {type(e).__name__}: {e}", required=False)
+
+
+@contextlib.contextmanager
+def timed(timings: dict[str, float], name: str) -> Iterator[None]:
+    """Add the time the block takes to timings[name] (the fork profile and the snapshot's stages)."""
+    t0 = time.monotonic()
+    try:
+        yield
+    finally:
+        timings[name] = timings.get(name, 0.0) + time.monotonic() - t0
 
 
 @dataclass
@@ -94,6 +106,10 @@ class Build:
     # the end of a ksm burst).
     deferred: list[Callable[[], None]] = field(default_factory=list)
 
+    def stage(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """Time a stage of this build into the workspace's timings (its fork profile)."""
+        return timed(self.rec.timings, name)
+
 
 @dataclass
 class Capture:
@@ -101,6 +117,14 @@ class Capture:
 
     source: Record
     snap: Captured
+    # process: its pages may be a delta against a snapshot the source's memory last matched;
+    # dedupe: compare the pages CRIU wrote with that snapshot's once the source has resumed
+    # (a snapshot forked at once and released skips it).
+    delta: bool = True
+    dedupe: bool = True
+    # memory: False when the engine keeps anonymous memory out of the images (cow's holders):
+    # then the dump writes little, and a pre-dump would not shorten the freeze.
+    images_hold_memory: bool = True
     dump_env: dict[str, str] = field(default_factory=dict)  # memory: for the CRIU dump
     # memory: run after the CRIU dump, the tree still frozen (CRIU keeps a frozen cgroup frozen).
     after_dump: list[Callable[[], None]] = field(default_factory=list)
@@ -108,6 +132,11 @@ class Capture:
     after_thaw: list[Callable[[], None]] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
     dumped: float = 0.0  # when the dump and what runs after it ended
+    stages: dict[str, float] = field(default_factory=dict)  # seconds per stage (Timing.stages)
+    criu: dict[str, int] = field(default_factory=dict)  # CRIU's dump statistics (Timing.criu)
+
+    def stage(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return timed(self.stages, name)
 
 
 Held = Build | Captured
@@ -122,6 +151,9 @@ class Part:
 
     def prepare(self, b: Build) -> None:
         """A new workspace: set this subsystem up and record its state in b.rec."""
+
+    def precapture(self, c: Capture) -> None:
+        """The source still runs, just before the freeze: work that makes capture() shorter."""
 
     def capture(self, c: Capture) -> None:
         """The source is frozen: add this subsystem's state to c.snap."""

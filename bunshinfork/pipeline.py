@@ -23,7 +23,7 @@ from .errors import BunshinError, ForkError, WorkspaceStateError
 from .fs import FsPart
 from .memory import MemoryPart
 from .network import NetworkPart
-from .process import ProcessPart
+from .process import ProcessPart, chain
 from .spec import WorkspaceSpec
 from .state import Record, SnapshotMeta
 
@@ -67,6 +67,9 @@ def fork(snap: Captured, count: int, memory: str) -> list[Build | Exception]:
         meta = snap.meta
         rec = Record(id=ws_id, status="creating", creator_pid=os.getpid(), created_at=time.time(),
                      hostname=ws_id, spec=meta.spec, parent=meta.source)
+        # The fork profile starts with what the snapshot cost its source.
+        if meta.timing is not None:
+            rec.timings.update({f"snapshot.{k}": v for k, v in meta.timing.stages.items()})
         try:
             return _assemble(Build(rec, source=snap, memory=memory))
         except (KeyboardInterrupt, SystemExit):
@@ -127,12 +130,15 @@ def release(held: Held) -> None:
             p.release(held)
         except Exception as e:
             errors.append(f"{p.name}: {e}")
-    directory = held.rec.dir if isinstance(held, Build) else held.dir if held.owned else None
-    if directory is not None and directory.exists():
-        try:
-            shutil.rmtree(directory)
-        except OSError as e:
-            errors.append(f"state: {e}")
+    try:
+        if isinstance(held, Build):
+            if held.rec.dir.exists():
+                shutil.rmtree(held.rec.dir)
+        elif held.owned:
+            # Its pages stay (and only they) while images of a retained snapshot read them.
+            chain.retire(held.dir)
+    except OSError as e:
+        errors.append(f"state: {e}")
     if isinstance(held, Build):
         held.rec.status = "destroyed"
         if errors:
@@ -172,8 +178,15 @@ def _gc_records() -> list[str]:
 
 def _gc_snapshots() -> list[str]:
     removed = []
-    for name in state.snapshot_ids():
-        d = state.RUN_ROOT / state.SNAPSHOTS / name
+    root = state.RUN_ROOT / state.SNAPSHOTS
+    ids = state.snapshot_ids()
+    # Released snapshots kept for their readers' sake: they go with the last of those (sweep
+    # below, or the release of a reader here), and are reported then.
+    kept_levels = [n for n in ids if chain.released(root / n)]
+    for name in ids:
+        d = root / name
+        if name in kept_levels or not d.exists():
+            continue
         try:
             meta = SnapshotMeta.load(d)
         except (FileNotFoundError, ValueError):
@@ -185,4 +198,5 @@ def _gc_snapshots() -> list[str]:
         else:
             release(Captured(meta, d))
         removed.append(name)
-    return removed
+    swept = chain.sweep()
+    return removed + swept + [n for n in kept_levels if n not in swept and not (root / n).exists()]

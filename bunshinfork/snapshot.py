@@ -1,9 +1,11 @@
 """A snapshot: every subsystem's capture within one short freeze of the source.
 
-The source is frozen through its cgroup; each part captures its share in pipeline.CAPTURE
-order (CRIU dumps the process tree, leaving it running; the memory engine keeps what the
-dump leaves out; the private file-system layer is copied); the source resumes before any
-clone is built. save() and load() make a snapshot durable in a directory of its own.
+What can be done with the source running is done first (CRIU's pre-dump). The source is then
+frozen through its cgroup; each part captures its share in pipeline.CAPTURE order (CRIU dumps
+the process tree, leaving it running; the memory engine keeps what the dump leaves out; the
+private file-system layer is copied); the source resumes, the images are compacted against
+their parent, and only then is any clone built. save() and load() make a snapshot durable in a
+directory of its own.
 """
 
 from __future__ import annotations
@@ -21,30 +23,38 @@ from . import fs, memory, pipeline, state
 from .cgroups import Cgroup
 from .contract import Capture, Captured
 from .errors import CriuError, ForkError, SpecError
+from .process import chain
 from .process.images import LOG_SUFFIX, PAGES_PREFIX
 from .state import Record, SnapshotMeta, Timing
 
 _saver = ThreadPoolExecutor(max_workers=2, thread_name_prefix="bunshin-save")
 
 
-def take(rec: Record, engine: str) -> Captured:
-    """Freeze `rec`'s workspace briefly and capture it for the memory engine `engine` (resolved)."""
+def take(rec: Record, engine: str, *, delta: bool = True, dedupe: bool = True) -> Captured:
+    """Freeze `rec`'s workspace briefly and capture it for the memory engine `engine` (resolved).
+    delta: its pages may be stored as a delta against the snapshot the workspace's memory last
+    matched; dedupe: compare the pages CRIU wrote with that one's after the thaw (Capture)."""
     assert rec.cgroups is not None
     meta = SnapshotMeta(id=state.new_snapshot_id(), source=rec.id, created_at=time.time(), owner_pid=os.getpid(),
                         hostname=rec.hostname, spec=rec.spec, memory=engine)
     snap = Captured(meta, state.snapshots_root() / meta.id)
     snap.dir.mkdir(parents=True)
     meta.save(snap.dir)  # owner recorded first, so gc never takes a snapshot still being made
-    c = Capture(rec, snap)
+    c = Capture(rec, snap, delta=delta, dedupe=dedupe)
     cg = Cgroup(rec.cgroups)
     try:
-        cg.freeze()
+        for part in pipeline.capture_order():
+            part.precapture(c)
+        c.started = time.monotonic()
+        with c.stage("freeze"):
+            cg.freeze()
         try:
             for part in pipeline.capture_order():
                 part.capture(c)
         finally:
             c.dumped = time.monotonic()
-            cg.thaw()
+            with c.stage("thaw"):
+                cg.thaw()
         thawed = time.monotonic()
         for step in c.after_thaw:
             step()
@@ -53,14 +63,15 @@ def take(rec: Record, engine: str) -> Captured:
         if isinstance(e, CriuError):
             raise ForkError(f"snapshot of {rec.id} failed; the workspace keeps running: {e}") from e
         raise
-    meta.timing = Timing(frozen_seconds=thawed - c.started, dump_seconds=c.dumped - c.started)
+    meta.timing = Timing(frozen_seconds=thawed - c.started, dump_seconds=c.dumped - c.started,
+                         stages=dict(c.stages), criu=dict(c.criu))
     meta.save(snap.dir)
     return snap
 
 
 def file_bytes(snap: Captured) -> int:
-    """Its images and file-system layer, by file size: what a snapshot keeps whatever its source
-    does later."""
+    """Its own images and file-system layer, by file size: what a snapshot keeps whatever its
+    source does later. Pages its images read from a parent are the parent's."""
     layer = snap.meta.fs.layer if snap.meta.fs else None
     paths = [snap.dir]
     if layer is not None and not Path(layer.path).is_relative_to(snap.dir):
@@ -74,8 +85,14 @@ def file_bytes(snap: Captured) -> int:
     return total
 
 
-def save(snap: Captured, path: str | os.PathLike[str]) -> Future[str]:
-    """Write a durable copy to `path` (a new directory) in the background."""
+def pinned_bytes(snap: Captured) -> int:
+    """Its share of released snapshots that stay on the host because its images read their pages."""
+    return chain.pinned_bytes(snap.dir) if snap.owned else 0
+
+
+def save(snap: Captured, path: str | os.PathLike[str], incremental: bool = False) -> Future[str]:
+    """Write a durable copy to `path` (a new directory) in the background: complete, or with
+    `incremental` only the snapshot's own pages where its images read the rest from a parent."""
     dest = Path(path)
     if dest.exists():
         raise SpecError(f"{dest} already exists; save() writes a new directory")
@@ -85,9 +102,10 @@ def save(snap: Captured, path: str | os.PathLike[str]) -> Future[str]:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
-            memory.write_images(snap, tmp / LAYOUT.images)
+            delta = memory.write_images(snap, tmp / LAYOUT.images, incremental and snap.meta.parent is not None)
             assert snap.meta.fs is not None
-            dataclasses.replace(snap.meta, fs=fs.save(snap.meta.fs, tmp)).save(tmp)
+            dataclasses.replace(snap.meta, fs=fs.save(snap.meta.fs, tmp),
+                                parent=snap.meta.parent if delta else None).save(tmp)
             os.rename(tmp, dest)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -99,7 +117,8 @@ def save(snap: Captured, path: str | os.PathLike[str]) -> Future[str]:
 
 def load(path: str | os.PathLike[str], engine: str | None = None) -> Captured:
     """A snapshot written by save(), used in place: release() never deletes it. `engine`: what
-    its clones fork with (None: the engine it was taken with, where its images serve it)."""
+    its clones fork with (None: the engine it was taken with, where its images serve it). One
+    saved incrementally needs its parent's saved images at LAYOUT.parent."""
     d = Path(path)
     try:
         meta = SnapshotMeta.load(d)
@@ -107,6 +126,9 @@ def load(path: str | os.PathLike[str], engine: str | None = None) -> Captured:
         raise SpecError(f"{d} holds no saved snapshot ({SnapshotMeta.FILE} missing)") from None
     except ValueError as e:
         raise SpecError(f"{d} holds no snapshot this version can read: {e}") from e
+    if meta.parent is not None and not (d / LAYOUT.parent).is_dir():
+        raise SpecError(f"{d} holds snapshot {meta.id} saved as a delta against {meta.parent}: put the saved "
+                        f"images of {meta.parent} at {LAYOUT.parent} first")
     assert meta.fs is not None
     meta.fs = fs.load(meta.fs, d, meta.id)
     meta.memory = memory.for_fork(memory.for_images(meta.memory), meta.id, engine)
@@ -121,6 +143,9 @@ class SavedLayout:
     meta: str = SnapshotMeta.FILE
     images: str = "images"  # CRIU's images
     fs: str = fs.SAVED_LAYER  # the private layer, overlay whiteouts and xattrs included
+    # Where a snapshot saved with incremental=True (its meta's parent set) reads the pages it
+    # does not hold: the images directory of its parent's saved copy, moved or linked there.
+    parent: str = f"images/{chain.PARENT}"
 
     def is_page_image(self, rel: str) -> bool:
         """CRIU's page contents, rewritten whole by every dump even where few pages changed."""

@@ -165,9 +165,25 @@ class NetworkState:
 
 
 @dataclass(frozen=True)
+class Lineage:
+    """process: the snapshots whose images this workspace's memory last matched, newest first (the
+    one it was forked from, or the ones taken of it since). A new snapshot stores its pages as a
+    delta against the first of them still retained."""
+
+    snapshots: tuple[str, ...] = ()
+    # snapshots[0] was dumped from this workspace with the kernel's dirty tracking reset: the pages
+    # not written since are its pages, and CRIU may leave them out of the next dump.
+    tracked: bool = False
+
+
+@dataclass(frozen=True)
 class Timing:
+    """A snapshot's cost to its source: how long it was frozen, and where the time went."""
+
     frozen_seconds: float
     dump_seconds: float
+    stages: dict[str, float] = field(default_factory=dict)  # seconds per stage, freeze to dedupe
+    criu: dict[str, int] = field(default_factory=dict)  # CRIU's dump statistics (stats-dump)
 
 
 @dataclass
@@ -185,7 +201,10 @@ class Record:
     cgroups: CgroupState | None = None
     process: InitState | None = None
     network: NetworkState | None = None
-    timings: dict[str, float] = field(default_factory=dict)  # seconds per subsystem while it was built
+    lineage: Lineage | None = None
+    # Seconds per subsystem while it was built ("fs"), and per stage within one ("fs.layer"); a
+    # clone's also name the snapshot's stages ("snapshot.freeze").
+    timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def dir(self) -> Path:
@@ -219,6 +238,7 @@ class SnapshotMeta:
     cgroup_version: str = ""
     fs: FsState | None = None
     timing: Timing | None = None
+    parent: str | None = None  # the snapshot whose images its own pages are a delta against
 
     FILE = "snapshot.json"
 

@@ -43,6 +43,10 @@ class WorkspaceInfo:
     memory_limit: int | None
     pids_limit: int | None
     parent: str | None = None
+    # Seconds per stage of building it: for a clone, its fork profile (the snapshot's freeze,
+    # dump and holders as "snapshot.*", then layer, cgroup, mount, each CRIU restore phase as
+    # "criu.*", the memory engine's share and readiness), and each subsystem's total.
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -161,7 +165,7 @@ class Workspace:
             storage=fs.layer.kind if fs and fs.layer else "", network=rec.network.info() if rec.network else {},
             cgroup_version=rec.cgroups.version if rec.cgroups else "",
             memory_limit=limit if isinstance(limit, int) else None, pids_limit=rec.spec.pids_limit,
-            parent=rec.parent,
+            parent=rec.parent, timings=dict(rec.timings),
         )
 
     def memory(self) -> MemoryStats:
@@ -196,14 +200,21 @@ class Workspace:
         self._live_init_pid()
         self._cgroup().thaw()
 
-    def snapshot(self, memory: str = "auto") -> Snapshot:
+    def snapshot(self, memory: str = "auto", *, incremental: bool = True) -> Snapshot:
         """Freeze briefly, capture the whole workspace, resume it; the Snapshot can fork many times.
 
         memory is the engine every fork of the snapshot uses, chosen now: "cow" (the default
         where /dev/bunshin exists) keeps the anonymous memory in holders shared copy-on-write
         with the source; "ksm" and "copy" keep it in CRIU images.
+
+        incremental: store only the pages that differ from the retained snapshot this
+        workspace's memory last matched (its previous snapshot, or the one it was forked from):
+        where the kernel tracks dirty pages the freeze writes only the pages written since;
+        elsewhere the pages equal to that snapshot's are dropped after the source resumes.
+        Releasing that snapshot first is fine: the pages this one reads stay until it goes.
+        False: a complete snapshot that reads nothing from another.
         """
-        return Snapshot.take(self, memory)
+        return Snapshot.take(self, memory, incremental=incremental)
 
     def fork(self, count: int = 1, memory: str = "auto") -> list[Workspace | Exception]:
         """Live-fork into `count` running clones (E2B semantics: each entry is a Workspace or the
@@ -212,7 +223,8 @@ class Workspace:
         memory: "copy" (private copies), "ksm" (merged after the fact), "cow" (kernel module),
         or "auto" (cow when /dev/bunshin exists, else ksm on Linux >= 6.4, else copy).
         """
-        with self.snapshot(memory) as snap:
+        # The snapshot lives only for this fork: not worth comparing its pages after the thaw.
+        with Snapshot._take(self, memory, delta=True, dedupe=False) as snap:
             return snap.fork(count)
 
     def destroy(self) -> None:
@@ -245,11 +257,15 @@ class Snapshot:
         self._fixed_bytes: int | None = None
 
     @classmethod
-    def take(cls, ws: Workspace, memory: str = "auto") -> Snapshot:
+    def take(cls, ws: Workspace, memory: str = "auto", *, incremental: bool = True) -> Snapshot:
         """Capture `ws` for the memory engine `memory` (see Workspace.snapshot)."""
+        return cls._take(ws, memory, delta=incremental, dedupe=incremental)
+
+    @classmethod
+    def _take(cls, ws: Workspace, memory: str, *, delta: bool, dedupe: bool) -> Snapshot:
         engine = memory_engines.resolve(memory)  # an engine this host lacks fails before any freeze
         ws._live_init_pid()
-        return cls(snapshot.take(ws._rec, engine))
+        return cls(snapshot.take(ws._rec, engine, delta=delta, dedupe=dedupe))
 
     # ---- properties ----
 
@@ -277,7 +293,13 @@ class Snapshot:
 
     @property
     def timing(self) -> Timing:
+        """How long the source was frozen, the time per stage, and CRIU's dump statistics."""
         return self._snap.meta.timing or Timing(0.0, 0.0)
+
+    @property
+    def parent(self) -> str | None:
+        """The id of the snapshot whose pages this one's images read (None: it holds them all)."""
+        return self._snap.meta.parent
 
     @property
     def images_dir(self) -> Path:
@@ -292,8 +314,9 @@ class Snapshot:
         return sum(f.stat().st_size for f in self.images_dir.iterdir() if f.is_file())
 
     def retained_bytes(self) -> int:
-        """What keeping this snapshot costs now: its images and saved file-system layer, plus,
-        for a cow snapshot, the anonymous pages only its holders still map.
+        """What keeping this snapshot costs now: its own images (an incremental one's delta) and
+        saved file-system layer; its share of released snapshots kept only because its images
+        read their pages; and, for a cow snapshot, the anonymous pages only its holders still map.
 
         A cow snapshot shares every page with its source at first, so it starts near its images'
         size and grows by the pages the source writes afterwards; a cache bounding its memory
@@ -302,7 +325,7 @@ class Snapshot:
         self._check_live()
         if self._fixed_bytes is None:
             self._fixed_bytes = snapshot.file_bytes(self._snap)
-        return self._fixed_bytes + memory_engines.held_bytes(self._snap)
+        return self._fixed_bytes + snapshot.pinned_bytes(self._snap) + memory_engines.held_bytes(self._snap)
 
     def _check_live(self) -> None:
         if self._released:
@@ -324,12 +347,17 @@ class Snapshot:
 
     # ---- durability ----
 
-    def save(self, path: str | os.PathLike[str]) -> Future[str]:
+    def save(self, path: str | os.PathLike[str], *, incremental: bool = False) -> Future[str]:
         """Write a durable copy to `path` (a new directory) in the background; the source has
         long resumed. The future's result is the path. A cow snapshot's holders are read into
-        complete images, so the saved copy loads and forks with the copy or ksm engine."""
+        complete images, so the saved copy loads and forks with the copy or ksm engine.
+
+        incremental: write only this snapshot's own pages (its delta against `parent`), for a
+        store that keeps the parent's saved copy: load() then needs the parent's saved images at
+        `layout.parent` inside the directory. A snapshot that holds all its pages (or a cow one)
+        is saved complete either way; the saved SnapshotMeta's parent says which it is."""
         self._check_live()
-        return snapshot.save(self._snap, path)
+        return snapshot.save(self._snap, path, incremental=incremental)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], memory: str | None = None) -> Snapshot:

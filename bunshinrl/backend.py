@@ -83,20 +83,25 @@ class SharedSnapshot:
         return out
 
     @classmethod
-    def take(cls, ws: Workspace, memory: str = "auto") -> SharedSnapshot:
-        """Capture `ws`; its forks use the memory engine chosen here."""
-        return cls(ws.snapshot(memory))
+    def take(cls, ws: Workspace, memory: str = "auto", incremental: bool = True) -> SharedSnapshot:
+        """Capture `ws`; its forks use the memory engine chosen here. An incremental state (the
+        default) stores only what differs from the state `ws` was forked from, and that is
+        what it costs the cache (Workspace.snapshot)."""
+        return cls(ws.snapshot(memory, incremental=incremental))
 
 
 class SnapshotBackend:
     """Resident states are SharedSnapshots; on-disk states are delta chains in a blob store.
 
     A state forks with the memory engine it was captured with (a state read back from disk:
-    the same engine where its images serve it), so the backend takes no engine of its own."""
+    the same engine where its images serve it), so the backend takes no engine of its own.
+    A state whose snapshot is a delta against one this backend has stored (Snapshot.parent) is
+    stored as that delta: only its own pages are read and hashed."""
 
     def __init__(self, store_dir: str | os.PathLike[str] | None = None) -> None:
         self.deltas = DeltaStore(BlobStore(Path(store_dir) / "blobs")) if store_dir is not None else None
         self._scratch = Path(store_dir) / "scratch" if store_dir is not None else None
+        self._stored: dict[str, str] = {}  # snapshot id -> the reference of its stored copy
 
     @property
     def persists(self) -> bool:
@@ -115,9 +120,12 @@ class SnapshotBackend:
         assert self.deltas is not None and self._scratch is not None
         self._scratch.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=self._scratch, prefix="save-"))
+        snap = payload.snap
+        images_parent = self._stored.get(snap.parent) if snap.parent is not None else None
         try:
-            saved = payload.snap.save(tmp / "s").result()
-            ref, stored = self.deltas.save(saved, parent_ref)
+            saved = snap.save(tmp / "s", incremental=images_parent is not None).result()
+            ref, stored = self.deltas.save(saved, parent_ref, images_parent=images_parent)
+            self._stored[snap.id] = ref
             return Persisted(ref, stored, self.deltas.delta_bytes(ref))
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -1,11 +1,14 @@
 """Directory trees as deduplicated deltas: a saved snapshot stored as what changed since its parent.
 
 A manifest maps every path of a saved snapshot directory to its metadata and content digests.
-CRIU's page images (Snapshot.layout names them) are split into 4 KiB blocks, so a child whose
-tool call dirtied a few pages stores only those pages even though CRIU rewrote the whole image;
-every other file is one blob. A node's delta records only the entries that differ from its parent's
-manifest (for page images, only the blocks that differ) plus the digest of the parent's delta,
-so the delta chain from the root rebuilds any node's directory.
+A snapshot whose images are a delta against a stored one is saved as that delta
+(Snapshot.save(incremental=True): its own pages only) and records the stored images it reads
+(`images_parent`); a restore puts those at Snapshot.layout.parent, level by level. Complete page
+images (Snapshot.layout names them) are split into 4 KiB blocks, so that a complete save still
+stores only the pages its parent's lacks; every other file is one blob. A node's delta records
+only the entries that differ from its parent's manifest (for page images, only the blocks that
+differ) plus the digest of the parent's delta, so the delta chain from the root rebuilds any
+node's directory.
 """
 
 from __future__ import annotations
@@ -157,6 +160,10 @@ def _set_meta(p: Path, e: Entry) -> None:
     os.utime(p, ns=(e["mt"], e["mt"]), follow_symlinks=False)
 
 
+def _in_images(rel: str) -> bool:
+    return rel.startswith(LAYOUT.images + "/")
+
+
 class DeltaStore:
     """Directories saved as delta chains in a BlobStore; a delta is itself a blob, and its digest
     is the reference a cache node keeps."""
@@ -167,16 +174,21 @@ class DeltaStore:
         self._kept = manifests_kept
         self._lock = threading.Lock()
 
-    def save(self, directory: str | os.PathLike[str], parent: str | None) -> tuple[str, int]:
+    def save(self, directory: str | os.PathLike[str], parent: str | None,
+             images_parent: str | None = None) -> tuple[str, int]:
         """Store `directory` as a delta against the saved directory `parent`; returns the
-        delta's reference and the bytes this save added to the store."""
+        delta's reference and the bytes this save added to the store. images_parent: the stored
+        snapshot whose images a snapshot saved incrementally reads (restore() puts them back)."""
         before = self.store.stats().bytes_written
         manifest = scan(directory, self.store)
         base = self.manifest(parent) if parent else None
-        delta = {"v": 1, "parent": parent, **diff(base, manifest)}
+        delta = {"v": 1, "parent": parent, "images_parent": images_parent, **diff(base, manifest)}
         ref = self.store.put_json(delta)
         self._remember(ref, manifest)
         return ref, self.store.stats().bytes_written - before
+
+    def images_parent(self, ref: str) -> str | None:
+        return self.store.get_json(ref).get("images_parent")
 
     def manifest(self, ref: str) -> Manifest:
         with self._lock:
@@ -202,11 +214,24 @@ class DeltaStore:
         return base
 
     def delta_bytes(self, ref: str) -> int:
-        """Bytes a restore of `ref` reads: the content of its whole manifest."""
-        return sum(e.get("n", 0) for e in self.manifest(ref).values())
+        """Bytes a restore of `ref` reads: the content of its whole manifest, and the images of
+        the stored snapshots it reads pages from."""
+        total = sum(e.get("n", 0) for e in self.manifest(ref).values())
+        up = self.images_parent(ref)
+        while up is not None:
+            total += sum(e.get("n", 0) for rel, e in self.manifest(up).items() if _in_images(rel))
+            up = self.images_parent(up)
+        return total
 
     def restore(self, ref: str, dest: str | os.PathLike[str]) -> None:
         materialize(self.manifest(ref), self.store, dest)
+        at = Path(dest) / LAYOUT.parent
+        up = self.images_parent(ref)
+        while up is not None:
+            # Only the images of the stored snapshot this one reads, where its parent link points.
+            materialize({rel.split("/", 1)[1]: e for rel, e in self.manifest(up).items() if _in_images(rel)},
+                        self.store, at)
+            at, up = at / os.path.basename(LAYOUT.parent), self.images_parent(up)
 
     def _remember(self, ref: str, manifest: Manifest) -> None:
         with self._lock:

@@ -39,3 +39,8 @@ int bn_inject_fork(int pid, int *ns_child);
 /* Inject wait4(ns_child, NULL, __WALL, NULL) into stopped tracee `parent`; ns_child is the
  * child's pid as the parent sees it. */
 int bn_inject_reap(int parent, int ns_child);
+
+/* Page comparison for incremental snapshot images (csrc/pages.c). Compares n pages of
+ * `page` bytes at a and b; out[i] is 1 where page i is equal, else 0. Returns how many
+ * are equal. */
+size_t bn_pages_equal(const unsigned char *a, const unsigned char *b, size_t n, size_t page, unsigned char *out);

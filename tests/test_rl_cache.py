@@ -16,14 +16,54 @@ from bunshinrl import DeterminismGuard, SharedSnapshot, SnapshotBackend, ToolCal
 pytestmark = pytest.mark.usefixtures("no_own_leaks")
 
 
-async def _run(cache: ToolPrefixCache, tools, parent, call: ToolCall, ws: Workspace):  # type: ignore[no-untyped-def]
+async def _run(cache: ToolPrefixCache, tools, parent, call: ToolCall, ws: Workspace,  # type: ignore[no-untyped-def]
+               incremental: bool = True):
     """What the engine does on a miss: run the call on `ws` and record the resulting node."""
     node, created = cache.begin(parent, call)
     assert created
     obs = await tools[call.name].run(ws, call.args)
     if cache.complete(node, obs, 0.5):
-        cache.attach(node, await asyncio.to_thread(SharedSnapshot.take, ws))
+        cache.attach(node, await asyncio.to_thread(SharedSnapshot.take, ws, "auto", incremental))
     return node, obs
+
+
+def test_the_same_budget_holds_more_incremental_states() -> None:
+    """A resident state costs its delta against the state it was forked from: the budget that
+    holds three complete states holds every state of a ten-call chain."""
+    env = environment()
+    tools = env.tools
+
+    async def chain(ws: Workspace, budget: int, incremental: bool) -> tuple[int, int]:
+        cache = ToolPrefixCache(SnapshotBackend(None), capacity_bytes=budget, background=False)
+        try:
+            root = cache.add_root("task", "tmpl", await asyncio.to_thread(SharedSnapshot.take, ws))
+            live = await cache.materialize(root, tools)
+            try:
+                node = root
+                for i in range(10):
+                    node, _ = await _run(cache, tools, node, ToolCall("bump", {"n": i + 1}), live, incremental)
+                assert cache.check() == []
+                return cache.stats()["resident"], cache.stats()["resident_bytes"]
+            finally:
+                await asyncio.to_thread(live.destroy)
+        finally:
+            cache.close()
+
+    async def main() -> None:
+        ws = Workspace.create()
+        try:
+            env.setup(ws)
+            with ws.snapshot(incremental=False) as one:
+                budget = 3 * one.retained_bytes()
+            full = await chain(ws, budget, incremental=False)
+            incremental = await chain(ws, budget, incremental=True)
+        finally:
+            await asyncio.to_thread(ws.destroy)
+        assert full[0] <= 4, full  # the root and the last two or three calls
+        assert incremental[0] == 11 and incremental[1] <= budget, incremental
+        assert incremental[0] >= 2 * full[0], (full, incremental)
+
+    asyncio.run(main())
 
 
 def test_hit_served_from_disk_equals_live(tmp_path: Path) -> None:

@@ -88,22 +88,25 @@ class FsPart(Part):
             dest = layers.storage_root(c.source.spec.storage_dir) / "snapshots" / c.snap.meta.id
         else:
             dest = c.snap.dir / SAVED_LAYER
-        c.snap.meta.fs = FsState(src.rootfs, layers.snapshot_layer(src.layer, str(dest)))
+        with c.stage("layer"):
+            c.snap.meta.fs = FsState(src.rootfs, layers.snapshot_layer(src.layer, str(dest)))
 
     def restore(self, b: Build) -> None:
         assert b.source is not None
         src = b.source.meta.fs
         assert src is not None and src.layer is not None
         rec = b.rec
-        layer = layers.clone_layer(src.layer, rec.id, rec.spec.storage_dir)
-        rec.fs = FsState(src.rootfs, layer)
-        rec.save()
-        identity.write_identity(Path(layer.upper), rec.hostname)
+        with b.stage("fs.layer"):
+            layer = layers.clone_layer(src.layer, rec.id, rec.spec.storage_dir)
+            rec.fs = FsState(src.rootfs, layer)
+            rec.save()
+            identity.write_identity(Path(layer.upper), rec.hostname)
         # CRIU restores into it (--root), so it is mounted here; the clone's mount namespace
         # holds its own reference once restored, and the host needs none.
         point = self._mountpoint(b)
         opts = _overlay(src.rootfs, layer)
-        native.mount("overlay", str(point), "overlay", 0, opts)
+        with b.stage("fs.mount"):
+            native.mount("overlay", str(point), "overlay", 0, opts)
         b.deferred.append(lambda: _detach(point))
         b.root = Mount(point, opts)
 

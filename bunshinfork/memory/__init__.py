@@ -84,8 +84,10 @@ def held_bytes(snap: Captured) -> int:
     return engine(snap).held_bytes(snap)
 
 
-def write_images(snap: Captured, dest: Path) -> None:
-    engine(snap).write_images(snap, dest)
+def write_images(snap: Captured, dest: Path, incremental: bool = False) -> bool:
+    """The snapshot's images for a durable save at `dest`; True when only its own pages were
+    written (incremental, where its engine keeps all its memory in images)."""
+    return engine(snap).write_images(snap, dest, incremental)
 
 
 def check_ksm() -> Check:
@@ -132,6 +134,9 @@ class MemoryPart(Part):
     def prepare(self, b: Build) -> None:
         # spec.ksm: the workspace's processes opt in, so that a ksm fork can merge it with its clones.
         b.ksm_merge = b.rec.spec.ksm
+
+    def precapture(self, c: Capture) -> None:
+        engine(c.snap).precapture(c)
 
     def capture(self, c: Capture) -> None:
         engine(c.snap).capture(c)

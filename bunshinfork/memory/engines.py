@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from pathlib import Path
 
 from ..cgroups import Cgroup
 from ..contract import Build, Capture, Captured
 from ..errors import ForkError
+from ..process import chain, pages
 from . import cow, holders, ksm, materialize
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -26,6 +26,9 @@ class Engine:
     # Where a snapshot keeps its anonymous memory: "image" (CRIU's page images) or "cow".
     kind = "image"
 
+    def precapture(self, c: Capture) -> None:
+        pass
+
     def capture(self, c: Capture) -> None:
         pass
 
@@ -36,9 +39,12 @@ class Engine:
         """What the memory this process holds for the snapshot costs now, beyond its images."""
         return 0
 
-    def write_images(self, snap: Captured, dest: Path) -> None:
-        """Complete CRIU images of the snapshot at `dest`, for a durable save."""
-        shutil.copytree(snap.images, dest)
+    def write_images(self, snap: Captured, dest: Path, incremental: bool) -> bool:
+        """CRIU images of the snapshot at `dest`, for a durable save: complete (the pages its
+        images read from a parent snapshot included), or with `incremental` one level holding
+        all but the pages it reads from its parent snapshot, without the parent link (True)."""
+        pages.squash(snap.images, dest, until=chain.external_parent(snap.dir) if incremental else None)
+        return incremental
 
     def release(self, snap: Captured) -> None:
         pass
@@ -66,14 +72,18 @@ class Cow(Engine):
     name = "cow"
     kind = "cow"
 
+    def precapture(self, c: Capture) -> None:
+        c.dump_env.update(cow.DUMP_ENV)
+        c.images_hold_memory = False
+
     def capture(self, c: Capture) -> None:
         assert c.source.cgroups is not None
         cg = Cgroup(c.source.cgroups)
-        c.dump_env.update(cow.DUMP_ENV)
 
         def take_holders() -> None:
             # The holders image exactly the state the dump describes.
-            c.snap.held["memory"] = holders.capture_tree(cg.pids(), cg.freeze, cg.thaw)
+            with c.stage("holders"):
+                c.snap.held["memory"] = holders.capture_tree(cg.pids(), cg.freeze, cg.thaw)
 
         c.after_dump.append(take_holders)
 
@@ -98,9 +108,10 @@ class Cow(Engine):
         """The pages only its holders still map: those the source wrote since."""
         return sum(h.stats()[1] for h in self._holders(snap).values()) * PAGE
 
-    def write_images(self, snap: Captured, dest: Path) -> None:
-        # Holders die with this process: read their memory into complete images.
+    def write_images(self, snap: Captured, dest: Path, incremental: bool) -> bool:
+        # Holders die with this process, and are no chain: read their memory into complete images.
         materialize.complete_images(snap.images, dest, self._holders(snap))
+        return False
 
     def release(self, snap: Captured) -> None:
         for h in self._holders(snap).values():

@@ -8,9 +8,9 @@ each process's pagemap and pages images, which then restore with any engine.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
+from ..process import pages
 from .holders import Holder
 
 try:
@@ -78,7 +78,7 @@ def complete_images(src: Path, dest: Path, holders_by_ns_pid: dict[int, Holder])
     """Copy the image directory `src` to `dest` with every holder's anonymous pages merged in."""
     if criu_images is None:
         raise RuntimeError("pycriu is not importable; run scripts/setup.sh")
-    shutil.copytree(src, dest)
+    pages.flatten(src, dest)  # the written pages of file mappings may be in a parent's images
     for mm_path in sorted(dest.glob("mm-*.img")):
         pid = int(mm_path.stem.split("-")[1])
         h = holders_by_ns_pid.get(pid)

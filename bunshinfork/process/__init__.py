@@ -17,9 +17,9 @@ from .. import native
 from ..cgroups import Cgroup
 from ..contract import Build, Capture, Check, Held, Part
 from ..errors import BunshinError, ForkError
-from ..state import InitState, proc_starttime
+from ..state import InitState, Lineage, proc_starttime
 from . import control, criu, init
-from .dump import dump_tree
+from .dump import dump_tree, predump_tree
 from .options import dump_opts, restore_opts
 from .reaper import reaper
 from .restore import restore_tree
@@ -99,19 +99,27 @@ class ProcessPart(Part):
         b.rec.process, b.pidfd = init.spawn(b.rec, str(b.root.path), b.root.options, Cgroup(b.rec.cgroups),
                                             b.ksm_merge)
 
+    def precapture(self, c: Capture) -> None:
+        predump_tree(c)
+
     def capture(self, c: Capture) -> None:
         dump_tree(c)
 
     def restore(self, b: Build) -> None:
+        assert b.source is not None
         rec = b.rec
         pid = restore_tree(b)
         rec.process = InitState(pid, proc_starttime(pid) or 0)
+        # Its memory is the snapshot's: a snapshot of the clone stores what differs from it.
+        rec.lineage = Lineage((b.source.meta.id,)) if b.source.owned else None
         rec.save()
         b.pidfd = os.pidfd_open(pid)
         reaper.watch(pid, b.pidfd)
-        native.set_hostname_in(pid, rec.hostname)
-        if not control.ping(pid):
-            raise ForkError(f"clone {rec.id} was restored but its init does not answer")
+        with b.stage("process.hostname"):
+            native.set_hostname_in(pid, rec.hostname)
+        with b.stage("process.ready"):
+            if not control.ping(pid):
+                raise ForkError(f"clone {rec.id} was restored but its init does not answer")
 
     def release(self, held: Held) -> None:
         if not isinstance(held, Build):

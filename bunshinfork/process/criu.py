@@ -4,7 +4,7 @@ pycriu's own client sends one request and reads one response; forking needs CRIU
 notifications (setup-namespaces names a clone's init, pre-resume is where the cow engine
 shares memory into the still-stopped tasks), so this module runs the request/notify loop
 itself. Logs are kept next to the images and quoted in errors. VERSION and CHECK are asked
-the same way, for `bunshin doctor`.
+the same way, for `bunshin doctor`, and FEATURE_CHECK for dirty tracking.
 """
 
 from __future__ import annotations
@@ -185,9 +185,9 @@ def request(kind: str, opts: rpc.criu_opts, on_notify: Notify | None = None, kee
             ksm_merge: bool = False, log: Path | None = None,
             session_hook: Callable[[Session], None] | None = None,
             env: dict[str, str] | None = None) -> rpc.criu_resp:
-    """Run one DUMP or RESTORE; raise CriuError with the log's error lines on failure."""
+    """Run one DUMP, PRE_DUMP or RESTORE; raise CriuError with the log's error lines on failure."""
     req = rpc.criu_req()
-    req.type = {"dump": rpc.DUMP, "restore": rpc.RESTORE}[kind]
+    req.type = {"dump": rpc.DUMP, "pre_dump": rpc.PRE_DUMP, "restore": rpc.RESTORE}[kind]
     req.opts.MergeFrom(opts)
     req.opts.notify_scripts = on_notify is not None
     with Session(keep_fds, ksm_merge, env) as s:
@@ -222,6 +222,23 @@ def version_problem(v: tuple[int, ...]) -> str | None:
     else:
         why = "4.1.x cannot dump TCP sockets on kernels >= 6.16"
     return f"too old: needs {'.'.join(map(str, REQUIRED))}.x; {why}; scripts/setup.sh builds 4.2.1"
+
+
+_dirty_tracking: bool | None = None
+
+
+def dirty_tracking() -> bool:
+    """Whether CRIU tracks memory changes on this kernel (soft-dirty bits: --track-mem and parent
+    images), asked once over RPC (FEATURE_CHECK, `criu check --feature mem_dirty_track`)."""
+    global _dirty_tracking
+    if _dirty_tracking is None:
+        req = rpc.criu_req()
+        req.type = rpc.FEATURE_CHECK
+        req.features.mem_track = True
+        with Session() as s:
+            resp = s.call(req)
+        _dirty_tracking = bool(resp.success and resp.HasField("features") and resp.features.mem_track)
+    return _dirty_tracking
 
 
 def check() -> str | None:

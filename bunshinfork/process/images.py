@@ -6,13 +6,15 @@ import struct
 from pathlib import Path
 
 try:
+    import pycriu.images as criu_images  # type: ignore[import-not-found]
     from pycriu.images import fdinfo_pb2  # type: ignore[import-not-found]
 except ImportError:  # pragma: no cover - set-up installs pycriu into the venv
-    fdinfo_pb2 = None
+    criu_images = fdinfo_pb2 = None
 
 IMG_COMMON_MAGIC, FILES_MAGIC = 0x54564319, 0x56303138  # criu/include/magic.h
 # Names CRIU gives its files in an image directory.
 PAGES_PREFIX = "pages-"
+PAGEMAP_PREFIX = "pagemap-"
 LOG_SUFFIX = ".log"
 
 
@@ -56,3 +58,14 @@ def rearm_expired_timerfds(images: Path) -> int:
         tmp.write_bytes(out)
         tmp.replace(path)
     return changed
+
+
+def dump_stats(images: Path) -> dict[str, int]:
+    """CRIU's statistics of the dump that wrote `images` (its stats-dump image): times in
+    microseconds, pages scanned, skipped as the parent's, and written."""
+    path = images / "stats-dump"
+    if criu_images is None or not path.exists():
+        return {}
+    with open(path, "rb") as f:
+        entry = criu_images.load(f)["entries"][0].get("dump", {})
+    return {k: int(v) for k, v in entry.items() if isinstance(v, int)}

@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .. import native
@@ -18,6 +19,19 @@ from .options import restore_opts
 # Called with each restore's live criu.Session right after it starts; failure-injection tests use
 # it to kill a real CRIU mid-restore. None in normal operation.
 RESTORE_HOOK: Callable[[criu.Session], None] | None = None
+
+# The restore's phases in the fork profile, each named by the notification that ends it (CRIU's
+# cr-restore.c runs them in this order); a notification not listed here (network-lock, ...)
+# falls into the phase it happens in. The memory engine's pre-resume work is its own stage.
+PHASES = {
+    "pre-restore": "criu.start",  # criu swrk started, the request read, images opened
+    "setup-namespaces": "criu.namespaces",  # the root task forked into new namespaces
+    "post-setup-namespaces": "criu.mounts",  # mount namespace and network set up
+    "post-restore": "criu.tasks",  # every task forked; memory, files and sockets restored
+    "pre-resume": "criu.creds",  # credentials and the last restorer stage
+    "post-resume": "criu.resume",  # tasks resumed (the memory engine's share excluded)
+}
+END = "criu.finish"  # tasks detached, criu's answer read and its process reaped
 
 
 def restore_tree(b: Build) -> int:
@@ -34,8 +48,10 @@ def restore_tree(b: Build) -> int:
     wfd = os.open(work, os.O_DIRECTORY | os.O_RDONLY)
     restored_init: list[int] = []
     failed: list[BaseException] = []
+    clock = _PhaseClock(b.rec.timings)
 
     def on_notify(script: str, pid: int) -> None:
+        clock.mark(script)
         # setup-namespaces names the restored init. From here on, if the restore fails (criu
         # killed, a later step failing) only we can reap it.
         if script == "setup-namespaces" and pid > 0:
@@ -43,8 +59,9 @@ def restore_tree(b: Build) -> int:
         elif script == "pre-resume" and b.pre_resume:
             pids = cg.pids()
             try:
-                for step in b.pre_resume:
-                    step(pids)
+                with clock.aside("memory.share"):
+                    for step in b.pre_resume:
+                        step(pids)
             except BaseException as e:
                 # CRIU resumes the tasks whatever this hook says; SIGKILL reaches traced tasks.
                 failed.append(e)
@@ -57,6 +74,7 @@ def restore_tree(b: Build) -> int:
         try:
             resp = criu.request("restore", opts, on_notify, keep_fds=(wfd,), ksm_merge=b.ksm_merge,
                                 log=work / "restore.log", session_hook=RESTORE_HOOK)
+            clock.mark(None)
         except BunshinError as e:
             # Tasks killed for a failed pre-resume step can fail CRIU's detach: name the first cause.
             if failed:
@@ -70,6 +88,33 @@ def restore_tree(b: Build) -> int:
         raise
     finally:
         os.close(wfd)
+
+
+class _PhaseClock:
+    """Times a restore's phases from CRIU's notifications into a fork profile."""
+
+    def __init__(self, timings: dict[str, float]) -> None:
+        self.timings = timings
+        self.last = time.monotonic()
+        self.excluded = 0.0  # time spent in our own notification handlers since the last mark
+
+    def mark(self, script: str | None) -> None:
+        name = END if script is None else PHASES.get(script)
+        if name is None:
+            return
+        now = time.monotonic()
+        self.timings[name] = self.timings.get(name, 0.0) + now - self.last - self.excluded
+        self.last, self.excluded = now, 0.0
+
+    @contextlib.contextmanager
+    def aside(self, name: str) -> Iterator[None]:
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            took = time.monotonic() - t0
+            self.timings[name] = self.timings.get(name, 0.0) + took
+            self.excluded += took
 
 
 def _abandon(restored_init: list[int], cg: Cgroup, work: Path) -> None:

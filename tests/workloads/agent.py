@@ -182,6 +182,8 @@ class Agent:
 
         self.kv: dict[str, str] = {}
         self.messages: list[str] = []
+        self.generation = 0
+        self.cursor = 0
 
     def _tcp_server(self) -> None:
         conn, _ = self.lsock.accept()
@@ -268,6 +270,19 @@ class Agent:
         self.posix[:16] = mark
         return mark.hex()
 
+    def dirty(self, pages: int) -> str:
+        """Rewrite `pages` pages of the big buffer (those after the last call's) and both shared
+        memory heads; returns the buffer's new sha256."""
+        self.generation += 1
+        npages = len(self.big) // PAGE
+        stamp = struct.pack("<Q", self.generation)
+        for k in range(pages):
+            i = (self.cursor + k) % npages
+            self.big[i * PAGE:i * PAGE + 8] = stamp
+        self.cursor += pages
+        self.poke_shm(f"generation {self.generation}")
+        return hashlib.sha256(self.big).hexdigest()
+
     def handle(self, req: dict[str, Any]) -> Any:
         op = req["op"]
         if op == "report":
@@ -286,6 +301,8 @@ class Agent:
             return self.poke_shm(req["tag"])
         if op == "big_sha":
             return hashlib.sha256(self.big).hexdigest()
+        if op == "dirty":
+            return self.dirty(int(req["pages"]))
         raise ValueError(f"unknown op {op!r}")
 
     def serve(self) -> None:
