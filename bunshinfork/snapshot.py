@@ -2,8 +2,9 @@
 
 The source is frozen through its cgroup; each part captures its share in pipeline.CAPTURE
 order (CRIU dumps the process tree, leaving it running; the memory engine keeps what the
-dump leaves out; the private file-system layer is copied); the source resumes before any
-clone is built. save() and load() make a snapshot durable in a directory of its own.
+dump leaves out; the private file-system layer is frozen, after it was written back while the
+source still ran); the source resumes before any clone is built. save() and load() make a
+snapshot durable in a directory of its own.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def take(rec: Record, engine: str) -> Captured:
     c = Capture(rec, snap)
     cg = Cgroup(rec.cgroups)
     try:
+        for part in pipeline.capture_order():
+            part.before_freeze(c)
+        c.started = time.monotonic()
         cg.freeze()
         try:
             for part in pipeline.capture_order():
@@ -108,7 +112,7 @@ def load(path: str | os.PathLike[str], engine: str | None = None) -> Captured:
     except ValueError as e:
         raise SpecError(f"{d} holds no snapshot this version can read: {e}") from e
     assert meta.fs is not None
-    meta.fs = fs.load(meta.fs, d, meta.id)
+    meta.fs = fs.load(meta.fs, d, meta.id, meta.spec.storage_dir)
     meta.memory = memory.for_fork(memory.for_images(meta.memory), meta.id, engine)
     return Captured(meta, d, owned=False)
 
