@@ -53,7 +53,10 @@ def mounted() -> bool:
 
 def _image_refusal() -> str | None:
     """Why IMAGE cannot back the store here, or None."""
-    magic = fs_magic(IMAGE.parent)
+    where = IMAGE.parent
+    while not where.exists() and where != where.parent:  # setup creates it on its nearest ancestor's fs
+        where = where.parent
+    magic = fs_magic(where)
     if magic in _NO_IMAGE_FS:
         return f"{IMAGE} lies on {_NO_IMAGE_FS[magic]}, which cannot back a loop device for it"
     return None
