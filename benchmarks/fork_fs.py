@@ -300,6 +300,38 @@ def print_targets(targets: dict) -> None:
             print(f"  {verdict:<7} {name}: {t['value_mib']:.2f} MiB (limit {t['limit_mib']:.2f})")
 
 
+def _fmt(cell: dict, key: str, scale: float, unit: str, digits: int) -> str:
+    v = cell.get(key)
+    if v is None:
+        return "-"
+    out = f"{v / scale:.{digits}f}"
+    lo_hi = cell.get(f"{key}_range")
+    if lo_hi and len(lo_hi) == 2 and cell.get("reps", 1) > 1:
+        out += f" ({lo_hi[0] / scale:.{digits}f}-{lo_hi[1] / scale:.{digits}f})"
+    return out + unit
+
+
+def print_table(summary: dict, written: list[int], clone_counts: list[int], names: list[str]) -> None:
+    """The summary as the README's table: medians over the reps, (min-max) beside them."""
+    print("| written | clones | layout | fork s | frozen s | host per clone "
+          "| per additional clone: host / page cache |")
+    print("|---|---|---|---|---|---|---|")
+    for w in written:
+        for n in clone_counts:
+            for name in names:
+                cell = summary["cells"].get(f"{name}/{w}/{n}", {})
+                if "skipped" in cell:
+                    print(f"| {w} MiB | {n} | {name} | skipped: {cell['skipped'] or 'not run'} | | | |")
+                    continue
+                extra = "-"
+                if cell.get("per_additional_clone_host_bytes") is not None:
+                    extra = (f"{cell['per_additional_clone_host_bytes'] / MiB:.1f} / "
+                             f"{cell['per_additional_clone_page_cache_bytes'] / MiB:.1f} MiB")
+                print(f"| {w} MiB | {n} | {name} | {_fmt(cell, 'fork_seconds', 1, '', 3)} | "
+                      f"{_fmt(cell, 'frozen_seconds', 1, '', 3)} | "
+                      f"{_fmt(cell, 'per_clone_host_bytes', MiB, ' MiB', 1)} | {extra} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--written-mib", default="0,64,512,2048")
@@ -344,6 +376,7 @@ def main() -> int:
         "rows": rows,
     }
     (out / "fork_fs.json").write_text(json.dumps(result, indent=1))
+    print_table(summary, written, clone_counts, names)
     print("targets:")
     print_targets(summary["targets"])
     print(f"wrote {out / 'fork_fs.json'}")
