@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
-from bunshinfork import StorageWarning, Workspace, accounting, host_memory, native, pipeline
+from bunshinfork import StorageWarning, Workspace, accounting, host_memory, native, pipeline, state
 from bunshinfork.contract import Build, Capture, Held, Mount
 from bunshinfork.fs import FsPart, identity, layers, rootfs, store
 from bunshinfork.state import FsState, Layer
@@ -163,9 +163,13 @@ def fits(name: str, written: int, clones: int) -> str | None:
     """Why a configuration is not run, or None."""
     avail = meminfo("MemAvailable")
     if name == "copy":
-        need = written * MiB * (clones + 2)  # source, snapshot copy, every clone's copy, all in RAM
-        if need > 0.8 * avail:
-            return f"needs {need / 2**30:.1f} GiB of tmpfs, {avail / 2**30:.1f} GiB available"
+        # The source's layer, the snapshot's copy and every clone's copy, all on the state root's
+        # tmpfs: in RAM, and within that tmpfs's size.
+        need = written * MiB * (clones + 2)
+        room = min(avail, shutil.disk_usage(state.run_root()).free)
+        if need > 0.8 * room:
+            return (f"needs {need / 2**30:.1f} GiB of tmpfs, {room / 2**30:.1f} GiB free "
+                    f"(RAM available, and {state.run_root()}'s size)")
     elif written * MiB * 2 > 0.8 * avail:  # the source's and the clones' page cache
         return f"needs {2 * written / 1024:.1f} GiB of page cache, {avail / 2**30:.1f} GiB available"
     return None
