@@ -17,6 +17,7 @@ import sys
 import textwrap
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -322,6 +323,21 @@ def test_frozen_layer_lives_while_clones_stack_it() -> None:
         assert os.path.isdir(path) and str(b.files.read("/root/v")) == "v\n"
         b.destroy()
         assert not os.path.exists(path)
+
+
+def test_frozen_layer_goes_when_its_snapshot_and_clones_go_together() -> None:
+    """A snapshot released while its clones are destroyed in other threads (as a rollout does):
+    neither keeps the frozen layer for the other, so it goes."""
+    with Workspace.create() as src:
+        run_ok(src, "echo v > /root/v")
+        for _ in range(3):
+            snap = src.snapshot("copy")
+            path = snap._snap.meta.fs.layer.path
+            clones = forked(snap.fork(2))
+            with ThreadPoolExecutor(3) as pool:
+                for f in [pool.submit(snap.release), *(pool.submit(c.destroy) for c in clones)]:
+                    f.result()
+            assert not os.path.exists(path)
 
 
 CRASHER = """

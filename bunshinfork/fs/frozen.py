@@ -185,18 +185,34 @@ def let_go(lay: Layer) -> None:
 # ---- lifetime ----
 
 
+# Written (under the lock) into the state directory of a workspace or snapshot whose frozen
+# layers are being let go, before it decides what to remove: a release running beside it then
+# no longer counts it as a user. Without it, a clone and its snapshot released at the same time
+# would each keep the layer for the other, and nobody would remove it.
+RELEASED = "fs-released"
+
+
+def _state_dir(owner: str) -> Path:
+    return state.RUN_ROOT / state.SNAPSHOTS / owner if owner.startswith("snap-") else state.RUN_ROOT / owner
+
+
+def _releasing(owner: str) -> bool:
+    return (_state_dir(owner) / RELEASED).exists()
+
+
 def _references(exclude: str) -> set[str]:
-    """Paths of the frozen layers any workspace or snapshot other than `exclude` stacks or holds."""
+    """Paths of the frozen layers any workspace or snapshot other than `exclude` (and other than
+    those being released) stacks or holds."""
     refs: set[str] = set()
     for ws_id in state.all_ids():
-        if ws_id == exclude:
+        if ws_id == exclude or _releasing(ws_id):
             continue
         with contextlib.suppress(FileNotFoundError, ValueError):
             rec = Record.load(ws_id)
             if rec.fs is not None and rec.status != "destroyed":
                 refs.update(lay.path for lay in rec.fs.lowers)
     for snap_id in state.snapshot_ids():
-        if snap_id == exclude:
+        if snap_id == exclude or _releasing(snap_id):
             continue
         with contextlib.suppress(FileNotFoundError, ValueError):
             meta = SnapshotMeta.load(state.RUN_ROOT / state.SNAPSHOTS / snap_id)
@@ -214,7 +230,8 @@ def _owner_alive(path: Path, exclude: str) -> bool:
             return str(state.proc_starttime(int(pid))) == start
         except (OSError, ValueError):
             return False
-    return path.name != exclude and (state.RUN_ROOT / state.SNAPSHOTS / path.name).exists()
+    return path.name != exclude and (state.RUN_ROOT / state.SNAPSHOTS / path.name).exists() \
+        and not _releasing(path.name)
 
 
 def _lock() -> contextlib.AbstractContextManager[None]:
@@ -230,6 +247,8 @@ def drop_unused(candidates: Iterable[Layer], exclude: str, own: Layer | None = N
         return []
     removed = []
     with _lock():
+        with contextlib.suppress(FileNotFoundError):
+            (_state_dir(exclude) / RELEASED).touch()
         refs = _references(exclude)
         for lay in todo:
             if lay.path in refs or (lay != own and _owner_alive(Path(lay.path), exclude)):
