@@ -162,7 +162,9 @@ def test_gui_fork_clones_have_their_own_display() -> None:
 
         with family(gui, 2) as (a, b):
             members = {"source": gui, "a": a, "b": b}
-            assert len(editor_watches(a)) == len(editor_watches(b)) == len(watched)
+            # (Compared with the source's now: mousepad adds watches of its own accord, so the
+            # count before the fork may be smaller than at the freeze.)
+            assert len(editor_watches(a)) == len(editor_watches(b)) == len(editor_watches(gui))
             # The X server's state is forked with it: the same windows under the same ids.
             ids = {n: sorted(w.id for w in m.windows()) for n, m in members.items()}
             assert ids["a"] == ids["source"] == ids["b"], ids
