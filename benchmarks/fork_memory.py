@@ -4,9 +4,11 @@ python benchmarks/fork_memory.py --engines copy,ksm[,cow] --forks 1,2,4,8,16 --s
 
 For each engine and size a fresh ~size-mib source workspace (heaps of 8 python processes, a
 file-backed mapping of the shared lower layer, a small HTTP server) is forked into each count
-of clones. Reported per engine, size and count: system used memory (MemTotal - MemAvailable,
-above the baseline taken before the source existed), summed PSS of the family, fork latency,
-the source's freeze time, and for ksm the time until merging settles. Configurations that
+of clones. Reported per engine, size and count: what the host pays in memory
+(bunshinfork.accounting: anonymous, shmem/tmpfs, page cache and kernel memory, host-wide above
+the baseline taken before the source existed, and charged to the family's cgroups with the
+snapshot stores), summed PSS of the family for comparison, fork latency, the source's freeze
+time, and for ksm the time until merging settles. Configurations that
 would not fit in the machine's available memory are skipped and reported as such.
 
 Then, per engine and size, the prefix cache's cost model: a snapshot is retained while the
@@ -30,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from workloads import populate, scribble
 
-from bunshinfork import Workspace
+from bunshinfork import Workspace, accounting, host_memory
 from bunshinfork.memory import cow, ksm
 
 
@@ -43,8 +45,8 @@ def meminfo() -> dict[str, int]:
 
 
 def used_bytes() -> int:
-    m = meminfo()
-    return m["MemTotal"] - m["MemAvailable"]
+    """What the host pays now (anon, shmem/tmpfs, page cache, kernel): bunshinfork.accounting."""
+    return accounting.host().total
 
 
 def drop_caches() -> None:
@@ -82,6 +84,7 @@ def run_engine(engine: str, forks: list[int], size_mib: int, settle_timeout: flo
         time.sleep(0.5)
         source_used = used_bytes() - base
         source_pss = src.memory().pss
+        source_host = src.memory().host.total
         print(f"[{engine} {size_mib} MiB] source: {procs} workers, pss {source_pss / 2**20:.0f} MiB", flush=True)
         for n in forks:
             # A copy clone costs about the source's memory; keep a margin for the image on tmpfs.
@@ -116,13 +119,15 @@ def run_engine(engine: str, forks: list[int], size_mib: int, settle_timeout: flo
                 "ksm_settle_seconds": settle,
                 "system_used_bytes": used_bytes() - base, "system_used_delta_bytes": used_bytes() - before,
                 "family_pss_bytes": family_pss([src, *ok]),
+                "family_host_bytes": host_memory([src, *ok]).total,
                 "source_pss_bytes": source_pss, "source_used_bytes": source_used,
+                "source_host_bytes": source_host,
                 "ksm": vars(ksm.progress()) if ksm.available() else None,
             }
             rows.append(row)
             print(f"[{engine} {size_mib} MiB] {n:>2} forks: fork {row['fork_seconds']:.2f}s (frozen "
-                  f"{row['freeze_seconds']:.2f}s) used {row['system_used_bytes'] / 2**30:.2f} GiB "
-                  f"pss {row['family_pss_bytes'] / 2**30:.2f} GiB"
+                  f"{row['freeze_seconds']:.2f}s) host {row['system_used_bytes'] / 2**30:.2f} GiB "
+                  f"(family {row['family_host_bytes'] / 2**30:.2f}) pss {row['family_pss_bytes'] / 2**30:.2f} GiB"
                   + (f" settle {settle:.1f}s" if settle is not None else "")
                   + (f" FAILED {len(failed)}" if failed else ""), flush=True)
             for c in ok:
@@ -210,7 +215,7 @@ def plot(rows: list[dict], out: Path) -> None:
             continue
         label = f"{engine} {size} MiB" if len({s for _, s in series}) > 1 else engine
         xs = [r["forks"] for r in pts]
-        axes[0].plot(xs, [r["system_used_bytes"] / 2**30 for r in pts], marker="o", label=f"{label} (system)")
+        axes[0].plot(xs, [r["system_used_bytes"] / 2**30 for r in pts], marker="o", label=f"{label} (host)")
         axes[0].plot(xs, [r["family_pss_bytes"] / 2**30 for r in pts], marker="x", ls="--",
                      label=f"{label} (PSS)")
         axes[1].plot(xs, [r["fork_seconds"] for r in pts], marker="o", label=label)

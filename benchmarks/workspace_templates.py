@@ -10,13 +10,18 @@ Written to DIR/workspace_templates.json, one row per template and engine:
   processes             processes in the source workspace
   fork_ok               clones that came up AND answer a template tool (window list / page text;
                         on a desktop, a keystroke typed into the clone's editor shows in its title)
+  source_host_bytes     what the source costs the host before the fork (bunshinfork.accounting:
+                        anonymous, shmem/tmpfs, page cache and kernel memory charged to it)
+  family_host_bytes     the same for the source and all its clones after the fork (for ksm, once
+                        merging has settled), each shared frozen layer counted once
+  host_delta_bytes      the host-wide difference (accounting.host()) from before the fork to then
   source_bytes          the source's summed PSS before the fork
   total_bytes_8_clones  PSS summed over the source and all its clones after the fork (for ksm,
                         once merging has settled or --settle-timeout passed)
   clones_bytes          the same sum over the clones only
   fork_seconds          snapshot + parallel restores, wall clock; with snapshot/restore/frozen parts
-PSS splits each shared page among its sharers, so the sums add up to the memory really used by
-the family (shared file pages of /usr included, once).
+PSS splits each shared page among its sharers but counts no tmpfs file and no page cache that no
+process maps, so it is reported beside the host figures, not instead of them.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bunshinfork import BunshinError, Workspace
+from bunshinfork import BunshinError, Workspace, accounting, host_memory
 from bunshinfork.memory import ksm
 from bunshinfork.templates import (
     GuiWorkspace,
@@ -44,14 +49,6 @@ from bunshinfork.templates import (
 )
 
 Template = GuiWorkspace | WaylandWorkspace | WebShopWorkspace
-
-
-def used_bytes() -> int:
-    m = {}
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        k, v = line.split(":", 1)
-        m[k] = int(v.split()[0]) * 1024
-    return m["MemTotal"] - m["MemAvailable"]
 
 
 def make(template: str) -> Template:
@@ -100,7 +97,7 @@ def run(template: str, engine: str, clones: int, settle_timeout: float) -> dict[
     try:
         time.sleep(1.0)  # let start-up page faults and caches settle before measuring
         mem = src.ws.memory()
-        before_used = used_bytes()
+        before = accounting.host()
         t0 = time.monotonic()
         snap = src.ws.snapshot(engine)
         t_snap = time.monotonic()
@@ -119,14 +116,17 @@ def run(template: str, engine: str, clones: int, settle_timeout: float) -> dict[
             settle = time.monotonic() - ts
         clones_pss = sum(c.memory().pss for c in ok)
         src_after = src.ws.memory().pss
-        used_delta = used_bytes() - before_used
+        family = host_memory([src.ws, *ok])
+        host_delta = (accounting.host() - before).total
         working = sum(works(w) for w in wrapped)  # after measuring: typing un-merges pages
         row = {
             "template": template, "engine": engine, "clones": clones,
             "processes": mem.processes, "fork_ok": working, "clones_restored": len(ok), "errors": errors,
+            "source_host_bytes": mem.host.total, "source_host": mem.host.as_dict(),
+            "family_host_bytes": family.total, "family_host": family.as_dict(),
+            "host_delta_bytes": host_delta,
             "source_bytes": mem.pss, "source_rss_bytes": mem.rss,
             "total_bytes_8_clones": src_after + clones_pss, "clones_bytes": clones_pss,
-            "system_used_delta_bytes": used_delta,
             "fork_seconds": t_fork - t0, "snapshot_seconds": t_snap - t0, "restore_seconds": t_fork - t_snap,
             "frozen_seconds": timing.frozen_seconds, "image_bytes": image_bytes,
             "ksm_settle_seconds": settle, "setup_seconds": up_seconds,
@@ -154,10 +154,11 @@ def main() -> int:
         for engine in [e for e in args.engines.split(",") if e]:
             row = run(template, engine, args.clones, args.settle_timeout)
             rows.append(row)
-            mib = row["source_bytes"] / 2**20
-            print(f"[{template:>7} {engine:>4}] {row['processes']:>3} processes, source {mib:6.0f} MiB, "
+            mib = row["source_host_bytes"] / 2**20
+            print(f"[{template:>7} {engine:>4}] {row['processes']:>3} processes, source {mib:6.0f} MiB (host), "
                   f"{row['fork_ok']}/{args.clones} clones ok in {row['fork_seconds']:5.2f} s (frozen "
-                  f"{row['frozen_seconds']:.2f} s), source+clones {row['total_bytes_8_clones'] / 2**20:6.0f} MiB"
+                  f"{row['frozen_seconds']:.2f} s), source+clones {row['family_host_bytes'] / 2**20:6.0f} MiB "
+                  f"(host; PSS {row['total_bytes_8_clones'] / 2**20:.0f})"
                   + (f", ksm settled in {row['ksm_settle_seconds']:.0f} s" if row["ksm_settle_seconds"] else ""),
                   flush=True)
     result = {

@@ -1,5 +1,6 @@
 """bunshinfork: create, run commands in, and live-fork container workspaces."""
 
+from .accounting import HostMemory
 from .commands import CommandHandle, CommandResult
 from .errors import (
     BunshinError,
@@ -19,9 +20,10 @@ from .errors import (
     WorkspaceStateError,
 )
 from .files import EntryInfo
+from .fs import StorageWarning
 from .fs import digest as rootfs_digest
 from .spec import WorkspaceSpec
-from .workspace import MemoryStats, Snapshot, Workspace, WorkspaceInfo
+from .workspace import MemoryStats, Snapshot, Workspace, WorkspaceInfo, host_memory
 
 __version__ = "0.1.0"
 
@@ -30,8 +32,8 @@ Sandbox = Workspace
 
 __all__ = [
     "BunshinError", "CgroupError", "CommandError", "CommandHandle", "CommandResult", "CommandTimeout",
-    "CriuError", "EntryInfo", "FileOperationError", "ForkError", "KernelFeatureError", "MemoryStats",
-    "NetworkError", "PrivilegeError", "RootfsError", "Sandbox", "Snapshot", "SpecError", "Workspace",
-    "WorkspaceFileNotFound", "WorkspaceInfo", "WorkspaceNotFound", "WorkspaceSpec", "WorkspaceStateError",
-    "__version__", "rootfs_digest",
+    "CriuError", "EntryInfo", "FileOperationError", "ForkError", "HostMemory", "KernelFeatureError",
+    "MemoryStats", "NetworkError", "PrivilegeError", "RootfsError", "Sandbox", "Snapshot", "SpecError",
+    "StorageWarning", "Workspace", "WorkspaceFileNotFound", "WorkspaceInfo", "WorkspaceNotFound",
+    "WorkspaceSpec", "WorkspaceStateError", "__version__", "host_memory", "rootfs_digest",
 ]

@@ -20,6 +20,7 @@ from typing import Any, TextIO
 
 from . import __version__, doctor, memory, pipeline, spec, state
 from .errors import BunshinError, SpecError, WorkspaceStateError
+from .fs import store
 from .workspace import MemoryStats, Snapshot, Workspace, WorkspaceInfo
 
 PROG = "bunshin"
@@ -121,6 +122,7 @@ def _connect(ws_id: str) -> Workspace:
 
 def _memory_dict(mem: MemoryStats, per_process: bool = True) -> dict[str, Any]:
     d = asdict(mem)
+    d["host"] = mem.host.as_dict()
     if per_process:
         d["per_process"] = {str(pid): row for pid, row in mem.per_process.items()}
     else:
@@ -265,6 +267,9 @@ def _memory(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(_memory_dict(mem))
         return 0
+    host = mem.host
+    print(f"{'host cost:':<14}{_human(host.total)} (anon {_human(host.anon)}, shmem/tmpfs {_human(host.shmem)}, "
+          f"page cache {_human(host.page_cache)}, kernel {_human(host.kernel)})")
     for k in ("rss", "pss", "uss", "shared", "cgroup_usage"):
         print(f"{k + ':':<14}{_human(getattr(mem, k))}")
     print(f"{'processes:':<14}{mem.processes}")
@@ -387,6 +392,24 @@ def _doctor(args: argparse.Namespace) -> int:
     return 1 if doctor.failed_required(checks) else 0
 
 
+# ---- storage ----
+
+
+def _storage_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", nargs="?", choices=("show", "setup"), default="show",
+                   help="show where layers live (default), or set up the btrfs layer store")
+    p.add_argument("--size", metavar="SIZE", help="setup: the sparse image's size (default 32G, at most half "
+                   "the free space)")
+
+
+def _storage(args: argparse.Namespace) -> int:
+    if args.action == "setup":
+        store.setup(spec.parse_size(args.size, "--size") if args.size else None)
+    check = store.check_store()
+    print(f"{check.level}  {check.detail}")
+    return 0 if check.ok or args.action == "show" else 1
+
+
 # ---- registry ----
 
 register(Subcommand("create", "create and start a workspace; prints its id", _create_args, _create))
@@ -394,7 +417,8 @@ register(Subcommand("exec", "run a command in a workspace: bunshin exec ID [opts
                     _exec_args, _exec, takes_command=True))
 register(Subcommand("ls", "list workspaces", _json_args, _ls))
 register(Subcommand("info", "show a workspace's record", _id_json_args, _info))
-register(Subcommand("memory", "show a workspace's memory (rss, pss, uss, shared, cgroup)", _id_json_args,
+register(Subcommand("memory", "show what a workspace costs the host (anon, tmpfs, page cache, kernel), and its "
+                    "rss, pss, uss", _id_json_args,
                     _memory))
 register(Subcommand("rm", "destroy workspaces", _rm_args, _rm))
 register(Subcommand("gc", "remove what crashed creators left behind", _gc_args, _gc))
@@ -403,6 +427,8 @@ register(Subcommand("fork", "live-fork a running workspace (or a saved snapshot)
                     _fork_args, _fork))
 register(Subcommand("snapshot", "snapshot a running workspace and save it durably; prints the path",
                     _snapshot_args, _snapshot))
+register(Subcommand("storage", "where layers live; 'setup' makes the btrfs layer store", _storage_args,
+                    _storage))
 
 
 # ---- entry point ----

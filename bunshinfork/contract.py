@@ -5,7 +5,7 @@ dump_one_timerfd and the restore side, while cr-dump.c and cr-restore.c only seq
 each subsystem of a workspace (process, memory, fs, network, cgroups) is one Part:
 
 - prepare(build): its share of a new workspace;
-- precapture(capture): work that shortens the freeze, while the source still runs;
+- before_freeze(capture): work that keeps its capture short, while the source still runs (writeback, CRIU's pre-dump);
 - capture(capture): its share of a snapshot, while the source is frozen;
 - restore(build): its share of a clone, from a snapshot;
 - release(held): give back what it holds for a workspace or a snapshot (idempotent, and
@@ -152,8 +152,9 @@ class Part:
     def prepare(self, b: Build) -> None:
         """A new workspace: set this subsystem up and record its state in b.rec."""
 
-    def precapture(self, c: Capture) -> None:
-        """The source still runs, just before the freeze: work that makes capture() shorter."""
+    def before_freeze(self, c: Capture) -> None:
+        """The source still runs, about to be frozen: do now what would otherwise lengthen the
+        freeze (the file system writes back its dirty data; CRIU pre-dumps pages where the kernel tracks dirty ones)."""
 
     def capture(self, c: Capture) -> None:
         """The source is frozen: add this subsystem's state to c.snap."""

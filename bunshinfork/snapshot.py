@@ -1,11 +1,12 @@
 """A snapshot: every subsystem's capture within one short freeze of the source.
 
-What can be done with the source running is done first (CRIU's pre-dump). The source is then
-frozen through its cgroup; each part captures its share in pipeline.CAPTURE order (CRIU dumps
-the process tree, leaving it running; the memory engine keeps what the dump leaves out; the
-private file-system layer is copied); the source resumes, the images are compacted against
-their parent, and only then is any clone built. save() and load() make a snapshot durable in a
-directory of its own.
+What can be done with the source running is done first (each part's before_freeze: the file
+system writes back its dirty data, CRIU pre-dumps where the kernel tracks dirty pages). The
+source is then frozen through its cgroup; each part captures its share in pipeline.CAPTURE
+order (CRIU dumps the process tree, leaving it running; the memory engine keeps what the dump
+leaves out; the private file-system layer is frozen); the source resumes, the images are
+compacted against their parent, and only then is any clone built. save() and load() make a
+snapshot durable in a directory of its own.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def take(rec: Record, engine: str, *, delta: bool = True, dedupe: bool = True) -
     cg = Cgroup(rec.cgroups)
     try:
         for part in pipeline.capture_order():
-            part.precapture(c)
+            part.before_freeze(c)
         c.started = time.monotonic()
         with c.stage("freeze"):
             cg.freeze()
@@ -130,7 +131,7 @@ def load(path: str | os.PathLike[str], engine: str | None = None) -> Captured:
         raise SpecError(f"{d} holds snapshot {meta.id} saved as a delta against {meta.parent}: put the saved "
                         f"images of {meta.parent} at {LAYOUT.parent} first")
     assert meta.fs is not None
-    meta.fs = fs.load(meta.fs, d, meta.id)
+    meta.fs = fs.load(meta.fs, d, meta.id, meta.spec.storage_dir)
     meta.memory = memory.for_fork(memory.for_images(meta.memory), meta.id, engine)
     return Captured(meta, d, owned=False)
 

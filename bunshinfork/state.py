@@ -127,8 +127,19 @@ class Layer:
 
 @dataclass(frozen=True)
 class FsState:
+    """fs: a workspace's overlay is `layer`'s upper over `lowers` over the rootfs's lower layers.
+
+    For a snapshot, `layer` is the source's upper frozen (read-only) and `lowers` the source's
+    own stack; a clone stacks both, top first, under an empty upper of its own.
+    """
+
     rootfs: Rootfs
-    layer: Layer | None = None  # a workspace's writable upper, or a snapshot's frozen copy of one
+    layer: Layer | None = None  # a workspace's writable layer, or a snapshot's frozen one
+    lowers: tuple[Layer, ...] = ()  # frozen layers of the snapshots it descends from, top first
+
+    def lowerdirs(self) -> tuple[str, ...]:
+        """Every read-only layer of the overlay, top first."""
+        return tuple(lay.upper for lay in self.lowers) + self.rootfs.lowerdirs
 
 
 @dataclass(frozen=True)
@@ -284,5 +295,8 @@ def _decode(tp: Any, value: Any) -> Any:
         known = {f.name for f in dataclasses.fields(tp) if f.init}
         return tp(**{k: _decode(hints[k], v) for k, v in value.items() if k in known})
     if origin is tuple:
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_decode(args[0], v) for v in value)
         return tuple(value)
     return value

@@ -9,13 +9,15 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import accounting, pipeline, snapshot, state
 from . import memory as memory_engines
-from . import pipeline, snapshot, state
+from .accounting import HostMemory
 from .cgroups import Cgroup
 from .commands import Commands
 from .contract import Build, Captured
@@ -26,6 +28,13 @@ from .state import Record, Timing
 
 # Removes what crashed creators left behind (`bunshin gc`).
 gc = pipeline.gc
+
+
+def host_memory(workspaces: Iterable[Workspace], snapshots: Iterable[Snapshot] = ()) -> HostMemory:
+    """What a set of workspaces and snapshots (a fork family) costs the host's memory together:
+    each workspace's charges (anon, tmpfs, page cache, kernel), each snapshot's stores, and each
+    frozen layer they share counted once (see bunshinfork.accounting)."""
+    return accounting.family([w._rec for w in workspaces], [s._snap for s in snapshots])
 
 
 @dataclass(frozen=True)
@@ -51,7 +60,9 @@ class WorkspaceInfo:
 
 @dataclass(frozen=True)
 class MemoryStats:
-    """Memory of the whole workspace, summed over its processes' smaps_rollup."""
+    """What the workspace costs the host (`host`: anonymous memory, its tmpfs and shared memory,
+    the page cache and kernel memory charged to it; see bunshinfork.accounting), and its
+    processes' rss, pss, uss and shared bytes summed over their smaps_rollup."""
 
     rss: int
     pss: int
@@ -60,6 +71,7 @@ class MemoryStats:
     cgroup_usage: int
     processes: int
     per_process: dict[int, dict[str, int]] = field(default_factory=dict, repr=False)
+    host: HostMemory = field(default_factory=HostMemory)
 
 
 def _smaps_rollup(pid: int) -> dict[str, int]:
@@ -169,7 +181,8 @@ class Workspace:
         )
 
     def memory(self) -> MemoryStats:
-        """rss, pss, uss and shared bytes of every process, plus the cgroup's charged usage."""
+        """What the workspace costs the host (`.host`), and rss, pss, uss and shared bytes of its
+        processes and the cgroup's charged usage."""
         self._live_init_pid()
         cg = self._cgroup()
         totals = {"rss": 0, "pss": 0, "uss": 0, "shared": 0}
@@ -187,7 +200,8 @@ class Workspace:
             per[pid] = row
             for k in totals:
                 totals[k] += row[k]
-        return MemoryStats(cgroup_usage=cg.memory_usage(), processes=len(per), per_process=per, **totals)
+        return MemoryStats(cgroup_usage=cg.memory_usage(), processes=len(per), per_process=per,
+                           host=accounting.of_cgroup(cg.state), **totals)
 
     # ---- lifecycle ----
 
@@ -326,6 +340,13 @@ class Snapshot:
         if self._fixed_bytes is None:
             self._fixed_bytes = snapshot.file_bytes(self._snap)
         return self._fixed_bytes + snapshot.pinned_bytes(self._snap) + memory_engines.held_bytes(self._snap)
+
+    def host_memory(self) -> HostMemory:
+        """What keeping this snapshot costs the host's memory now (`stores`): its images on the
+        state root's tmpfs, its frozen layer where storage keeps it in memory, and for a cow
+        snapshot the pages only its holders still map."""
+        self._check_live()
+        return accounting.of_snapshot(self._snap)
 
     def _check_live(self) -> None:
         if self._released:

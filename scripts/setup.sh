@@ -172,4 +172,8 @@ if [ "$with_vllm" = 1 ]; then
     fi
   ) 9>"$cache/vllm.lock"
 fi
+# The layer store: a btrfs in a sparse loop file (default /var/lib/bunshin/layers.img at
+# /var/lib/bunshin/layers), so that snapshots of workspaces' layers are copy-on-write. Where
+# this host cannot have one, layers fall back to copies in memory and `bunshin doctor` says why.
+"$venv/bin/bunshin" storage setup >&2 || log "warning: no btrfs layer store; see 'bunshin doctor'"
 log "ready: $("$venv/bin/python" -c 'import bunshinfork,sys; print(bunshinfork.__version__, sys.version.split()[0])') criu $(criu --version | head -1)"

@@ -1,5 +1,6 @@
 """Shared fixtures. Every test runs under a leak check: after it, no workspace mount,
-cgroup, state directory, veth or process may remain that was not there before."""
+cgroup, state directory, veth, process, layer or frozen layer may remain that was not there
+before, and the layer store's loop device is the one it had."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from bunshinfork import state
 from bunshinfork.cgroups import leftover_cgroups
 from bunshinfork.fs import btrfs as storage
+from bunshinfork.fs import layers, store
 from bunshinfork.memory import ksm
 from bunshinfork.workspace import Workspace
 
@@ -52,6 +54,21 @@ def _ws_dirs() -> set[str]:
     return set(state.all_ids())
 
 
+def _layers() -> set[str]:
+    """Workspaces' layers and frozen layers in the default storage roots (the layer store, and
+    the state root's tmpfs where layers fall back)."""
+    out = set()
+    for root in (store.STORE, state.RUN_ROOT / "layers" / "ws"):
+        for d in (root, root / layers.SNAPSHOTS):
+            if d.is_dir():
+                out |= {str(d / n) for n in os.listdir(d) if n != layers.SNAPSHOTS}
+    return out
+
+
+def _store_loops() -> set[str]:
+    return set(storage.loop_devices_for(str(store.IMAGE)))
+
+
 def snapshot() -> dict[str, set]:
     return {
         "mounts": _mounts(),
@@ -59,6 +76,8 @@ def snapshot() -> dict[str, set]:
         "state dirs": _ws_dirs(),
         "init processes": _init_processes(),
         "interfaces": _interfaces(),
+        "layers": _layers(),
+        "store loop devices": _store_loops(),
     }
 
 
@@ -110,6 +129,16 @@ def ws() -> Iterator[Workspace]:
         yield w
     finally:
         w.destroy()
+
+
+@pytest.fixture
+def no_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host without the btrfs layer store: layers fall back to directories on the state
+    root's tmpfs, and snapshots copy them."""
+    missing = Path(f"/var/tmp/bunshin-no-store-{os.getpid()}/layers")
+    monkeypatch.setattr(store, "STORE", missing)
+    monkeypatch.setattr(store, "IMAGE", missing.with_name("layers.img"))
+    assert not store.mounted() and store.default_root() == store.fallback_root()
 
 
 @pytest.fixture(scope="session")

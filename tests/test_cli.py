@@ -152,8 +152,10 @@ def test_create_exec_ls_info_memory_rm(capsys: pytest.CaptureFixture[str], creat
     assert rc == 0
     assert mem["processes"] >= 1 and mem["rss"] >= mem["uss"] > 0
     assert all(k.isdigit() for k in mem["per_process"])
+    assert mem["host"]["total"] == sum(mem["host"][k] for k in ("anon", "shmem", "page_cache", "kernel", "stores"))
+    assert mem["host"]["total"] > 0
     rc, out, _ = run_main(capsys, "memory", ws_id)
-    assert rc == 0 and out.startswith("rss:")
+    assert rc == 0 and out.startswith("host cost:") and "\nrss:" in out
 
     rc, out, err = run_main(capsys, "rm", ws_id)
     assert (rc, out, err) == (0, ws_id + "\n", "")

@@ -97,13 +97,16 @@ def test_cow_clones_share_memory_and_stay_isolated(tmp_path: Path) -> None:
             # The durable save read the holders' memory into complete images: a copy fork of it
             # has the pattern as it was at the snapshot.
             loaded = Snapshot.load(saved)
-            (c,) = loaded.fork(1, memory="copy")
             try:
-                assert isinstance(c, Workspace), c
-                assert ask(c, "hash") == want
+                (c,) = loaded.fork(1, memory="copy")
+                try:
+                    assert isinstance(c, Workspace), c
+                    assert ask(c, "hash") == want
+                finally:
+                    if isinstance(c, Workspace):
+                        c.destroy()
             finally:
-                if isinstance(c, Workspace):
-                    c.destroy()
+                loaded.release()  # its layer, imported into the storage, goes with it
         finally:
             for c in clones:
                 if isinstance(c, Workspace):

@@ -1,8 +1,10 @@
 """Fork isolation as a Hypothesis state machine.
 
-A small fork family (a source and up to three clones, forked from any member at any time)
-gets random file writes, background processes, writes to a long-running process's memory and
-messages over its unix socket, each aimed at one member. Every member is compared against a
+A small fork family (a source and up to three clones, forked from any member at any time, so
+clones stack the frozen layers of up to three ancestors) gets random file writes, deletions
+and directory replacements (whiteouts and opaque directories over those layers), background
+processes, writes to a long-running process's memory and messages over its unix socket, each
+aimed at one member. Every member is compared against a
 model of its own after every step: nothing done to one member may show in its parent, its
 siblings or its clones, and everything a member held when it was forked must be in the clone.
 """
@@ -94,6 +96,20 @@ class ForkFamily(RuleBasedStateMachine):
         m = self.pick(i)
         m.ws.files.write(f"{FILE_DIR}/{name}", content)
         m.model.files[name] = content
+
+    @rule(i=member_index, name=names)
+    def remove_file(self, i: int, name: str) -> None:
+        """A whiteout where the file comes from a frozen layer below."""
+        m = self.pick(i)
+        m.ws.commands.run(f"rm -f {FILE_DIR}/{name}")
+        m.model.files.pop(name, None)
+
+    @rule(i=member_index, name=names, content=words)
+    def replace_dir(self, i: int, name: str, content: str) -> None:
+        """An opaque directory over a frozen layer's: nothing of the old one shows through."""
+        m = self.pick(i)
+        m.ws.commands.run(f"rm -rf {FILE_DIR} && mkdir {FILE_DIR} && printf %s {content!r} > {FILE_DIR}/{name}")
+        m.model.files = {name: content}
 
     @rule(i=member_index)
     def start_process(self, i: int) -> None:

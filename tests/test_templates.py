@@ -129,6 +129,22 @@ def host_pids(ws: Workspace) -> set[int]:
 # ---- GUI ----
 
 
+def editor_watches(m: GuiWorkspace) -> list[str]:
+    """The inotify watches mousepad holds (fdinfo's "inotify wd:" lines, the inode and mask)."""
+    out = []
+    for pid in m.ws._cgroup().pids():
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() != "mousepad":
+                continue
+            for fd in os.listdir(f"/proc/{pid}/fdinfo"):
+                for line in Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines():
+                    if line.startswith("inotify wd:"):
+                        out.append(" ".join(f for f in line.split() if f.startswith(("ino:", "mask:"))))
+        except OSError:
+            continue
+    return sorted(out)
+
+
 def test_gui_fork_clones_have_their_own_display() -> None:
     t0 = time.monotonic()
     gui = gui_workspace(apps=("terminal", "editor"))
@@ -140,9 +156,15 @@ def test_gui_fork_clones_have_their_own_display() -> None:
         gui.clipboard_set("clipboard of the source")
         procs = gui.ws.memory().processes
         assert procs >= 5  # init, Xvfb, openbox, xterm (+ its shell), mousepad, xclip
+        # Mousepad watches the file it edits (its default): the watches fork with it.
+        watched = editor_watches(gui)
+        assert watched, "mousepad holds no inotify watch"
 
         with family(gui, 2) as (a, b):
             members = {"source": gui, "a": a, "b": b}
+            # (Compared with the source's now: mousepad adds watches of its own accord, so the
+            # count before the fork may be smaller than at the freeze.)
+            assert len(editor_watches(a)) == len(editor_watches(b)) == len(editor_watches(gui))
             # The X server's state is forked with it: the same windows under the same ids.
             ids = {n: sorted(w.id for w in m.windows()) for n, m in members.items()}
             assert ids["a"] == ids["source"] == ids["b"], ids

@@ -32,6 +32,7 @@ from bunshinfork.errors import (
     WorkspaceStateError,
 )
 from bunshinfork.fs import layers as storage
+from bunshinfork.fs import store
 from bunshinfork.process import control
 from bunshinfork.spec import WorkspaceSpec
 from bunshinfork.workspace import Workspace
@@ -64,7 +65,7 @@ def test_info(ws: Workspace) -> None:
     assert info.init_pid == ws.init_pid and Path(f"/proc/{info.init_pid}/comm").read_text() == "init\n"
     assert abs(info.created_at - time.time()) < 60
     assert info.rootfs == "host" and info.rootfs_digest.startswith("host-")
-    assert info.storage == "dir"
+    assert info.storage == ("btrfs" if store.mounted() else "dir")
     assert info.network == {"mode": "none"}
     assert info.cgroup_version == cgroups.detect()
     assert (info.memory_limit, info.pids_limit, info.parent) == (None, None, None)
@@ -302,15 +303,27 @@ def test_cgroup_v2_on_a_v1_host() -> None:
 # ---- storage ----
 
 
-def test_default_storage_is_a_directory(ws: Workspace) -> None:
+def test_default_storage_is_the_layer_store(ws: Workspace) -> None:
+    """Where the set-up step made the btrfs layer store, each workspace's layer is a subvolume
+    of it (one qgroup each); elsewhere a directory on the state root's tmpfs."""
     layer = Path(ws._rec.fs.layer.path)
-    assert ws.info().storage == "dir" and ws._rec.fs.layer.kind == "dir"
     assert layer.parent == storage.storage_root(None)
-    assert layer.is_dir() and not storage.is_btrfs(layer)
+    if store.mounted():
+        assert ws.info().storage == "btrfs" and layer.parent == store.STORE
+        assert btrfsutil.is_subvolume(str(layer))
+    else:
+        assert ws.info().storage == "dir" and layer.parent == store.fallback_root()
     run_ok(ws, "echo data > /root/file")
     assert (layer / "upper/root/file").read_text() == "data\n"
     ws.destroy()
     assert not layer.exists()
+
+
+def test_without_a_store_layers_are_directories(no_store: None) -> None:
+    with Workspace.create() as ws:
+        layer = Path(ws._rec.fs.layer.path)
+        assert ws.info().storage == "dir" and layer.parent == store.fallback_root()
+        assert layer.is_dir() and not storage.is_btrfs(layer)
 
 
 def test_btrfs_storage_is_a_subvolume(btrfs_dir: str) -> None:

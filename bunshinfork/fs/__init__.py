@@ -2,10 +2,11 @@
 
 Each workspace mounts an overlayfs: shared read-only lower layers (rootfs.py: the host's
 /usr under a generated skeleton, a debootstrap, a directory or an OCI image) plus a private
-upper layer (layers.py), a btrfs subvolume where the storage allows (btrfs.py). A snapshot
-copies the upper while the source is frozen (a read-only btrfs snapshot, or a reflink/copy);
-each clone gets a writable copy of that over the same lowers, so unchanged files share one
-page cache.
+upper layer (layers.py), a btrfs subvolume in the layer store (store.py) by default. A
+snapshot writes the upper back while the source still runs, then freezes it as a read-only
+btrfs snapshot (frozen.py; elsewhere a copy, once per snapshot). Every clone stacks that
+frozen layer over the source's own lowers under an empty upper of its own, so nothing is
+copied per clone and siblings share one page cache of every file written before the fork.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from .. import native, state
 from ..contract import Build, Capture, Check, Held, Mount, Part
 from ..errors import ForkError
 from ..state import FsState, Layer
-from . import identity, layers, rootfs
+from . import frozen, identity, layers, rootfs, store
 from .btrfs import loop_devices_for, setup_btrfs_loop, teardown_btrfs_loop
+from .store import StorageWarning
 
-__all__ = ["FsPart", "digest", "loop_devices_for", "setup_btrfs_loop", "teardown_btrfs_loop"]
+__all__ = ["FsPart", "StorageWarning", "digest", "loop_devices_for", "setup_btrfs_loop", "teardown_btrfs_loop"]
 
 SAVED_LAYER = "fs"  # a saved snapshot's copy of the layer, beside its images
 ORPHAN_AGE = 60.0  # a layer younger than this may belong to a workspace being created
@@ -63,13 +65,14 @@ def check_btrfs() -> Check:
     return Check("btrfs", True, "kernel support, mkfs.btrfs and btrfsutil present", required=False)
 
 
-def _overlay(root_fs: state.Rootfs, layer: Layer) -> str:
-    return f"lowerdir={':'.join(root_fs.lowerdirs)},upperdir={layer.upper},workdir={layer.work}"
+def _overlay(fs: FsState) -> str:
+    assert fs.layer is not None
+    return frozen.overlay_options(fs.lowers, fs.rootfs.lowerdirs, fs.layer)
 
 
 class FsPart(Part):
     name = "fs"
-    probes = (check_overlayfs, check_btrfs)
+    probes = (check_overlayfs, check_btrfs, store.check_store)
 
     def prepare(self, b: Build) -> None:
         rec = b.rec
@@ -79,17 +82,41 @@ class FsPart(Part):
         rec.save()
         identity.seed(Path(layer.upper), rec.hostname, root_fs)
         # The workspace's first process mounts it inside its own mount namespace.
-        b.root = Mount(self._mountpoint(b), _overlay(root_fs, layer))
+        b.root = Mount(self._mountpoint(b), _overlay(rec.fs))
+
+    def before_freeze(self, c: Capture) -> None:
+        src = c.source.fs
+        assert src is not None and src.layer is not None
+        if src.layer.kind == "btrfs":
+            # What is written between this and the freeze is flushed inside it: little, since
+            # the store holds its dirty data at btrfs.DIRTY_LIMIT.
+            layers.flush(src.layer)
 
     def capture(self, c: Capture) -> None:
         src = c.source.fs
         assert src is not None and src.layer is not None
-        if src.layer.kind == "btrfs":
-            dest = layers.storage_root(c.source.spec.storage_dir) / "snapshots" / c.snap.meta.id
-        else:
-            dest = c.snap.dir / SAVED_LAYER
-        with c.stage("layer"):
-            c.snap.meta.fs = FsState(src.rootfs, layers.snapshot_layer(src.layer, str(dest)))
+        snap_id = c.snap.meta.id
+        try:
+            with c.stage("layer"):
+                layer, copied = frozen.freeze(src.layer, frozen.dest_for(src.layer, snap_id))
+        except OSError as e:
+            raise ForkError(f"snapshot of {c.source.id} failed; the workspace keeps running: {e}") from e
+        if copied is not None:
+            store.warn_copy(f"snapshot {snap_id} of {c.source.id}", copied, Path(src.layer.path).parent)
+        c.snap.meta.fs = FsState(src.rootfs, layer, src.lowers)
+        if frozen.too_deep(c.snap.meta.fs, Path(src.layer.path).parent):
+            c.after_thaw.append(lambda: self._flatten(c))
+
+    @staticmethod
+    def _flatten(c: Capture) -> None:
+        """The snapshot's stack as one layer, replacing its frozen layer (no clone uses it yet)."""
+        fs = c.snap.meta.fs
+        assert fs is not None and fs.layer is not None
+        dest = Path(fs.layer.path)
+        flat = frozen.flatten([fs.layer, *fs.lowers], dest)
+        layers.remove_layer(fs.layer)
+        os.rename(flat.path, dest)
+        c.snap.meta.fs = FsState(fs.rootfs, Layer(flat.kind, str(dest)))
 
     def restore(self, b: Build) -> None:
         assert b.source is not None
@@ -97,14 +124,14 @@ class FsPart(Part):
         assert src is not None and src.layer is not None
         rec = b.rec
         with b.stage("fs.layer"):
-            layer = layers.clone_layer(src.layer, rec.id, rec.spec.storage_dir)
-            rec.fs = FsState(src.rootfs, layer)
+            layer = layers.create_layer(rec.id, rec.spec.storage_dir)
+            rec.fs = FsState(src.rootfs, layer, (src.layer, *src.lowers))
             rec.save()
             identity.write_identity(Path(layer.upper), rec.hostname)
         # CRIU restores into it (--root), so it is mounted here; the clone's mount namespace
         # holds its own reference once restored, and the host needs none.
         point = self._mountpoint(b)
-        opts = _overlay(src.rootfs, layer)
+        opts = _overlay(rec.fs)
         with b.stage("fs.mount"):
             native.mount("overlay", str(point), "overlay", 0, opts)
         b.deferred.append(lambda: _detach(point))
@@ -122,24 +149,33 @@ class FsPart(Part):
             # may still use the layer as its upper: detach first.
             native.unmount_below(held.rec.dir)
             fs = held.rec.fs
+            if fs is None:
+                return
+            if fs.layer is not None:
+                layers.remove_layer(fs.layer)
+            frozen.drop_unused(fs.lowers, exclude=held.rec.id)
         else:
-            fs = held.meta.fs if held.owned else None
-        if fs is not None and fs.layer is not None:
-            layers.remove_layer(fs.layer)
+            fs = held.meta.fs
+            if fs is not None:
+                if fs.layer is not None:
+                    frozen.let_go(fs.layer)
+                frozen.drop_unused(fs.lowers, exclude=held.meta.id, own=fs.layer)
 
     def gc(self) -> list[str]:
-        """Layers under the default storage root whose workspace left no record."""
-        root = layers.storage_root(None)
+        """Layers under the default storage roots whose workspace left no record, and frozen
+        layers nothing uses."""
+        roots = [r for r in (store.ensure(), store.fallback_root()) if r is not None]
         removed = []
         now = time.time()
-        for name in sorted(os.listdir(root)) if root.is_dir() else []:
-            path = root / name
-            with contextlib.suppress(OSError):
-                if name.startswith("ws-") and not (state.RUN_ROOT / name).exists() \
-                        and now - path.stat().st_mtime > ORPHAN_AGE:
-                    layers.remove_layer(Layer("dir", str(path)))
-                    removed.append(str(path))
-        return removed
+        for root in roots:
+            for name in sorted(os.listdir(root)) if root.is_dir() else []:
+                path = root / name
+                with contextlib.suppress(OSError):
+                    if name.startswith("ws-") and not (state.RUN_ROOT / name).exists() \
+                            and now - path.stat().st_mtime > ORPHAN_AGE:
+                        layers.remove_layer(layers.at(path))
+                        removed.append(str(path))
+        return removed + frozen.orphans(roots)
 
 
 def _detach(point: Path) -> None:
@@ -148,18 +184,23 @@ def _detach(point: Path) -> None:
 
 
 def save(fs: FsState, dest: Path) -> FsState:
-    """Copy a snapshot's layer into a saved snapshot's directory; the state to save with it."""
+    """Write a snapshot's stack, flattened into one layer, into a saved snapshot's directory;
+    the state to save with it."""
     assert fs.layer is not None
-    layers.copy_tree(fs.layer.path, str(dest / SAVED_LAYER))
+    out = frozen.flatten([fs.layer, *fs.lowers], dest / SAVED_LAYER, subvolume=False)
+    os.rename(out.path, dest / SAVED_LAYER)
     return FsState(fs.rootfs, Layer("dir", SAVED_LAYER))
 
 
-def load(fs: FsState, directory: Path, snap_id: str) -> FsState:
-    """A saved snapshot's fs state, used in place: refused if its root file system changed since."""
+def load(fs: FsState, directory: Path, snap_id: str, storage_dir: str | None = None) -> FsState:
+    """A saved snapshot's fs state: its layer imported into the storage once (clones stack it
+    from there), refused if its root file system changed since."""
     current = rootfs.resolve(fs.rootfs.source)
     if current.digest != fs.rootfs.digest:
         raise ForkError(
             f"the root file system {fs.rootfs.source!r} changed since snapshot {snap_id} was saved "
             f"({fs.rootfs.digest} -> {current.digest}); clones would see different files"
         )
-    return FsState(current, Layer("dir", str(directory / SAVED_LAYER)))
+    saved = Layer("dir", str(directory / SAVED_LAYER))
+    root = layers.storage_root(storage_dir if storage_dir and os.path.isdir(storage_dir) else None)
+    return FsState(current, frozen.import_saved(Path(saved.upper), root))

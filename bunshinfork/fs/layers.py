@@ -1,27 +1,31 @@
-"""Private writable layers (overlay upper + work dirs).
+"""Private writable layers (overlay upper + work dirs), and copying layers where that is needed.
 
-When the storage directory is on btrfs, each workspace's layer is its own subvolume,
-because fork snapshots it while the workspace is frozen. Elsewhere it is a plain
-directory under the state root's tmpfs.
+A workspace's layer lives under its storage root: the layer store by default (store.py), or
+`storage_dir`/bunshin-layers. On btrfs each layer is a subvolume of its own, because a
+snapshot freezes it with a read-only subvolume snapshot; elsewhere it is a plain directory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import subprocess
 from pathlib import Path
 
-from .. import state
 from ..errors import SpecError
 from ..state import Layer
+from . import store
 from .btrfs import btrfsutil, is_btrfs
+
+SNAPSHOTS = "snapshots"  # frozen layers, beside the workspaces' layers of one storage root
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def storage_root(storage_dir: str | None) -> Path:
     if storage_dir is None:
-        return state.run_root() / "layers" / "ws"
+        return store.default_root()
     p = Path(storage_dir)
     if not p.is_dir():
         raise SpecError(f"storage_dir {storage_dir} does not exist; create it or use setup_btrfs_loop()")
@@ -53,6 +57,13 @@ def remove_layer(lay: Layer) -> None:
         shutil.rmtree(lay.path)
 
 
+def at(path: Path) -> Layer:
+    """The layer at `path`, by what is there (for leftovers no record describes)."""
+    if is_btrfs(path) and btrfsutil.is_subvolume(str(path)):
+        return Layer("btrfs", str(path))
+    return Layer("dir", str(path))
+
+
 def copy_tree(src: str, dst: str) -> None:
     # cp -a keeps what overlayfs needs and shutil cannot copy: sockets, whiteout device
     # nodes and trusted.overlay.* xattrs. --reflink=auto shares extents where the fs can.
@@ -63,31 +74,31 @@ def copy_tree(src: str, dst: str) -> None:
         raise OSError(f"copying layer {src} to {dst} failed: {proc.stderr.strip()}")
 
 
-def snapshot_layer(lay: Layer, dest: str) -> Layer:
-    """A frozen, read-only copy of a layer: a btrfs snapshot, else a (reflink) copy.
-
-    Called while the workspace is frozen, so the upper directory is consistent.
-    """
-    Path(dest).parent.mkdir(parents=True, exist_ok=True)
-    if lay.kind == "btrfs" and is_btrfs(Path(dest).parent):
-        btrfsutil.create_snapshot(lay.path, dest, read_only=True)
-        return Layer("btrfs", dest)
-    copy_tree(lay.path, dest)
-    return Layer("dir", dest)
+def copy_into(srcs: list[str], dst_dir: str) -> None:
+    """cp -a several entries into one directory (one process for many files)."""
+    for i in range(0, len(srcs), 512):
+        proc = subprocess.run(["cp", "-a", "--reflink=auto", "-t", dst_dir, "--", *srcs[i:i + 512]],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise OSError(f"copying into {dst_dir} failed: {proc.stderr.strip()}")
 
 
-def clone_layer(snap: Layer, ws_id: str, storage_dir: str | None) -> Layer:
-    """A new writable layer for a clone, sharing the snapshot's blocks where possible."""
-    root = storage_root(storage_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    path = str(root / ws_id)
-    if snap.kind == "btrfs" and is_btrfs(root):
-        btrfsutil.create_snapshot(snap.path, path)
-        layer = Layer("btrfs", path)
-    else:
-        copy_tree(snap.path, path)
-        layer = Layer("dir", path)
-    # Overlay's work dir must start empty for a new mount.
-    shutil.rmtree(layer.work)
-    os.mkdir(layer.work, 0o700)
-    return layer
+def tree_bytes(path: str) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(FileNotFoundError):
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+    return total
+
+
+def flush(lay: Layer) -> None:
+    """Write back the layer's file system's dirty data (syncfs), so that a btrfs snapshot taken
+    right after has almost nothing left to write back."""
+    fd = os.open(lay.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if _libc.syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"syncfs {lay.path}: {os.strerror(err)}")
+    finally:
+        os.close(fd)

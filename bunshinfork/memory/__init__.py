@@ -135,8 +135,8 @@ class MemoryPart(Part):
         # spec.ksm: the workspace's processes opt in, so that a ksm fork can merge it with its clones.
         b.ksm_merge = b.rec.spec.ksm
 
-    def precapture(self, c: Capture) -> None:
-        engine(c.snap).precapture(c)
+    def before_freeze(self, c: Capture) -> None:
+        engine(c.snap).before_freeze(c)
 
     def capture(self, c: Capture) -> None:
         engine(c.snap).capture(c)

@@ -26,7 +26,7 @@ class Engine:
     # Where a snapshot keeps its anonymous memory: "image" (CRIU's page images) or "cow".
     kind = "image"
 
-    def precapture(self, c: Capture) -> None:
+    def before_freeze(self, c: Capture) -> None:
         pass
 
     def capture(self, c: Capture) -> None:
@@ -72,7 +72,7 @@ class Cow(Engine):
     name = "cow"
     kind = "cow"
 
-    def precapture(self, c: Capture) -> None:
+    def before_freeze(self, c: Capture) -> None:
         c.dump_env.update(cow.DUMP_ENV)
         c.images_hold_memory = False
 

@@ -99,7 +99,7 @@ class ProcessPart(Part):
         b.rec.process, b.pidfd = init.spawn(b.rec, str(b.root.path), b.root.options, Cgroup(b.rec.cgroups),
                                             b.ksm_merge)
 
-    def precapture(self, c: Capture) -> None:
+    def before_freeze(self, c: Capture) -> None:
         predump_tree(c)
 
     def capture(self, c: Capture) -> None:

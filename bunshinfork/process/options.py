@@ -34,6 +34,10 @@ def dump_opts(init_pid: int, images: Path, freezer: str) -> criu.rpc.criu_opts:
     opts.leave_running = True
     opts.freeze_cgroup = freezer
     opts.ghost_limit = GHOST_LIMIT
+    # A file from a lower layer deleted while open (an editor's swap file, pip, sqlite) has
+    # st_nlink 1 through overlayfs, so CRIU takes it for a linked file and refuses unless
+    # link remaps are allowed; with them it tries a link, then falls back to a ghost file.
+    opts.link_remap = True
     opts.irmap_scan_paths.extend(IRMAP_SCAN_PATHS)
     opts.log_file = "dump.log"
     return opts

@@ -28,13 +28,9 @@ CHROMIUM_FLAGS = (
 )
 # Read by GLib's keyfile settings backend (GSETTINGS_BACKEND=keyfile), under XDG_CONFIG_HOME.
 GSETTINGS_FILE = "glib-2.0/settings/keyfile"
-# monitor-changes=false: mousepad would put an inotify watch on the file it edits. CRIU dumps
-# a watch by file handle, overlayfs (mounted without nfs_export) cannot decode handles, and
-# CRIU's fallback, a path search by device and inode, never matches a regular file on
-# overlayfs (stat shows the layer's device, the watch the overlay's), so the dump would fail
-# with "fsnotify: Can't dump that handle". Directory watches resolve fine.
+# Mousepad keeps its default inotify watch on the file it edits: workspaces mount their overlay
+# with nfs_export, so CRIU dumps that watch by file handle and the clone's mousepad keeps it.
 GSETTINGS = """[org/xfce/mousepad/preferences/file]
-monitor-changes=false
 session-restore='never'
 autosave-timer=uint32 0
 """
