@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import control, criu, native, process, rootfs, state, storage
+from . import control, criu, lifetime, native, process, rootfs, state, storage
 from . import memory as memory_engines
 from .cgroups import Cgroup
 from .errors import BunshinError, CriuError, ForkError, SpecError, WorkspaceStateError
@@ -180,10 +180,15 @@ class Snapshot:
 
     # ---- forking ----
 
-    def fork(self, count: int = 1, memory: str = "auto") -> list[Workspace | Exception]:
+    def fork(self, count: int = 1, memory: str = "auto", *, timeout: float | None = None,
+             die_with_creator: bool = False) -> list[Workspace | Exception]:
         """Start `count` running clones. Each succeeds or fails on its own (E2B semantics):
-        a failed clone is an Exception in the list and leaves nothing behind."""
+        a failed clone is an Exception in the list and leaves nothing behind.
+
+        timeout / die_with_creator: each clone's lifetime (see Workspace.create); a clone never
+        inherits its source's."""
         self._check_live()
+        life = (lifetime.deadline_after(timeout), lifetime.LEASE_SECONDS if die_with_creator else 0.0)
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise SpecError(f"count must be a positive integer, got {count!r}")
         engine = self._engine_for(memory)
@@ -192,10 +197,10 @@ class Snapshot:
             ksm.tuner.boost()
         try:
             if count == 1:
-                return [self._fork_one(use_ksm)]
+                return [self._fork_one(use_ksm, life)]
             with ThreadPoolExecutor(max_workers=min(count, MAX_PARALLEL_RESTORES),
                                     thread_name_prefix="bunshin-restore") as pool:
-                return list(pool.map(lambda _: self._fork_one(use_ksm), range(count)))
+                return list(pool.map(lambda _: self._fork_one(use_ksm, life), range(count)))
         finally:
             if use_ksm:
                 ksm.tuner.release()
@@ -219,13 +224,14 @@ class Snapshot:
         engine = memory_engines.resolve(memory)
         return "ksm" if engine == "cow" else engine
 
-    def _fork_one(self, use_ksm: bool) -> Workspace | Exception:
+    def _fork_one(self, use_ksm: bool, life: tuple[float, float] = (0.0, 0.0)) -> Workspace | Exception:
         from .workspace import Workspace, _cleanup, write_identity
 
         spec = self._meta["spec"]
         rec = state.Record(
             id=state.new_id(), status="creating", creator_pid=os.getpid(), created_at=time.time(),
             hostname="", rootfs=self._meta["rootfs"], spec=spec, parent=self.source_id,
+            deadline=life[0], lease=life[1],
         )
         rec.hostname = rec.id
         try:
@@ -235,6 +241,7 @@ class Snapshot:
             rec.storage = layer.to_dict()
             rec.save()
             write_identity(Path(layer.upper), rec.hostname)
+            lifetime.seed(Path(layer.upper), rec.deadline, rec.lease)
             cg = Cgroup.create(rec.id, memory_limit=spec.get("memory_limit"),
                                pids_limit=spec.get("pids_limit"), version=self._meta["cgroup_version"])
             rec.cgroup = {"version": cg.version, "paths": cg.paths}
@@ -251,6 +258,8 @@ class Snapshot:
             rec.network = {"mode": "none"}
             rec.status = "running"
             rec.save()
+            if rec.lease:
+                lifetime.leases.hold(rec)
             return Workspace(rec, pidfd)
         except BaseException as e:
             with contextlib.suppress(BunshinError):

@@ -61,6 +61,15 @@ def proc_starttime(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[19])
 
 
+def _running(pid: int, starttime: int) -> bool:
+    """The process is the one recorded and has not exited (a zombie awaiting its reaper has)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] not in ("Z", "X") and int(fields[19]) == starttime
+
+
 @dataclass
 class Record:
     id: str
@@ -76,6 +85,12 @@ class Record:
     network: dict = field(default_factory=dict)
     spec: dict = field(default_factory=dict)
     parent: str | None = None
+    # Lifetime (see lifetime.py): wall-clock deadline and creator lease in seconds, 0 for none.
+    deadline: float = 0.0
+    lease: float = 0.0
+    # E2B's sandbox metadata and the template it was created from.
+    metadata: dict = field(default_factory=dict)
+    template: str = ""
 
     @property
     def dir(self) -> Path:
@@ -92,7 +107,7 @@ class Record:
         return cls(**data)
 
     def init_alive(self) -> bool:
-        return bool(self.init_pid) and proc_starttime(self.init_pid) == self.init_starttime
+        return bool(self.init_pid) and _running(self.init_pid, self.init_starttime)
 
     def creator_alive(self) -> bool:
         return proc_starttime(self.creator_pid) is not None

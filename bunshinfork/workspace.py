@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import control, native, network, rootfs, state, storage
+from . import control, lifetime, native, network, rootfs, state, storage, users
 from .cgroups import Cgroup
-from .commands import Commands
+from .commands import Commands, Pty
 from .errors import (
     BunshinError,
     CgroupError,
@@ -86,7 +86,14 @@ class Workspace:
     """A running, isolated container workspace.
 
     Create with Workspace.create(spec); attach from any process with Workspace.connect(id).
+    Commands run as root in a plain shell, and return their result whatever the exit code;
+    a workspace lives until destroyed unless given a timeout. (Sandbox, its E2B twin, differs.)
     """
+
+    # None: commands and file operations run as root.
+    default_user: str | None = None
+    login_shell = False
+    raise_on_exit = False
 
     def __init__(self, record: state.Record, pidfd: int | None = None) -> None:
         self._rec = record
@@ -95,12 +102,22 @@ class Workspace:
         self._shell_path: str | None = None
         self.commands = Commands(self)
         self.files = Files(self)
+        self.pty = Pty(self)
+        self.accounts = users.Accounts(self.files)
 
     # ---- construction ----
 
     @classmethod
-    def create(cls, spec: WorkspaceSpec | None = None, **overrides: Any) -> Workspace:
-        """Create and start a workspace. Keyword overrides are WorkspaceSpec fields."""
+    def create(cls, spec: WorkspaceSpec | None = None, *, timeout: float | None = None,
+               die_with_creator: bool = False, **overrides: Any) -> Workspace:
+        """Create and start a workspace. Keyword overrides are WorkspaceSpec fields.
+
+        timeout: seconds until the workspace's init ends it (None or 0: never); set_timeout()
+        moves it. die_with_creator: it also ends within lifetime.LEASE_SECONDS of this
+        process's exit, however that comes.
+        """
+        lifetime.collect()
+        deadline = lifetime.deadline_after(timeout)
         base = spec or WorkspaceSpec()
         if overrides:
             try:
@@ -117,6 +134,7 @@ class Workspace:
         rec = state.Record(
             id=ws_id, status="creating", creator_pid=os.getpid(), created_at=time.time(),
             hostname=spec.hostname or ws_id, rootfs=root_fs.to_dict(), spec=spec.to_dict(),
+            deadline=deadline, lease=lifetime.LEASE_SECONDS if die_with_creator else 0.0,
         )
         (run_root / ws_id).mkdir(mode=0o700)
         rec.save()
@@ -132,6 +150,7 @@ class Workspace:
         rec.storage = layer.to_dict()
         rec.save()
         _seed_upper(Path(layer.upper), rec.hostname, root_fs)
+        lifetime.seed(Path(layer.upper), rec.deadline, rec.lease)
         cg = Cgroup.create(rec.id, memory_limit=spec.memory_limit, pids_limit=spec.pids_limit,
                            version=spec.cgroup)
         rec.cgroup = {"version": cg.version, "paths": cg.paths}
@@ -162,6 +181,8 @@ class Workspace:
         rec.network = network.setup(rec.id, sp.pid, spec.network, nat=spec.nat)
         rec.status = "running"
         rec.save()
+        if rec.lease:
+            lifetime.leases.hold(rec)
         return ws
 
     def _wait_ready(self) -> None:
@@ -178,6 +199,7 @@ class Workspace:
     @classmethod
     def connect(cls, ws_id: str) -> Workspace:
         """Attach to a workspace created by this or another process."""
+        lifetime.collect()
         try:
             rec = state.Record.load(ws_id)
         except FileNotFoundError:
@@ -191,6 +213,7 @@ class Workspace:
 
     @staticmethod
     def list() -> list[WorkspaceInfo]:
+        lifetime.collect()
         out = []
         for ws_id in state.all_ids():
             with contextlib.suppress(FileNotFoundError, ValueError, TypeError, BunshinError):
@@ -220,8 +243,18 @@ class Workspace:
 
     def _shell(self) -> str:
         if self._shell_path is None:
-            self._shell_path = "/bin/bash" if self.files.exists("/bin/bash") else "/bin/sh"
+            self._shell_path = "/bin/bash" if self.files.exists("/bin/bash", user="root") else "/bin/sh"
         return self._shell_path
+
+    def _shell_argv(self, cmd: str) -> list[str]:
+        # E2B runs commands in a login bash; bunshin in the workspace's plain shell.
+        return ["/bin/bash", "-l", "-c", cmd] if self.login_shell else [self._shell(), "-c", cmd]
+
+    def _resolve_user(self, user: str | None) -> users.User:
+        return self.accounts.resolve(user or self.default_user or "root")
+
+    def _id_names(self) -> tuple[dict[int, str], dict[int, str]]:
+        return self.accounts.names()
 
     def spec_env(self) -> dict[str, str]:
         return dict(self._rec.spec.get("env") or {})
@@ -283,15 +316,22 @@ class Workspace:
         """
         return Snapshot.take(self, memory)
 
-    def fork(self, count: int = 1, memory: str = "auto") -> list[Workspace | Exception]:
+    def fork(self, count: int = 1, memory: str = "auto", *, timeout: float | None = None,
+             die_with_creator: bool = False) -> list[Workspace | Exception]:
         """Live-fork into `count` running clones (E2B semantics: each entry is a Workspace or the
         Exception that clone failed with; the source keeps running unchanged either way).
 
         memory: "copy" (private copies), "ksm" (merged after the fact), "cow" (kernel module),
         or "auto" (cow when /dev/bunshin exists, else ksm on Linux >= 6.4, else copy).
+        timeout / die_with_creator: each clone's own lifetime (none by default).
         """
         with self.snapshot(memory) as snap:
-            return snap.fork(count, memory)
+            return snap.fork(count, memory, timeout=timeout, die_with_creator=die_with_creator)
+
+    def set_timeout(self, timeout: float) -> None:
+        """End the workspace `timeout` seconds from now (0: never), enforced by its init."""
+        self._live_init_pid()
+        lifetime.apply(self, lifetime.deadline_after(timeout))
 
     def destroy(self) -> None:
         """Kill every process and remove mounts, cgroups, network, layers and state. Idempotent."""
@@ -299,6 +339,7 @@ class Workspace:
         # could hit a descriptor another thread has been handed since.
         with self._lock:
             pidfd, self._pidfd = self._pidfd, None
+            lifetime.leases.drop(self.id)
             _cleanup(self._rec, pidfd)
 
     def __enter__(self) -> Workspace:
@@ -374,6 +415,17 @@ def _cleanup(rec: state.Record, pidfd: int | None = None) -> None:
     """Remove everything a (possibly half-created, possibly crashed) workspace holds."""
     if rec.status == "destroyed":
         return
+    with lifetime.cleanup_lock(rec) as present:
+        if present:
+            _remove(rec, pidfd)
+        elif pidfd is not None:
+            # Another process (gc, the lifetime collection) took it apart already.
+            with contextlib.suppress(OSError):
+                os.close(pidfd)
+        rec.status = "destroyed"
+
+
+def _remove(rec: state.Record, pidfd: int | None) -> None:
     errors: list[str] = []
     _kill_tree(rec, pidfd)
     if pidfd is not None:
@@ -417,6 +469,8 @@ def gc() -> list[str]:
             with contextlib.suppress(BunshinError):
                 _cleanup(rec)
             removed.append(ws_id)
+    # Workspaces past their deadline whose init has not ended them (a tampered lifetime file).
+    removed += lifetime.collect()
     # A creator killed mid-burst cannot relax ksmd itself.
     ksm.reconcile()
     return removed
