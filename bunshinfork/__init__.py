@@ -1,37 +1,68 @@
-"""bunshinfork: create, run commands in, and live-fork container workspaces."""
+"""bunshinfork: create, run commands in, and live-fork container workspaces.
 
-from .commands import CommandHandle, CommandResult
+Two front doors over one core: Workspace (bunshin's semantics: root, no lifetime unless
+asked, fork(count)) and Sandbox (E2B's: a 300 s lifetime, the user "user", a login shell,
+CommandExitException, fork(timeout, count)), each with an asyncio twin (AsyncWorkspace,
+AsyncSandbox).
+"""
+
+__version__ = "0.1.0"
+
+from .aio import AsyncCommandHandle, AsyncSandbox, AsyncWatchHandle, AsyncWorkspace
+from .commands import (
+    CommandExitException,
+    CommandHandle,
+    CommandResult,
+    ProcessInfo,
+    PtySize,
+)
 from .errors import (
     BunshinError,
     CgroupError,
     CommandError,
     CommandTimeout,
     CriuError,
+    FileNotFoundException,
     FileOperationError,
     ForkError,
+    InvalidArgumentException,
     KernelFeatureError,
     NetworkError,
+    NotFoundException,
     PrivilegeError,
     RootfsError,
+    SandboxException,
+    SandboxNotFoundException,
     SpecError,
+    TimeoutException,
     WorkspaceFileNotFound,
     WorkspaceNotFound,
     WorkspaceStateError,
 )
-from .files import EntryInfo
+from .files import EntryInfo, FileType, WriteInfo
+from .sandbox import (
+    Sandbox,
+    SandboxInfo,
+    SandboxMetrics,
+    SandboxPaginator,
+    SandboxQuery,
+    SandboxState,
+    SnapshotInfo,
+    SnapshotPaginator,
+)
 from .snapshot import Snapshot
 from .spec import WorkspaceSpec
+from .watch import FilesystemEvent, FilesystemEventType, WatchHandle
 from .workspace import MemoryStats, Workspace, WorkspaceInfo
 
-__version__ = "0.1.0"
-
-# E2B users know the sandbox as `Sandbox`.
-Sandbox = Workspace
-
 __all__ = [
-    "BunshinError", "CgroupError", "CommandError", "CommandHandle", "CommandResult", "CommandTimeout",
-    "CriuError", "EntryInfo", "FileOperationError", "ForkError", "KernelFeatureError", "MemoryStats",
-    "NetworkError", "PrivilegeError", "RootfsError", "Sandbox", "Snapshot", "SpecError", "Workspace",
-    "WorkspaceFileNotFound", "WorkspaceInfo", "WorkspaceNotFound", "WorkspaceSpec", "WorkspaceStateError",
-    "__version__",
+    "AsyncCommandHandle", "AsyncSandbox", "AsyncWatchHandle", "AsyncWorkspace", "BunshinError", "CgroupError",
+    "CommandError", "CommandExitException", "CommandHandle", "CommandResult", "CommandTimeout", "CriuError",
+    "EntryInfo", "FileNotFoundException", "FileOperationError", "FileType", "FilesystemEvent",
+    "FilesystemEventType", "ForkError", "InvalidArgumentException", "KernelFeatureError", "MemoryStats",
+    "NetworkError", "NotFoundException", "PrivilegeError", "ProcessInfo", "PtySize", "RootfsError", "Sandbox",
+    "SandboxException", "SandboxInfo", "SandboxMetrics", "SandboxNotFoundException", "SandboxPaginator",
+    "SandboxQuery", "SandboxState", "Snapshot", "SnapshotInfo", "SnapshotPaginator", "SpecError",
+    "TimeoutException", "WatchHandle", "Workspace", "WorkspaceFileNotFound", "WorkspaceInfo", "WorkspaceNotFound",
+    "WorkspaceSpec", "WorkspaceStateError", "WriteInfo", "__version__",
 ]
