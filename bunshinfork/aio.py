@@ -40,6 +40,8 @@ from .sandbox import (
     SandboxPaginator,
     SandboxQuery,
     SnapshotInfo,
+    SnapshotPaginator,
+    instance_or_class,
 )
 from .snapshot import Snapshot
 from .spec import WorkspaceSpec
@@ -328,7 +330,8 @@ class AsyncCommands:
     async def close_stdin(self, pid: int, request_timeout: float | None = None) -> None:
         await _send_input(self._ws, pid, "C", b"", request_timeout)
 
-    async def stream_input(self, pid: int, *, timeout: float | None = 60.0) -> AsyncCommandInputHandle:
+    def stream_input(self, pid: int, *, timeout: float | None = 60.0) -> AsyncCommandInputHandle:
+        """An ordered input stream to the command (call it from the event loop)."""
         return AsyncCommandInputHandle(self._ws, pid, timeout)
 
     async def connect(self, pid: int, timeout: float | None = 60, request_timeout: float | None = None,
@@ -354,7 +357,8 @@ class AsyncPty:
     async def send_stdin(self, pid: int, data: bytes, request_timeout: float | None = None) -> None:
         await _send_input(self._ws, pid, "I", data, request_timeout)
 
-    async def stream_input(self, pid: int, *, timeout: float | None = 60.0) -> AsyncCommandInputHandle:
+    def stream_input(self, pid: int, *, timeout: float | None = 60.0) -> AsyncCommandInputHandle:
+        """An ordered input stream to the command (call it from the event loop)."""
         return AsyncCommandInputHandle(self._ws, pid, timeout)
 
     async def resize(self, pid: int, size: PtySize, request_timeout: float | None = None) -> None:
@@ -385,6 +389,8 @@ class AsyncFileStreamReader:
 
     async def close(self) -> None:
         self._reader.close()
+
+    aclose = close
 
     async def __aenter__(self) -> AsyncFileStreamReader:
         return self
@@ -536,8 +542,8 @@ class AsyncWorkspace:
         return f"<{type(self).__name__} {self.id}>"
 
 
-class _either_async:
-    """_either for coroutine methods: `await sbx.kill()` or `await AsyncSandbox.kill(sandbox_id)`."""
+class async_instance_or_class:
+    """instance_or_class for coroutine methods: `await sbx.kill()` or `await AsyncSandbox.kill(sandbox_id)`."""
 
     def __init__(self, method: Callable[..., Awaitable[Any]],
                  on_class: Callable[..., Awaitable[Any]] | None = None) -> None:
@@ -581,31 +587,35 @@ async def _fork_by_id(cls: type[AsyncSandbox], sandbox_id: str, timeout: int | N
     return await (await cls._attach(sandbox_id)).fork(timeout, count)
 
 
-async def _list_snapshots_all(cls: type[AsyncSandbox], sandbox_id: str | None = None, limit: int | None = None,
-                              next_token: str | None = None, name: str | None = None,
-                              **opts: Any) -> AsyncSnapshotPaginator:
-    return AsyncSnapshotPaginator(Sandbox.list_snapshots(sandbox_id, limit, next_token, name))  # type: ignore[arg-type]
+def _list_snapshots_all(cls: type[AsyncSandbox], sandbox_id: str | None = None, limit: int | None = None,
+                        next_token: str | None = None, name: str | None = None, **opts: Any) -> AsyncSnapshotPaginator:
+    return AsyncSnapshotPaginator(lambda: Sandbox.list_snapshots(sandbox_id, limit, next_token, name))
 
 
 class AsyncSandboxPaginator:
-    def __init__(self, sync: SandboxPaginator) -> None:
-        self._sync = sync
+    """E2B's async paginator: the listing happens in next_items(), in the default executor."""
+
+    def __init__(self, make: Callable[[], SandboxPaginator | SnapshotPaginator]) -> None:
+        self._make = make
+        self._sync: SandboxPaginator | SnapshotPaginator | None = None
 
     @property
     def has_next(self) -> bool:
-        return self._sync.has_next
+        return self._sync is None or self._sync.has_next
 
     @property
     def next_token(self) -> str | None:
-        return self._sync.next_token
+        return None if self._sync is None else self._sync.next_token
 
     async def next_items(self, **opts: Any) -> list[SandboxInfo]:
-        return self._sync.next_items()
+        if self._sync is None:
+            self._sync = await asyncio.to_thread(self._make)
+        return self._sync.next_items()  # type: ignore[return-value]
 
 
 class AsyncSnapshotPaginator(AsyncSandboxPaginator):
     async def next_items(self, **opts: Any) -> list[SnapshotInfo]:  # type: ignore[override]
-        return self._sync.next_items()
+        return await super().next_items()  # type: ignore[return-value]
 
 
 class AsyncSandbox(AsyncWorkspace):
@@ -658,49 +668,50 @@ class AsyncSandbox(AsyncWorkspace):
     async def get_info(self, **opts: Any) -> SandboxInfo:
         return await asyncio.to_thread(self._sbx.get_info)
 
-    get_info = _either_async(get_info)  # type: ignore[assignment]
+    get_info = async_instance_or_class(get_info)  # type: ignore[assignment]
 
     async def get_metrics(self, start: Any = None, end: Any = None, **opts: Any) -> list[SandboxMetrics]:
         return await asyncio.to_thread(self._sbx.get_metrics, start, end)
 
-    get_metrics = _either_async(get_metrics)  # type: ignore[assignment]
+    get_metrics = async_instance_or_class(get_metrics)  # type: ignore[assignment]
 
     @classmethod
-    async def list(cls, query: SandboxQuery | None = None, limit: int | None = None,  # type: ignore[override]
-                   next_token: str | None = None, order: Literal["asc", "desc"] | None = None,
-                   **opts: Any) -> AsyncSandboxPaginator:
-        return AsyncSandboxPaginator(await asyncio.to_thread(Sandbox.list, query, limit, next_token, order))
+    def list(cls, query: SandboxQuery | None = None, limit: int | None = None,  # type: ignore[override]
+             next_token: str | None = None, order: Literal["asc", "desc"] | None = None,
+             **opts: Any) -> AsyncSandboxPaginator:
+        """A paginator whose next_items() lists the sandboxes (as E2B's, the call itself waits for nothing)."""
+        return AsyncSandboxPaginator(lambda: Sandbox.list(query, limit, next_token, order))
 
     async def set_timeout(self, timeout: int, **opts: Any) -> None:  # type: ignore[override]
         await asyncio.to_thread(self._sbx.set_timeout, timeout)
 
-    set_timeout = _either_async(set_timeout)  # type: ignore[assignment]
+    set_timeout = async_instance_or_class(set_timeout)  # type: ignore[assignment]
 
     async def connect(self, timeout: int | None = None, *,  # type: ignore[override]
                       on_resume: Literal["restore", "reboot"] = "restore", **opts: Any) -> AsyncSandbox:
         await asyncio.to_thread(self._sbx.connect, timeout, on_resume=on_resume)
         return self
 
-    connect = _either_async(connect, _connect_by_id)  # type: ignore[assignment]
+    connect = async_instance_or_class(connect, _connect_by_id)  # type: ignore[assignment]
 
     async def pause(self, keep_memory: bool | None = None, *,  # type: ignore[override]
                     mode: Literal["full", "filesystem"] | None = None, strict: bool = False, **opts: Any) -> bool:
         return await asyncio.to_thread(self._sbx.pause, keep_memory, mode=mode, strict=strict)
 
-    pause = _either_async(pause)  # type: ignore[assignment]
+    pause = async_instance_or_class(pause)  # type: ignore[assignment]
 
     async def beta_pause(self, keep_memory: bool | None = None, *,
                          mode: Literal["full", "filesystem"] | None = None, **opts: Any) -> bool:
         return await self.pause(keep_memory, mode=mode)
 
-    beta_pause = _either_async(beta_pause)  # type: ignore[assignment]
+    beta_pause = async_instance_or_class(beta_pause)  # type: ignore[assignment]
 
     async def kill(self, **opts: Any) -> bool:
         return await asyncio.to_thread(self._sbx.kill)
 
-    kill = _either_async(kill, _kill_by_id)  # type: ignore[assignment]
+    kill = async_instance_or_class(kill, _kill_by_id)  # type: ignore[assignment]
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(self, exc_type: object, exc_value: object, traceback: object) -> None:
         await self.kill()
 
     async def fork(self, timeout: int | None = None, count: int | None = None,  # type: ignore[override]
@@ -708,19 +719,19 @@ class AsyncSandbox(AsyncWorkspace):
         out = await asyncio.to_thread(self._sbx.fork, timeout, count)
         return [r if isinstance(r, Exception) else type(self)(r) for r in out]
 
-    fork = _either_async(fork, _fork_by_id)  # type: ignore[assignment]
+    fork = async_instance_or_class(fork, _fork_by_id)  # type: ignore[assignment]
 
     async def create_snapshot(self, name: str | None = None, *, mode: Literal["full", "filesystem"] | None = None,
                               **opts: Any) -> SnapshotInfo:
         return await asyncio.to_thread(self._sbx.create_snapshot, name, mode=mode)
 
-    create_snapshot = _either_async(create_snapshot)  # type: ignore[assignment]
+    create_snapshot = async_instance_or_class(create_snapshot)  # type: ignore[assignment]
 
-    async def list_snapshots(self, limit: int | None = None, next_token: str | None = None, name: str | None = None,
-                             **opts: Any) -> AsyncSnapshotPaginator:
-        return AsyncSnapshotPaginator(self._sbx.list_snapshots(limit, next_token, name))  # type: ignore[arg-type]
+    def list_snapshots(self, limit: int | None = None, next_token: str | None = None, name: str | None = None,
+                       **opts: Any) -> AsyncSnapshotPaginator:
+        return AsyncSnapshotPaginator(lambda: self._sbx.list_snapshots(limit, next_token, name))
 
-    list_snapshots = _either_async(list_snapshots, _list_snapshots_all)  # type: ignore[assignment]
+    list_snapshots = instance_or_class(list_snapshots, _list_snapshots_all)  # type: ignore[assignment]
 
     @classmethod
     async def delete_snapshot(cls, snapshot_id: str, **opts: Any) -> bool:

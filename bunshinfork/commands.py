@@ -16,7 +16,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import control, process
@@ -46,7 +45,7 @@ class CommandResult:
     stderr: str | None
     stdout: str | None
     exit_code: int
-    error: str | None = None
+    error: str | None
     signal: int | None = field(default=None, kw_only=True)  # set when it died of a signal (exit_code 128+signal)
 
     @property
@@ -138,7 +137,7 @@ class CommandHandle:
                  offsets: tuple[int, int] = (0, 0)) -> None:
         self._ws = ws
         self.cmd_id = cmd_id
-        self.pid = pid  # inside the workspace's pid namespace
+        self._pid = pid
         self._offsets = list(offsets)
         self._streams = [_Utf8Stream(on_stdout, retain_output), _Utf8Stream(on_stderr, retain_output)]
         self._pty = pty
@@ -147,10 +146,20 @@ class CommandHandle:
         self._result: CommandResult | None = None
         self._lock = threading.Lock()
         self._disconnected = threading.Event()
+        # Every handle following the command marks its directory; the last one to finish
+        # removes it, so that two handles (commands.connect) both see the end.
+        self._follower = f"{self._dir()}/follower-{secrets.token_hex(4)}"
+        with contextlib.suppress(BunshinError):
+            ws.files.write(self._follower, "", user="root")
         self._pump: threading.Thread | None = None
         if on_stdout or on_stderr:
             self._pump = threading.Thread(target=self._pump_loop, daemon=True, name=f"bunshin-{cmd_id}")
             self._pump.start()
+
+    @property
+    def pid(self) -> int:
+        """The command's pid inside the workspace's pid namespace."""
+        return self._pid
 
     def _dir(self) -> str:
         return f"{control.CMD_DIR}/{self.cmd_id}"
@@ -201,9 +210,16 @@ class CommandHandle:
     def _finish(self, status: int) -> CommandResult:
         if self._result is None:
             self._result = _result(status, self._streams[0], self._streams[1])
-            with contextlib.suppress(Exception):
-                self._ws.files.remove(self._dir(), user="root")
+            self._unfollow()
         return self._result
+
+    def _unfollow(self) -> None:
+        files = self._ws.files
+        with contextlib.suppress(Exception):
+            files.remove(self._follower, user="root")
+            if not any(e.name.startswith("follower-") for e in files.list(self._dir(), user="root")) and \
+                    files.exists(f"{self._dir()}/exit", user="root"):
+                files.remove(self._dir(), user="root")
 
     def _events(self, timeout: float | None) -> Iterator[Event]:
         limit = timeout if timeout is not None else (
@@ -290,6 +306,7 @@ class CommandHandle:
     def disconnect(self) -> None:
         """Stop following the command; it keeps running (commands.connect(pid) follows it again)."""
         self._disconnected.set()
+        self._unfollow()
 
 
 class Foreground:
@@ -453,21 +470,31 @@ class Commands:
             raise _exit_exception(result)
         return result
 
+    def _requests(self) -> dict[int, dict[str, list[str]]]:
+        """The request (tag -> values; "op" too) behind every command running now, by pid."""
+        files = self._ws.files
+        running = {p.pid for p in process.tree(self._ws._cgroup().pids())}
+        out: dict[int, dict[str, list[str]]] = {}
+        with contextlib.suppress(NotFoundException):
+            for entry in files.list(control.PROCS_DIR, user="root"):
+                if not entry.name.isdigit() or int(entry.name) not in running:
+                    continue  # a shim killed before it could tidy up
+                with contextlib.suppress(NotFoundException):
+                    items = bytes(files.read(entry.path, format="bytes", user="root")).split(b"\0")[:-1]
+                    fields: dict[str, list[str]] = {"op": [items[0].decode(errors="replace")]}
+                    for item in items[1:]:
+                        text = item.decode(errors="replace")
+                        fields.setdefault(text[:1], []).append(text[1:])
+                    out[int(entry.name)] = fields
+        return out
+
     def list(self, request_timeout: float | None = None) -> list[ProcessInfo]:
-        """Every command running now (foreground, background and terminals), read from /proc."""
-        procs = process.tree(self._ws._cgroup().pids())
-        shims = {p.pid for p in procs if p.ppid == 1 and p.comm == "init"}
+        """Every command running now (foreground, background and terminals), as it was started."""
         out = []
-        for p in procs:
-            if p.ppid not in shims:
-                continue
-            with contextlib.suppress(OSError):
-                argv = [a.decode(errors="replace") for a in
-                        Path(f"/proc/{p.host_pid}/cmdline").read_bytes().split(b"\0")[:-1]]
-                environ = Path(f"/proc/{p.host_pid}/environ").read_bytes().split(b"\0")
-                envs = dict(e.decode(errors="replace").partition("=")[::2] for e in environ if b"=" in e)
-                cwd = os.readlink(f"/proc/{p.host_pid}/cwd")
-                out.append(ProcessInfo(p.pid, None, argv[0] if argv else p.comm, argv[1:], envs, cwd))
+        for pid, req in sorted(self._requests().items()):
+            argv = req.get("a", [])
+            envs = dict(e.partition("=")[::2] for e in req.get("e", []))
+            out.append(ProcessInfo(pid, None, argv[0] if argv else "", argv[1:], envs, (req.get("c") or [None])[0]))
         return out
 
     def kill(self, pid: int, request_timeout: float | None = None) -> bool:
@@ -510,15 +537,11 @@ class Commands:
 
     def _find_background(self, pid: int) -> tuple[str, bool]:
         """The id of the background command `pid` and whether it runs on a terminal."""
-        files = self._ws.files
-        with contextlib.suppress(NotFoundException):
-            for e in files.list(control.CMD_DIR, user="root"):
-                with contextlib.suppress(NotFoundException, ValueError):
-                    if int(str(files.read(f"{e.path}/pid", user="root"))) == pid and \
-                            not files.exists(f"{e.path}/exit", user="root"):
-                        return e.name, files.exists(f"{e.path}/tty", user="root")
-        raise NotFoundException(f"no background command with pid {pid} is running (a foreground command "
-                                "streams its output to the caller that started it)")
+        req = self._requests().get(pid)
+        if req is None or req["op"] != ["spawn"]:
+            raise NotFoundException(f"no background command with pid {pid} is running (a foreground command "
+                                    "streams its output to the caller that started it)")
+        return req["i"][0], (req.get("n") or [""])[0].startswith("pty:")
 
 
 class Pty:
@@ -535,7 +558,8 @@ class Pty:
         cmd_id, pid = cmds._spawn(["/bin/bash", "-i", "-l"], user, term_env, None, cwd,
                                   f"pty:{size.rows}:{size.cols}")
         return CommandHandle(self._ws, cmd_id, pid, deadline=None if _no_limit(timeout) else
-                             time.monotonic() + float(timeout), pty=True)  # type: ignore[arg-type]
+                             time.monotonic() + float(timeout), raise_on_exit=self._ws.raise_on_exit,  # type: ignore[arg-type]
+                             pty=True)
 
     def kill(self, pid: int, request_timeout: float | None = None) -> bool:
         return self._ws.commands.kill(pid, request_timeout)

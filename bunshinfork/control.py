@@ -19,6 +19,8 @@ CTL_SOCK = "/.bunshin/ctl.sock"
 CMD_DIR = "/.bunshin/cmd"
 # A command started with an input has its shim listen here, at /.bunshin/io/<pid>.
 IO_DIR = "/.bunshin/io"
+# The request of every running command, at /.bunshin/procs/<pid>.
+PROCS_DIR = "/.bunshin/procs"
 # How long a request waits for the init's first answer (a frozen init gives none).
 REPLY_TIMEOUT = 10.0
 HEADER = struct.Struct("<BI")

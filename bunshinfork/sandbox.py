@@ -12,6 +12,7 @@ configures the transport, and refused where ignoring it would change what the sa
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import json
@@ -140,7 +141,7 @@ def _utc(ts: float) -> datetime.datetime:
 # ---- instance methods that also take a sandbox id when called on the class ----
 
 
-class _either:
+class instance_or_class:
     """E2B's class_method_variant: `sandbox.kill()` or `Sandbox.kill(sandbox_id)`. On the class,
     the first argument is a sandbox id, attached to first; `on_class` handles what differs
     (a missing id, extra class-only parameters)."""
@@ -337,8 +338,17 @@ class Sandbox(Workspace):
     def is_running(self, request_timeout: float | None = None) -> bool:
         return super().is_running()
 
+    def _refresh(self) -> state.Record:
+        """What another object or process changed in the record since (lifetime, metadata)."""
+        with contextlib.suppress(FileNotFoundError, ValueError, TypeError):
+            disk = state.Record.load(self.id)
+            rec = self._rec
+            rec.deadline, rec.lease = disk.deadline, disk.lease
+            rec.metadata, rec.template = disk.metadata, disk.template
+        return self._rec
+
     def get_info(self, **opts: Any) -> SandboxInfo:
-        rec = self._rec
+        rec = self._refresh()
         info = self.info()
         mem = info.memory_limit or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return SandboxInfo(
@@ -351,7 +361,7 @@ class Sandbox(Workspace):
             lifecycle={"on_timeout": "kill", "auto_resume": False}, volume_mounts=[],
         )
 
-    get_info = _either(get_info)  # type: ignore[assignment]
+    get_info = instance_or_class(get_info)  # type: ignore[assignment]
 
     def get_metrics(self, start: datetime.datetime | None = None, end: datetime.datetime | None = None,
                     **opts: Any) -> list[SandboxMetrics]:
@@ -380,7 +390,7 @@ class Sandbox(Workspace):
         in_range = (start is None or sample.timestamp >= start) and (end is None or sample.timestamp <= end)
         return [sample] if in_range else []
 
-    get_metrics = _either(get_metrics)  # type: ignore[assignment]
+    get_metrics = instance_or_class(get_metrics)  # type: ignore[assignment]
 
     @classmethod
     def list(cls, query: SandboxQuery | None = None, limit: int | None = None,  # type: ignore[override]
@@ -406,7 +416,7 @@ class Sandbox(Workspace):
         """End the sandbox `timeout` seconds from now (extends or shortens it)."""
         Workspace.set_timeout(self, timeout)
 
-    set_timeout = _either(set_timeout)  # type: ignore[assignment]
+    set_timeout = instance_or_class(set_timeout)  # type: ignore[assignment]
 
     def connect(self, timeout: int | None = None, *,  # type: ignore[override]
                 on_resume: Literal["restore", "reboot"] = "restore", **opts: Any) -> Sandbox:
@@ -417,14 +427,15 @@ class Sandbox(Workspace):
             raise InvalidArgumentException("on_resume='reboot' cold-boots from a disk snapshot; a local sandbox "
                                            "is paused with its memory and resumes as it was")
         if timeout is not None:
-            left = self._rec.deadline - time.time() if self._rec.deadline else float("inf")
+            rec = self._refresh()
+            left = rec.deadline - time.time() if rec.deadline else float("inf")
             if timeout > left:
                 Workspace.set_timeout(self, timeout)
         if self.info().state == "paused":
             self.resume()
         return self
 
-    connect = _either(connect, _connect_by_id)  # type: ignore[assignment]
+    connect = instance_or_class(connect, _connect_by_id)  # type: ignore[assignment]
 
     def pause(self, keep_memory: bool | None = None, *, mode: Literal["full", "filesystem"] | None = None,  # type: ignore[override]
               strict: bool = False, **opts: Any) -> bool:
@@ -437,14 +448,14 @@ class Sandbox(Workspace):
         Workspace.pause(self)
         return True
 
-    pause = _either(pause)  # type: ignore[assignment]
+    pause = instance_or_class(pause)  # type: ignore[assignment]
 
     def beta_pause(self, keep_memory: bool | None = None, *, mode: Literal["full", "filesystem"] | None = None,
                    **opts: Any) -> bool:
         """Deprecated by E2B: pause()."""
         return self.pause(keep_memory, mode=mode)
 
-    beta_pause = _either(beta_pause)  # type: ignore[assignment]
+    beta_pause = instance_or_class(beta_pause)  # type: ignore[assignment]
 
     def kill(self, **opts: Any) -> bool:
         """Kill the sandbox and remove everything it holds; False if it was gone already."""
@@ -454,9 +465,9 @@ class Sandbox(Workspace):
         self._log("killed sandbox %s", self.id)
         return True
 
-    kill = _either(kill, _kill_by_id)  # type: ignore[assignment]
+    kill = instance_or_class(kill, _kill_by_id)  # type: ignore[assignment]
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc_value: object, traceback: object) -> None:
         self.kill()
 
     # ---- forking and snapshots ----
@@ -481,7 +492,7 @@ class Sandbox(Workspace):
             out.append(clone)
         return out
 
-    fork = _either(fork, _fork_by_id)  # type: ignore[assignment]
+    fork = instance_or_class(fork, _fork_by_id)  # type: ignore[assignment]
 
     def create_snapshot(self, name: str | None = None, *, mode: Literal["full", "filesystem"] | None = None,
                         **opts: Any) -> SnapshotInfo:
@@ -502,13 +513,13 @@ class Sandbox(Workspace):
             (dest / "names.json").write_text(json.dumps([name]))
         return SnapshotInfo(dest.name, [name] if name else [])
 
-    create_snapshot = _either(create_snapshot)  # type: ignore[assignment]
+    create_snapshot = instance_or_class(create_snapshot)  # type: ignore[assignment]
 
     def list_snapshots(self, limit: int | None = None, next_token: str | None = None, name: str | None = None,
                        **opts: Any) -> SnapshotPaginator:
         return SnapshotPaginator(_saved_snapshots(self.id, name), limit, next_token)
 
-    list_snapshots = _either(list_snapshots, _list_snapshots_all)  # type: ignore[assignment]
+    list_snapshots = instance_or_class(list_snapshots, _list_snapshots_all)  # type: ignore[assignment]
 
     @classmethod
     def delete_snapshot(cls, snapshot_id: str, **opts: Any) -> bool:

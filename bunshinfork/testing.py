@@ -12,33 +12,11 @@ For Hypothesis, every example should start from the same state without paying fo
 container: in a `@given` test, take a fork per example with `bunshin_prepared.fork()` (a
 session-scoped fixture, so Hypothesis does not share one fork between examples); a stateful
 test subclasses ForkedStateMachine, whose every example starts in `self.workspace`, a fork of
-the machine's prepared snapshot (set up once per session by its `setup` classmethod).
+the machine's prepared snapshot (set up once per session by its `setup` classmethod). Unless
+the suite picks a Hypothesis profile itself, the plugin loads one without the 200 ms deadline
+(a fork alone takes longer) and without the too_slow health check.
 
-    import pytest
-    from hypothesis import given, strategies as st
-    from bunshinfork.testing import ForkedStateMachine
-    from hypothesis.stateful import rule
-
-    @pytest.fixture(scope="session")
-    def bunshin_setup():
-        return lambda ws: ws.files.write("/root/app.cfg", "mode=test")
-
-    @given(st.text(alphabet="abc", min_size=1))
-    def test_writes_stay_in_their_fork(bunshin_prepared, name):
-        with bunshin_prepared.fork() as ws:
-            ws.files.write(f"/root/{name}", "x")
-            assert ws.files.read("/root/app.cfg") == "mode=test"
-
-    class Counter(ForkedStateMachine):
-        @classmethod
-        def setup(cls, ws):
-            ws.files.write("/root/n", "0")
-
-        @rule()
-        def bump(self):
-            self.workspace.commands.run("echo $(( $(cat /root/n) + 1 )) > /root/n")
-
-    TestCounter = Counter.TestCase
+README's "Testing with bunshin" shows them in a 20-line example.
 """
 
 from __future__ import annotations
@@ -120,9 +98,17 @@ def _release_machines() -> None:
 atexit.register(_release_machines)
 
 try:
+    from hypothesis import HealthCheck, settings
     from hypothesis.stateful import RuleBasedStateMachine
 except ImportError:  # pragma: no cover - hypothesis is optional for the plain fixtures
     RuleBasedStateMachine = object  # type: ignore[assignment,misc]
+    settings = None  # type: ignore[assignment]
+
+# A fork takes a few hundred milliseconds and the first example of a session also prepares
+# the snapshot: Hypothesis's 200 ms deadline would fail every such test on timing alone.
+PROFILE = "bunshinfork"
+if settings is not None:
+    settings.register_profile(PROFILE, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 class ForkedStateMachine(RuleBasedStateMachine):  # type: ignore[misc,valid-type]
@@ -193,6 +179,14 @@ def bunshin_fork(bunshin_prepared: Prepared) -> Iterator[Workspace]:
 def bunshin_workspace(bunshin_spec: WorkspaceSpec | None) -> Iterator[Workspace]:
     with Workspace.create(bunshin_spec) as ws:
         yield ws
+
+
+def pytest_configure(config: Any) -> None:
+    """Hypothesis without its deadline (see PROFILE), unless the suite chose a profile itself
+    (--hypothesis-profile, or load_profile in its conftest)."""
+    if settings is not None and settings.get_current_profile_name() == "default" and \
+            not config.getoption("hypothesis_profile", None):
+        settings.load_profile(PROFILE)
 
 
 def pytest_sessionfinish(session: Any, exitstatus: int) -> None:

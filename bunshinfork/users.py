@@ -110,29 +110,42 @@ def _set_groups(groups: tuple[int, ...] | list[int]) -> None:
     _syscall(_numbers()[2], ctypes.c_size_t(len(groups)), arr)
 
 
+_current = threading.local()  # the identity fs_identity gave this thread, if any
+
+
+def _take(user: User) -> None:
+    setfsuid, setfsgid, _ = _numbers()
+    if user.is_root:
+        _libc.syscall(setfsuid, 0)
+        _libc.syscall(setfsgid, 0)
+        _set_groups(getattr(_current, "saved_groups", [0]))
+        return
+    _set_groups(user.groups)
+    _libc.syscall(setfsgid, user.gid)
+    _libc.syscall(setfsuid, user.uid)
+
+
 @contextlib.contextmanager
 def fs_identity(user: User) -> Iterator[None]:
-    """Take `user`'s file-system identity in the calling thread for the block.
+    """Take `user`'s file-system identity in the calling thread for the block (nested blocks
+    included: root's inside a user's is root's again).
 
     Leaving fsuid 0 drops CAP_DAC_OVERRIDE and the other file capabilities from the thread's
     effective set, and going back to 0 restores them, so the block is checked as the user is.
     """
-    if user.is_root:
+    outer: User = getattr(_current, "user", ROOT)
+    if outer == user:
         yield
         return
-    setfsuid, setfsgid, _ = _numbers()
-    saved = os.getgroups()
-    _set_groups(user.groups)
+    if outer.is_root:
+        _current.saved_groups = os.getgroups()
+    _take(user)
+    _current.user = user
     try:
-        _libc.syscall(setfsgid, user.gid)
-        _libc.syscall(setfsuid, user.uid)
-        try:
-            yield
-        finally:
-            _libc.syscall(setfsuid, 0)
-            _libc.syscall(setfsgid, 0)
+        yield
     finally:
-        _set_groups(saved)
+        _take(outer)
+        _current.user = outer
 
 
 class Accounts:

@@ -15,8 +15,8 @@
  *   n<input> (the command's stdin: "pipe", or "pty:ROWS:COLS" for a terminal;
  *             default /dev/null)
  * Operations: run (foreground, output streamed), spawn (background, output to
- * /.bunshin/cmd/<id>/{stdout,stderr}, its pid to .../pid, wait status to
- * .../exit), kill, ping.
+ * /.bunshin/cmd/<id>/{stdout,stderr}, wait status to .../exit), kill, ping.
+ * While a command of run or spawn runs, its request is kept in /.bunshin/procs/<pid>.
  * Reply frames (shim -> client): 1 byte type, u32 little-endian length, data.
  *   'P' pid (decimal)   'O' stdout bytes (a terminal's output)   'E' stderr bytes
  *   'X' wait status (decimal)   'F' failure message (errno text)
@@ -62,6 +62,7 @@
 #define CTL_SOCK CTL_DIR "/ctl.sock"
 #define CMD_DIR CTL_DIR "/cmd"
 #define IO_DIR CTL_DIR "/io"
+#define PROCS_DIR CTL_DIR "/procs"
 #define LIFETIME_FILE CTL_DIR "/lifetime"
 #define MAX_REQ (1 << 20)
 #define MAX_ITEMS 4096
@@ -728,6 +729,37 @@ static void stop_input(struct input *in, int listen_fd, const char *path)
 	free(in->pending);
 }
 
+/* The request that started each running command, as /.bunshin/procs/<pid>: what
+ * commands.list() reports (E2B lists a command's configuration, not what it exec'd into). */
+static const char *raw_request;
+static uint32_t raw_length;
+
+static void proc_path(char *buf, size_t len, pid_t pid)
+{
+	snprintf(buf, len, PROCS_DIR "/%d", (int)pid);
+}
+
+static void record_command(pid_t pid)
+{
+	char path[64], tmp[80];
+	mkdir(PROCS_DIR, 0700);
+	proc_path(path, sizeof(path), pid);
+	snprintf(tmp, sizeof(tmp), "%s.tmp", path);
+	int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+	if (fd < 0)
+		return;
+	write_all(fd, raw_request, raw_length);
+	close(fd);
+	rename(tmp, path);
+}
+
+static void forget_command(pid_t pid)
+{
+	char path[64];
+	proc_path(path, sizeof(path), pid);
+	unlink(path);
+}
+
 static int op_run(int conn, struct request *rq)
 {
 	int op[2], ep[2];
@@ -744,6 +776,7 @@ static int op_run(int conn, struct request *rq)
 	close(ep[1]);
 	if (pid < 0)
 		return send_text(conn, 'F', "%s", err);
+	record_command(pid);
 	int listen_fd = in.mode != IN_NONE ? listen_io(pid, io_path, sizeof(io_path)) : -1;
 	send_text(conn, 'P', "%d", pid);
 
@@ -757,6 +790,7 @@ static int op_run(int conn, struct request *rq)
 		w.outs[1] = -1;
 	}
 	int status = supervise(&w);
+	forget_command(pid);
 	if (w.client >= 0)
 		send_text(conn, 'X', "%d", status);
 	close(conn);
@@ -820,10 +854,7 @@ static int op_spawn(int conn, struct request *rq)
 	close(errf);
 	if (pid < 0)
 		return send_text(conn, 'F', "%s", err);
-	snprintf(text, sizeof(text), "%d\n", (int)pid);
-	write_file_atomic(dir, "pid", text);
-	if (in.mode == IN_PTY)
-		write_file_atomic(dir, "tty", in.slave);
+	record_command(pid);
 	int listen_fd = in.mode != IN_NONE ? listen_io(pid, io_path, sizeof(io_path)) : -1;
 	send_text(conn, 'P', "%d", pid);
 	close(conn);
@@ -847,6 +878,7 @@ static int op_spawn(int conn, struct request *rq)
 		if (in.mode == IN_PTY && in.fd >= 0)
 			close(in.fd);
 	}
+	forget_command(pid);
 	snprintf(text, sizeof(text), "%d\n", status);
 	write_file_atomic(dir, "exit", text);
 	return 0;
@@ -863,6 +895,8 @@ static void serve(int conn)
 		send_text(conn, 'F', "EINVAL malformed request");
 		_exit(1);
 	}
+	raw_request = buf;
+	raw_length = len;
 	/* A caller that gave up (a request sent while the workspace was paused, then timed out)
 	 * was told it failed: acting on it after a resume would surprise it. Callers never shut
 	 * down their write side, so a hang-up means exactly that. */
