@@ -40,6 +40,7 @@ from .errors import (
     WorkspaceStateError,
 )
 from .files import EntryInfo, FileType, WriteInfo
+from .fs import digest as rootfs_digest
 from .sandbox import (
     Sandbox,
     SandboxInfo,
@@ -50,10 +51,9 @@ from .sandbox import (
     SnapshotInfo,
     SnapshotPaginator,
 )
-from .snapshot import Snapshot
 from .spec import WorkspaceSpec
 from .watch import FilesystemEvent, FilesystemEventType, WatchHandle
-from .workspace import MemoryStats, Workspace, WorkspaceInfo
+from .workspace import MemoryStats, Snapshot, Workspace, WorkspaceInfo
 
 __all__ = [
     "AsyncCommandHandle", "AsyncSandbox", "AsyncWatchHandle", "AsyncWorkspace", "BunshinError", "CgroupError",
@@ -64,5 +64,5 @@ __all__ = [
     "SandboxException", "SandboxInfo", "SandboxMetrics", "SandboxNotFoundException", "SandboxPaginator",
     "SandboxQuery", "SandboxState", "Snapshot", "SnapshotInfo", "SnapshotPaginator", "SpecError",
     "TimeoutException", "WatchHandle", "Workspace", "WorkspaceFileNotFound", "WorkspaceInfo", "WorkspaceNotFound",
-    "WorkspaceSpec", "WorkspaceStateError", "WriteInfo", "__version__",
+    "WorkspaceSpec", "WorkspaceStateError", "WriteInfo", "__version__", "rootfs_digest",
 ]

@@ -20,7 +20,6 @@ import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
-from . import control, native, process
 from .commands import (
     CommandHandle,
     CommandResult,
@@ -33,6 +32,8 @@ from .commands import (
 )
 from .errors import CommandError, CommandTimeout, WorkspaceStateError
 from .files import EntryInfo, FileStreamReader, WriteInfo
+from .process import control
+from .process.tree import tree
 from .sandbox import (
     Sandbox,
     SandboxInfo,
@@ -43,10 +44,9 @@ from .sandbox import (
     SnapshotPaginator,
     instance_or_class,
 )
-from .snapshot import Snapshot
 from .spec import WorkspaceSpec
 from .watch import AsyncWatchHandle, EventCallback, ExitCallback
-from .workspace import MemoryStats, Workspace, WorkspaceInfo
+from .workspace import MemoryStats, Snapshot, Workspace, WorkspaceInfo
 
 T = TypeVar("T")
 W = TypeVar("W", bound="AsyncWorkspace")
@@ -71,9 +71,10 @@ class AsyncCommandHandle:
     """A background command (E2B's AsyncCommandHandle). Its output is followed from the moment
     it starts (callbacks get it as it comes); wait() returns when it exits."""
 
-    def __init__(self, handle: CommandHandle, on_stdout: Callback | None = None, on_stderr: Callback | None = None,
-                 on_pty: Callback | None = None) -> None:
+    def __init__(self, handle: CommandHandle, pids: Callable[[], list[int]], on_stdout: Callback | None = None,
+                 on_stderr: Callback | None = None, on_pty: Callback | None = None) -> None:
         self._h = handle
+        self._pids = pids
         self._callbacks = (on_stdout, on_stderr, on_pty)
         self._task = asyncio.ensure_future(self._follow())
 
@@ -99,12 +100,11 @@ class AsyncCommandHandle:
 
     def _exit_future(self) -> asyncio.Future[None] | None:
         """Resolved when the command's process exits: its pidfd, read by the event loop."""
-        host_pid = next((p.host_pid for p in process.tree(self._h._ws._cgroup().pids()) if p.pid == self._h.pid),
-                        None)
+        host_pid = next((p.host_pid for p in tree(self._pids()) if p.pid == self._h.pid), None)
         if host_pid is None:
             return None
         try:
-            pidfd = native.pidfd_open(host_pid)
+            pidfd = os.pidfd_open(host_pid)
         except OSError:
             return None
         loop = asyncio.get_running_loop()
@@ -157,16 +157,16 @@ class AsyncCommandHandle:
 
     async def kill(self) -> bool:
         try:
-            await control.simple_async(self._h._ws._live_init_pid(), "kill", pid=-self._h.pid, sig=9)
+            await control.simple_async(self._h._init_pid(), "kill", pid=-self._h.pid, sig=9)
             return True
         except CommandError:
             return False
 
     async def send_stdin(self, data: str | bytes, request_timeout: float | None = None) -> None:
-        await _send_input(self._h._ws, self._h.pid, "I", data, request_timeout)
+        await _send_input(self._h._init_pid(), self._h.pid, "I", data, request_timeout)
 
     async def close_stdin(self, request_timeout: float | None = None) -> None:
-        await _send_input(self._h._ws, self._h.pid, "C", b"", request_timeout)
+        await _send_input(self._h._init_pid(), self._h.pid, "C", b"", request_timeout)
 
     async def disconnect(self) -> None:
         """Stop following the command; it keeps running."""
@@ -176,9 +176,9 @@ class AsyncCommandHandle:
             await self._task
 
 
-async def _open_input(ws: Workspace, pid: int, timeout: float | None) -> tuple[asyncio.StreamReader,
-                                                                                 asyncio.StreamWriter]:
-    path = control.socket_path(ws._live_init_pid(), f"{control.IO_DIR}/{pid}")
+async def _open_input(init_pid: int, pid: int, timeout: float | None) -> tuple[asyncio.StreamReader,
+                                                                               asyncio.StreamWriter]:
+    path = control.socket_path(init_pid, f"{control.IO_DIR}/{pid}")
     try:
         return await asyncio.wait_for(asyncio.open_unix_connection(path), timeout or control.REPLY_TIMEOUT)
     except (FileNotFoundError, ConnectionRefusedError):
@@ -198,11 +198,20 @@ async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, 
         raise CommandError(f"input to command {pid}: {reply.decode(errors='replace')}")
 
 
-async def _send_input(ws: Workspace, pid: int, kind: str, data: str | bytes, timeout: float | None) -> None:
+async def _hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Leave only once the shim has closed its end: a snapshot must find nothing connected."""
+    writer.write_eof()
+    while await reader.read(65536):
+        pass
+    writer.close()
+
+
+async def _send_input(init_pid: int, pid: int, kind: str, data: str | bytes, timeout: float | None) -> None:
     raw = data.encode() if isinstance(data, str) else bytes(data)
-    reader, writer = await _open_input(ws, pid, timeout)
+    reader, writer = await _open_input(init_pid, pid, timeout)
     try:
         await asyncio.wait_for(_exchange(reader, writer, pid, kind, raw), timeout or control.REPLY_TIMEOUT)
+        await asyncio.wait_for(_hang_up(reader, writer), control.REPLY_TIMEOUT)
     except TimeoutError:
         raise WorkspaceStateError(f"command {pid} did not take its input in time; is the workspace paused?") from None
     finally:
@@ -219,10 +228,11 @@ class AsyncCommandInputHandle:
         self._task = asyncio.ensure_future(self._run())
 
     async def _run(self) -> None:
-        reader, writer = await _open_input(self._ws, self._pid, self._timeout)
+        reader, writer = await _open_input(self._ws._live_init_pid(), self._pid, self._timeout)
         try:
             while (chunk := await self._queue.get()) is not None:
                 await _exchange(reader, writer, self._pid, "I", chunk)
+            await _hang_up(reader, writer)
         finally:
             writer.close()
 
@@ -276,9 +286,8 @@ class AsyncCommands:
             cmd_id = os.urandom(8).hex()
             pid = int(await control.simple_async(init_pid, "spawn", argv=argv, env=full_env, cwd=workdir,
                                                  cmd_id=cmd_id, user=spec, stdin="pipe" if stdin else None))
-            handle = CommandHandle(self._ws, cmd_id, pid, deadline=_deadline(timeout),
-                                   raise_on_exit=self._ws.raise_on_exit, retain_output=retain_output)
-            return AsyncCommandHandle(handle, on_stdout, on_stderr)
+            handle = self._sync._handle(cmd_id, pid, timeout=timeout, retain_output=retain_output)
+            return AsyncCommandHandle(handle, self._ws._pids, on_stdout, on_stderr)
         out, err = _Utf8Stream(None, retain_output), _Utf8Stream(None, retain_output)
         conn = await control.AsyncConnection.open(init_pid)
         status: int | None = None
@@ -309,7 +318,7 @@ class AsyncCommands:
             if text := stream.feed(b"", final=True):
                 await _call(cb, text)
         result = _result(status, out, err)
-        if self._ws.raise_on_exit and result.exit_code != 0:
+        if self._ws.conventions.raise_on_exit and result.exit_code != 0:
             raise _exit_exception(result)
         return result
 
@@ -325,10 +334,10 @@ class AsyncCommands:
         return False
 
     async def send_stdin(self, pid: int, data: str | bytes, request_timeout: float | None = None) -> None:
-        await _send_input(self._ws, pid, "I", data, request_timeout)
+        await _send_input(self._ws._live_init_pid(), pid, "I", data, request_timeout)
 
     async def close_stdin(self, pid: int, request_timeout: float | None = None) -> None:
-        await _send_input(self._ws, pid, "C", b"", request_timeout)
+        await _send_input(self._ws._live_init_pid(), pid, "C", b"", request_timeout)
 
     def stream_input(self, pid: int, *, timeout: float | None = 60.0) -> AsyncCommandInputHandle:
         """An ordered input stream to the command (call it from the event loop)."""
@@ -338,7 +347,7 @@ class AsyncCommands:
                       on_stdout: Callback | None = None, on_stderr: Callback | None = None, *,
                       retain_output: bool = True) -> AsyncCommandHandle:
         handle = self._sync.connect(pid, timeout, request_timeout, retain_output=retain_output)
-        return AsyncCommandHandle(handle, on_stdout, on_stderr)
+        return AsyncCommandHandle(handle, self._ws._pids, on_stdout, on_stderr)
 
 
 class AsyncPty:
@@ -349,24 +358,24 @@ class AsyncPty:
                      envs: dict[str, str] | None = None, timeout: float | None = 60,
                      request_timeout: float | None = None) -> AsyncCommandHandle:
         handle = await asyncio.to_thread(self._ws.pty.create, size, user, cwd, envs, timeout, request_timeout)
-        return AsyncCommandHandle(handle, on_pty=on_data)
+        return AsyncCommandHandle(handle, self._ws._pids, on_pty=on_data)
 
     async def kill(self, pid: int, request_timeout: float | None = None) -> bool:
         return await AsyncCommands(self._ws).kill(pid, request_timeout)
 
     async def send_stdin(self, pid: int, data: bytes, request_timeout: float | None = None) -> None:
-        await _send_input(self._ws, pid, "I", data, request_timeout)
+        await _send_input(self._ws._live_init_pid(), pid, "I", data, request_timeout)
 
     def stream_input(self, pid: int, *, timeout: float | None = 60.0) -> AsyncCommandInputHandle:
         """An ordered input stream to the command (call it from the event loop)."""
         return AsyncCommandInputHandle(self._ws, pid, timeout)
 
     async def resize(self, pid: int, size: PtySize, request_timeout: float | None = None) -> None:
-        await _send_input(self._ws, pid, "R", f"{size.rows} {size.cols}", request_timeout)
+        await _send_input(self._ws._live_init_pid(), pid, "R", f"{size.rows} {size.cols}", request_timeout)
 
     async def connect(self, pid: int, on_data: Callback, timeout: float | None = 60,
                       request_timeout: float | None = None) -> AsyncCommandHandle:
-        return AsyncCommandHandle(self._ws.pty.connect(pid, timeout, request_timeout), on_pty=on_data)
+        return AsyncCommandHandle(self._ws.pty.connect(pid, timeout, request_timeout), self._ws._pids, on_pty=on_data)
 
 
 # ---- files ----

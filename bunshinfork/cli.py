@@ -24,18 +24,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from . import __version__, cli_exec, doctor, network, snapshot, spec, state, workspace
+from . import __version__, cli_exec, doctor, memory, pipeline, spec, state
 from .errors import (
     BunshinError,
     CommandError,
     CommandTimeout,
-    PrivilegeError,
     SpecError,
     WorkspaceNotFound,
     WorkspaceStateError,
 )
-from .snapshot import Snapshot
-from .workspace import MemoryStats, Workspace, WorkspaceInfo
+from .workspace import MemoryStats, Snapshot, Workspace, WorkspaceInfo
 
 PROG = "bunshin"
 # podman's exit statuses
@@ -116,9 +114,6 @@ def _print_json(data: Any) -> None:
     print(json.dumps(data, indent=2, sort_keys=True))
 
 
-def _require_root() -> None:
-    if os.geteuid() != 0:
-        raise PrivilegeError("bunshin needs root (namespaces, mounts, cgroups); run it as root")
 
 
 def _connect(ws_id: str) -> Workspace:
@@ -412,17 +407,19 @@ def _gc_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
+# What `gc` prints before each removed item, by kind.
+_GC_KINDS = {"workspaces": "workspace", "snapshots": "snapshot"}
+
+
 def _gc(args: argparse.Namespace) -> int:
-    removed = workspace.gc() + [f"snapshot {name}" for name in snapshot.gc()]
-    net_removed = [str(x) for x in network.gc()]
+    removed = pipeline.gc()
     if args.json:
-        _print_json({"workspaces": removed, "network": net_removed})
+        _print_json(removed)
         return 0
-    for ws_id in removed:
-        print(f"workspace {ws_id}")
-    for item in net_removed:
-        print(f"network {item}")
-    if not removed and not net_removed:
+    for kind, items in removed.items():
+        for item in items:
+            print(f"{_GC_KINDS.get(kind, kind)} {item}")
+    if not any(removed.values()):
         print("nothing to remove")
     return 0
 
@@ -433,7 +430,7 @@ def _gc(args: argparse.Namespace) -> int:
 def _fork_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("id", nargs="?", type=_workspace_id, help="the running workspace to fork")
     p.add_argument("-n", "--count", type=int, default=1, help="number of clones (default 1)")
-    p.add_argument("--memory", default="auto", choices=("auto", "copy", "ksm", "cow"),
+    p.add_argument("--memory", default="auto", choices=("auto", *memory.NAMES),
                    help="memory engine (default auto: cow with /dev/bunshin, else ksm on Linux >= 6.4, else copy)")
     p.add_argument("--snapshot", metavar="PATH", help="fork a snapshot saved by 'bunshin snapshot' instead")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -605,7 +602,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.root:
             state.RUN_ROOT = Path(args.root).absolute()
         if sub.needs_root:
-            _require_root()
+            state.require_root()
         return sub.run(args)
     except _UsageError as e:
         # The same shape and exit status as argparse's own usage errors.

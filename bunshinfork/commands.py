@@ -18,12 +18,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from . import control, process
 from .errors import BunshinError, CommandError, CommandTimeout, NotFoundException, WorkspaceStateError
+from .files import Files
+from .process import control
+from .process.tree import tree
 
 if TYPE_CHECKING:
     from .users import User
-    from .workspace import Workspace
 
 DEFAULT_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -35,6 +36,21 @@ DEFAULT_ENV = {
 
 OutputCallback = Callable[[str], None]
 PtyCallback = Callable[[bytes], None]
+# The workspace's live init pid; raises WorkspaceStateError once it is gone.
+InitPid = Callable[[], int]
+
+
+@dataclass(frozen=True)
+class Conventions:
+    """What the two front doors over one core differ in (commands and files)."""
+
+    default_user: str | None = None  # None: root
+    login_shell: bool = False  # strings run in `bash -l -c` rather than the workspace's shell
+    raise_on_exit: bool = False  # a non-zero exit raises CommandExitException
+
+
+BUNSHIN = Conventions()
+E2B = Conventions(default_user="user", login_shell=True, raise_on_exit=True)
 Event = tuple[str | None, str | None, bytes | None]  # (stdout, stderr, pty): one of them set
 
 
@@ -131,11 +147,12 @@ class CommandHandle:
     workspace, so the workspace holds no connection to the host while it runs and can be
     forked meanwhile; the handle reads them as they grow."""
 
-    def __init__(self, ws: Workspace, cmd_id: str, pid: int, on_stdout: OutputCallback | None = None,
-                 on_stderr: OutputCallback | None = None, *, deadline: float | None = None,
-                 raise_on_exit: bool = False, retain_output: bool = True, pty: bool = False,
-                 offsets: tuple[int, int] = (0, 0)) -> None:
-        self._ws = ws
+    def __init__(self, init_pid: InitPid, files: Files, cmd_id: str, pid: int,
+                 on_stdout: OutputCallback | None = None, on_stderr: OutputCallback | None = None, *,
+                 deadline: float | None = None, raise_on_exit: bool = False, retain_output: bool = True,
+                 pty: bool = False, offsets: tuple[int, int] = (0, 0)) -> None:
+        self._init_pid = init_pid
+        self._files = files
         self.cmd_id = cmd_id
         self._pid = pid
         self._offsets = list(offsets)
@@ -150,7 +167,7 @@ class CommandHandle:
         # removes it, so that two handles (commands.connect) both see the end.
         self._follower = f"{self._dir()}/follower-{secrets.token_hex(4)}"
         with contextlib.suppress(BunshinError):
-            ws.files.write(self._follower, "", user="root")
+            files.write(self._follower, "", user="root")
         self._pump: threading.Thread | None = None
         if on_stdout or on_stderr:
             self._pump = threading.Thread(target=self._pump_loop, daemon=True, name=f"bunshin-{cmd_id}")
@@ -167,7 +184,7 @@ class CommandHandle:
     def _read_new(self) -> tuple[list[bytes], int | None]:
         """New bytes of stdout and stderr, and the wait status once the command has exited."""
         with self._lock:
-            files = self._ws.files
+            files = self._files
             base = self._dir()
             status_text = None
             with contextlib.suppress(NotFoundException):
@@ -214,7 +231,7 @@ class CommandHandle:
         return self._result
 
     def _unfollow(self) -> None:
-        files = self._ws.files
+        files = self._files
         with contextlib.suppress(Exception):
             files.remove(self._follower, user="root")
             if not any(e.name.startswith("follower-") for e in files.list(self._dir(), user="root")) and \
@@ -289,19 +306,19 @@ class CommandHandle:
     def kill(self, sig: int = signal.SIGKILL) -> bool:
         """Signal the command's whole process group; False if it had already exited."""
         try:
-            control.simple(self._ws._live_init_pid(), "kill", pid=-self.pid, sig=int(sig))
+            control.simple(self._init_pid(), "kill", pid=-self.pid, sig=int(sig))
             return True
         except CommandError:
             return False
 
     def send_stdin(self, data: str | bytes, request_timeout: float | None = None) -> None:
         """Write to the command's stdin (it must have been started with stdin=True)."""
-        control.send_input(self._ws._live_init_pid(), self.pid, "I",
+        control.send_input(self._init_pid(), self.pid, "I",
                            data.encode() if isinstance(data, str) else bytes(data), request_timeout)
 
     def close_stdin(self, request_timeout: float | None = None) -> None:
         """Signal end of input to the command."""
-        control.send_input(self._ws._live_init_pid(), self.pid, "C", b"", request_timeout)
+        control.send_input(self._init_pid(), self.pid, "C", b"", request_timeout)
 
     def disconnect(self) -> None:
         """Stop following the command; it keeps running (commands.connect(pid) follows it again)."""
@@ -367,32 +384,48 @@ class Foreground:
 
 
 class Commands:
-    def __init__(self, ws: Workspace) -> None:
-        self._ws = ws
+    """ws.commands. `env` is the workspace's own environment; `shell` runs string commands
+    (unless the conventions ask for a login bash); `pids` lists the workspace's host pids."""
+
+    def __init__(self, init_pid: InitPid, files: Files, env: Mapping[str, str], shell: Callable[[], str],
+                 pids: Callable[[], list[int]], conventions: Conventions = BUNSHIN) -> None:
+        self._init_pid = init_pid
+        self._files = files
+        self._env = env
+        self._shell = shell
+        self._pids = pids
+        self._conv = conventions
 
     # ---- how a command is started ----
 
     def _argv(self, cmd: str | list[str]) -> list[str]:
         if isinstance(cmd, str):
-            return self._ws._shell_argv(cmd)
+            return ["/bin/bash", "-l", "-c", cmd] if self._conv.login_shell else [self._shell(), "-c", cmd]
         if not cmd:
             raise CommandError("empty command")
         return list(cmd)
 
+    def _handle(self, cmd_id: str, pid: int, on_stdout: OutputCallback | None = None,
+                on_stderr: OutputCallback | None = None, *, timeout: float | None = None,
+                retain_output: bool = True, pty: bool = False) -> CommandHandle:
+        return CommandHandle(self._init_pid, self._files, cmd_id, pid, on_stdout, on_stderr,
+                             deadline=None if _no_limit(timeout) else time.monotonic() + float(timeout),  # type: ignore[arg-type]
+                             raise_on_exit=self._conv.raise_on_exit, retain_output=retain_output, pty=pty)
+
     def _prepare(self, user: str | None, envs: Mapping[str, str] | None, env: Mapping[str, str] | None,
                  cwd: str | None) -> tuple[str | None, dict[str, str], str]:
-        who: User = self._ws._resolve_user(user)
-        full_env = {**DEFAULT_ENV, **who.env(), **self._ws.spec_env(), **(envs or {}), **(env or {})}
+        who: User = self._files._user(user)
+        full_env = {**DEFAULT_ENV, **who.env(), **self._env, **(envs or {}), **(env or {})}
         if cwd is None:
             # A user whose home does not exist (nobody's /nonexistent) starts in /, as under podman.
-            cwd = who.home if who.is_root or self._ws.files.exists(who.home, user="root") else "/"
+            cwd = who.home if who.is_root or self._files.exists(who.home, user="root") else "/"
         return (None if who.is_root else who.spec()), full_env, cwd
 
     def _spawn(self, argv: list[str], user: str | None, envs: Mapping[str, str] | None,
                env: Mapping[str, str] | None, cwd: str | None, stdin: str | None) -> tuple[str, int]:
         spec, full_env, workdir = self._prepare(user, envs, env, cwd)
         cmd_id = secrets.token_hex(8)
-        pid = int(control.simple(self._ws._live_init_pid(), "spawn", argv=argv, env=full_env, cwd=workdir,
+        pid = int(control.simple(self._init_pid(), "spawn", argv=argv, env=full_env, cwd=workdir,
                                  cmd_id=cmd_id, user=spec, stdin=stdin))
         return cmd_id, pid
 
@@ -402,7 +435,7 @@ class Commands:
         """Start a foreground command and hand back its connection (the CLI's exec -i/-t)."""
         argv = self._argv(cmd)
         spec, full_env, workdir = self._prepare(user, envs, env, cwd)
-        conn = control.Connection(self._ws._live_init_pid())
+        conn = control.Connection(self._init_pid())
         try:
             conn.send("run", argv=argv, env=full_env, cwd=workdir, user=spec,
                       stdin=f"pty:{pty.rows}:{pty.cols}" if pty else "pipe" if stdin else None)
@@ -442,9 +475,7 @@ class Commands:
         argv = self._argv(cmd)
         if background:
             cmd_id, pid = self._spawn(argv, user, envs, env, cwd, "pipe" if stdin else None)
-            return CommandHandle(self._ws, cmd_id, pid, on_stdout, on_stderr,
-                                 deadline=None if _no_limit(timeout) else time.monotonic() + float(timeout),  # type: ignore[arg-type]
-                                 raise_on_exit=self._ws.raise_on_exit, retain_output=retain_output)
+            return self._handle(cmd_id, pid, on_stdout, on_stderr, timeout=timeout, retain_output=retain_output)
         run = self.start(argv, envs, user, cwd, bool(stdin), None, timeout, env=env)
         out, err = _Utf8Stream(on_stdout, retain_output), _Utf8Stream(on_stderr, retain_output)
         status: int | None = None
@@ -466,14 +497,14 @@ class Commands:
         out.feed(b"", final=True)
         err.feed(b"", final=True)
         result = _result(status, out, err)
-        if self._ws.raise_on_exit and result.exit_code != 0:
+        if self._conv.raise_on_exit and result.exit_code != 0:
             raise _exit_exception(result)
         return result
 
     def _requests(self) -> dict[int, dict[str, list[str]]]:
         """The request (tag -> values; "op" too) behind every command running now, by pid."""
-        files = self._ws.files
-        running = {p.pid for p in process.tree(self._ws._cgroup().pids())}
+        files = self._files
+        running = {p.pid for p in tree(self._pids())}
         out: dict[int, dict[str, list[str]]] = {}
         with contextlib.suppress(NotFoundException):
             for entry in files.list(control.PROCS_DIR, user="root"):
@@ -499,7 +530,7 @@ class Commands:
 
     def kill(self, pid: int, request_timeout: float | None = None) -> bool:
         """SIGKILL a command (its whole process group); False if there is no such command."""
-        init = self._ws._live_init_pid()
+        init = self._init_pid()
         for target in (-pid, pid):
             with contextlib.suppress(CommandError):
                 control.simple(init, "kill", pid=target, sig=int(signal.SIGKILL))
@@ -507,11 +538,11 @@ class Commands:
         return False
 
     def send_stdin(self, pid: int, data: str | bytes, request_timeout: float | None = None) -> None:
-        control.send_input(self._ws._live_init_pid(), pid, "I",
+        control.send_input(self._init_pid(), pid, "I",
                            data.encode() if isinstance(data, str) else bytes(data), request_timeout)
 
     def close_stdin(self, pid: int, request_timeout: float | None = None) -> None:
-        control.send_input(self._ws._live_init_pid(), pid, "C", b"", request_timeout)
+        control.send_input(self._init_pid(), pid, "C", b"", request_timeout)
 
     def stream_input(self, pid: int, data: Iterable[str | bytes], *, timeout: float | None = 60.0) -> None:
         """Send each chunk of `data` to the command's stdin, in order."""
@@ -530,9 +561,7 @@ class Commands:
                 retain_output: bool = True) -> CommandHandle:
         """Follow a running background command again, from the start of its output."""
         cmd_id, is_pty = self._find_background(pid)
-        return CommandHandle(self._ws, cmd_id, pid, deadline=None if _no_limit(timeout) else
-                             time.monotonic() + float(timeout), raise_on_exit=self._ws.raise_on_exit,  # type: ignore[arg-type]
-                             retain_output=retain_output, pty=is_pty)
+        return self._handle(cmd_id, pid, timeout=timeout, retain_output=retain_output, pty=is_pty)
 
 
     def _find_background(self, pid: int) -> tuple[str, bool]:
@@ -547,32 +576,30 @@ class Commands:
 class Pty:
     """Terminals in the workspace (E2B's sandbox.pty): an interactive login bash on a pty."""
 
-    def __init__(self, ws: Workspace) -> None:
-        self._ws = ws
+    def __init__(self, commands: Commands) -> None:
+        self._commands = commands
 
     def create(self, size: PtySize, user: str | None = None, cwd: str | None = None,
                envs: dict[str, str] | None = None, timeout: float | None = 60,
                request_timeout: float | None = None) -> CommandHandle:
-        cmds = self._ws.commands
+        cmds = self._commands
         term_env = {"TERM": "xterm-256color", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", **(envs or {})}
         cmd_id, pid = cmds._spawn(["/bin/bash", "-i", "-l"], user, term_env, None, cwd,
                                   f"pty:{size.rows}:{size.cols}")
-        return CommandHandle(self._ws, cmd_id, pid, deadline=None if _no_limit(timeout) else
-                             time.monotonic() + float(timeout), raise_on_exit=self._ws.raise_on_exit,  # type: ignore[arg-type]
-                             pty=True)
+        return cmds._handle(cmd_id, pid, timeout=timeout, pty=True)
 
     def kill(self, pid: int, request_timeout: float | None = None) -> bool:
-        return self._ws.commands.kill(pid, request_timeout)
+        return self._commands.kill(pid, request_timeout)
 
     def send_stdin(self, pid: int, data: bytes, request_timeout: float | None = None) -> None:
-        self._ws.commands.send_stdin(pid, data, request_timeout)
+        self._commands.send_stdin(pid, data, request_timeout)
 
     def stream_input(self, pid: int, data: Iterable[str | bytes], *, timeout: float | None = 60.0) -> None:
-        self._ws.commands.stream_input(pid, data, timeout=timeout)
+        self._commands.stream_input(pid, data, timeout=timeout)
 
     def resize(self, pid: int, size: PtySize, request_timeout: float | None = None) -> None:
-        control.send_input(self._ws._live_init_pid(), pid, "R", f"{size.rows} {size.cols}".encode(),
+        control.send_input(self._commands._init_pid(), pid, "R", f"{size.rows} {size.cols}".encode(),
                            request_timeout)
 
     def connect(self, pid: int, timeout: float | None = 60, request_timeout: float | None = None) -> CommandHandle:
-        return self._ws.commands.connect(pid, timeout, request_timeout)
+        return self._commands.connect(pid, timeout, request_timeout)

@@ -17,7 +17,7 @@ import os
 import posixpath
 import shutil
 import stat
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import IO, TYPE_CHECKING, Literal, TypedDict
@@ -27,7 +27,6 @@ from .errors import FileOperationError, InvalidArgumentException, WorkspaceFileN
 
 if TYPE_CHECKING:
     from .watch import Inotify, WatchHandle
-    from .workspace import Workspace
 
 HOME = "/root"
 CHUNK = 1 << 20
@@ -148,13 +147,18 @@ class FileStreamReader(Iterator[bytes]):
 
 
 class Files:
-    def __init__(self, ws: Workspace) -> None:
-        self._ws = ws
+    """ws.files, resolved against the root of the workspace whose live init `init_pid()` names;
+    operations without a `user` run as `default_user` (None: root)."""
+
+    def __init__(self, init_pid: Callable[[], int], default_user: str | None = None) -> None:
+        self._init_pid = init_pid
+        self._default_user = default_user
+        self.accounts = users.Accounts(self)
 
     # ---- users and paths ----
 
     def _user(self, user: str | None) -> users.User:
-        return self._ws._resolve_user(user)
+        return self.accounts.resolve(user or self._default_user or "root")
 
     def _abs(self, path: str, who: users.User | None = None) -> str:
         if not path:
@@ -164,7 +168,7 @@ class Files:
     @contextlib.contextmanager
     def _root(self, who: users.User = users.ROOT) -> Iterator[int]:
         # /proc/<init>/root is opened with root's identity: the user's would not be let in.
-        pid = self._ws._live_init_pid()
+        pid = self._init_pid()
         fd = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             with users.fs_identity(who):
@@ -183,7 +187,7 @@ class Files:
     def _entry(self, dirfd: int, name: str, path: str) -> EntryInfo:
         st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
         target = os.readlink(name, dir_fd=dirfd) if stat.S_ISLNK(st.st_mode) else None
-        owners, groups = self._ws._id_names()
+        owners, groups = self.accounts.names()
         return EntryInfo(
             name=name, type=_kind(st.st_mode), path=path, size=st.st_size, mode=stat.S_IMODE(st.st_mode),
             permissions=stat.filemode(st.st_mode)[1:], owner=owners.get(st.st_uid, str(st.st_uid)),

@@ -28,6 +28,7 @@ from typing import Any, Literal, TypeVar
 
 from . import __version__ as VERSION
 from . import state, users
+from .commands import E2B, Conventions
 from .errors import (
     BunshinError,
     InvalidArgumentException,
@@ -35,11 +36,9 @@ from .errors import (
     WorkspaceNotFound,
     WorkspaceStateError,
 )
-from .snapshot import Snapshot
-from .workspace import Workspace
+from .workspace import Snapshot, Workspace
 
 SNAPSHOT_ROOT = Path(os.environ.get("BUNSHIN_SNAPSHOT_ROOT", "/var/lib/bunshin/snapshots"))
-DEFAULT_USER = "user"
 MAX_FORKS = 20  # E2B's limit per fork call
 S = TypeVar("S", bound="Sandbox")
 
@@ -227,9 +226,7 @@ def _find_snapshot(template: str) -> Path | None:
 class Sandbox(Workspace):
     """A workspace with E2B's Sandbox interface (see the module's docstring)."""
 
-    default_user: str | None = DEFAULT_USER
-    login_shell = True
-    raise_on_exit = True
+    conventions: Conventions = E2B
     default_sandbox_timeout = 300
     default_template = "base"
 
@@ -316,7 +313,7 @@ class Sandbox(Workspace):
     def _ensure_default_user(self) -> users.User:
         """E2B's sandboxes have a user "user" (home /home/user): add it where the rootfs lacks it."""
         passwd, group = self.files._read_as_root(users.Accounts.PATHS)
-        new_passwd, new_group, user = users.add_user(passwd, group, DEFAULT_USER)
+        new_passwd, new_group, user = users.add_user(passwd, group, str(self.conventions.default_user))
         if new_passwd != passwd:
             self.files.write("/etc/passwd", new_passwd, user="root")
             self.files.write("/etc/group", new_group, user="root")
@@ -343,8 +340,7 @@ class Sandbox(Workspace):
         with contextlib.suppress(FileNotFoundError, ValueError, TypeError):
             disk = state.Record.load(self.id)
             rec = self._rec
-            rec.deadline, rec.lease = disk.deadline, disk.lease
-            rec.metadata, rec.template = disk.metadata, disk.template
+            rec.lifetime, rec.metadata, rec.template = disk.lifetime, disk.metadata, disk.template
         return self._rec
 
     def get_info(self, **opts: Any) -> SandboxInfo:
@@ -354,7 +350,8 @@ class Sandbox(Workspace):
         return SandboxInfo(
             sandbox_id=self.id, sandbox_domain=None, template_id=rec.template or info.rootfs, name=None,
             metadata=dict(rec.metadata), started_at=_utc(rec.created_at),
-            end_at=_utc(rec.deadline) if rec.deadline else datetime.datetime.max.replace(tzinfo=datetime.UTC),
+            end_at=_utc(rec.lifetime.deadline) if rec.lifetime.deadline else
+            datetime.datetime.max.replace(tzinfo=datetime.UTC),
             state=SandboxState.PAUSED if info.state == "paused" else SandboxState.RUNNING,
             cpu_count=os.cpu_count() or 1, memory_mb=mem >> 20, envd_version=VERSION,
             allow_internet_access=info.network.get("mode") == "bridge" and bool(info.network.get("nat")),
@@ -377,7 +374,8 @@ class Sandbox(Workspace):
                 continue
         cpus = os.cpu_count() or 1
         elapsed = max(time.time() - self._rec.created_at, 1e-3)
-        layer = Path(self._rec.storage.get("path") or state.RUN_ROOT)
+        fs = self._rec.fs
+        layer = Path(fs.layer.path if fs and fs.layer else state.RUN_ROOT)
         disk = shutil.disk_usage(layer)
         used = sum(f.lstat().st_size for f in (layer / "upper").rglob("*") if f.is_file())
         total_mem = self.info().memory_limit or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -428,7 +426,7 @@ class Sandbox(Workspace):
                                            "is paused with its memory and resumes as it was")
         if timeout is not None:
             rec = self._refresh()
-            left = rec.deadline - time.time() if rec.deadline else float("inf")
+            left = rec.lifetime.deadline - time.time() if rec.lifetime.deadline else float("inf")
             if timeout > left:
                 Workspace.set_timeout(self, timeout)
         if self.info().state == "paused":
@@ -534,14 +532,14 @@ class Sandbox(Workspace):
     def get_host(self, port: int) -> str:
         """host:port at which the host reaches `port` inside the sandbox (a bridge network's
         address; a loopback-only sandbox has none)."""
-        addr = self._rec.network.get("ip")
+        addr = self._rec.network.ip if self._rec.network else None
         if not addr:
             raise InvalidArgumentException("the sandbox has no network the host can reach (create it with "
                                            "allow_internet_access=True for a bridge network)")
         return f"{str(addr).split('/')[0]}:{port}"
 
     def __repr__(self) -> str:
-        return f"<Sandbox {self.id} init={self._rec.init_pid} {self._rec.status}>"
+        return f"<Sandbox {self.id} init={self.init_pid} {self._rec.status}>"
 
 
 def _check_lifecycle(lifecycle: dict[str, Any] | None) -> None:

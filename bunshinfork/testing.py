@@ -29,9 +29,8 @@ from typing import Any
 
 import pytest
 
-from .snapshot import Snapshot
 from .spec import WorkspaceSpec
-from .workspace import Workspace
+from .workspace import Snapshot, Workspace
 
 Setup = Callable[[Workspace], object]
 

@@ -23,6 +23,12 @@
  * A client that disconnects during `run` kills the command's process group:
  * that is how a timeout is enforced.
  *
+ * A shim closes its connection before anything the client waits for can end (the
+ * last frame of a reply, or the client's hang-up), so once the client has seen EOF
+ * no process of the workspace holds a socket whose peer is outside it, and a
+ * snapshot taken right after any call finds none. Input connections likewise: a
+ * client waits for the shim's EOF after its last acknowledgement.
+ *
  * Input. A command with an input has its shim listen on /.bunshin/io/<pid>;
  * clients send it frames in the reply format and get 'X' or 'F' for each:
  *   'I' bytes for stdin   'C' close stdin   'R' "ROWS COLS" (resize the terminal)
@@ -586,6 +592,14 @@ struct watch {
 	struct framebuf client_frames;
 };
 
+static void drop_client(struct watch *w)
+{
+	close(w->client);
+	w->client = -1;
+	free(w->client_frames.buf);
+	w->client_frames = (struct framebuf){.fd = -1};
+}
+
 static void kill_command(pid_t pid)
 {
 	kill(-pid, SIGKILL);
@@ -644,9 +658,11 @@ static int supervise(struct watch *w)
 			break;
 		if (idx_client >= 0 && (pf[idx_client].revents & (POLLIN | POLLHUP | POLLRDHUP | POLLERR))) {
 			if (pump_frames(&w->client_frames, w->in, 0) < 0) {
-				/* Client gone (timeout or crash): the foreground job dies with it. */
+				/* Client gone (timeout or crash): the foreground job dies with it. The
+				 * connection goes first, so a client waiting for our EOF is released
+				 * before the job has finished dying. */
+				drop_client(w);
 				kill_command(w->pid);
-				w->client = -1;
 			}
 		}
 		if (idx_listen >= 0 && (pf[idx_listen].revents & POLLIN)) {
@@ -690,7 +706,7 @@ static int supervise(struct watch *w)
 			} else if (w->sink >= 0) {
 				write_all(w->sink, buf, (size_t)n);
 			} else if (w->client >= 0 && send_frame(w->client, k == 0 ? 'O' : 'E', buf, (uint32_t)n) < 0) {
-				w->client = -1;
+				drop_client(w);
 				kill_command(w->pid);
 			}
 		}
@@ -791,9 +807,10 @@ static int op_run(int conn, struct request *rq)
 	}
 	int status = supervise(&w);
 	forget_command(pid);
-	if (w.client >= 0)
+	if (w.client >= 0) {
 		send_text(conn, 'X', "%d", status);
-	close(conn);
+		close(conn);
+	}
 	stop_input(&in, listen_fd, io_path);
 	if (in.mode == IN_PTY) {
 		if (in.fd >= 0)

@@ -142,7 +142,8 @@ def _kind(raw: Any) -> str:
 
 def _sandbox_instance(cls: type) -> Any:
     """A Sandbox object over a record (no workspace behind it): its modules are attributes."""
-    rec = state.Record(id="ws-000000000000", status="running", creator_pid=0, created_at=0.0, hostname="x")
+    rec = state.Record(id="ws-000000000000", status="running", creator_pid=0, created_at=0.0, hostname="x",
+                       spec=bunshinfork.WorkspaceSpec())
     if issubclass(cls, aio.AsyncWorkspace):
         return cls(bunshinfork.Sandbox(rec))
     return cls(rec)
@@ -298,12 +299,13 @@ def test_exceptions_have_e2b_names_and_relations() -> None:
 def test_defaults_of_the_front_door() -> None:
     assert bunshinfork.Sandbox.default_sandbox_timeout == e2b.Sandbox.default_sandbox_timeout == 300
     assert bunshinfork.Sandbox.default_template == e2b.Sandbox.default_template
-    assert bunshinfork.Sandbox.default_user == "user"  # e2b.connection_config.default_username
     from e2b.connection_config import default_username
 
-    assert default_username == bunshinfork.Sandbox.default_user
+    assert bunshinfork.Sandbox.conventions.default_user == default_username == "user"
+    assert bunshinfork.Sandbox.conventions.login_shell and bunshinfork.Sandbox.conventions.raise_on_exit
     # Workspace keeps bunshin's own: root, no lifetime, fork(count, memory).
-    assert bunshinfork.Workspace.default_user is None and not bunshinfork.Workspace.raise_on_exit
+    conv = bunshinfork.Workspace.conventions
+    assert conv.default_user is None and not conv.raise_on_exit and not conv.login_shell
     assert list(inspect.signature(bunshinfork.Workspace.fork).parameters)[:3] == ["self", "count", "memory"]
     assert list(inspect.signature(bunshinfork.Sandbox.fork).parameters)[:3] == ["self", "timeout", "count"]
     assert bunshinfork.Sandbox is not bunshinfork.Workspace and issubclass(bunshinfork.Sandbox, bunshinfork.Workspace)

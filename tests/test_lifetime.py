@@ -18,9 +18,10 @@ from conftest import snapshot as host_snapshot
 from fork_support import forked
 from helpers import run_ok, wait_for
 
-from bunshinfork import lifetime, state, workspace
+from bunshinfork import pipeline, state
 from bunshinfork.cgroups import leftover_cgroups
 from bunshinfork.errors import InvalidArgumentException
+from bunshinfork.process import lifetime
 from bunshinfork.workspace import Workspace
 
 GENEROUS = 60.0
@@ -39,7 +40,7 @@ def test_deadline_ends_the_workspace_and_the_next_operation_cleans_up() -> None:
     assert ws.commands.run("echo alive").stdout == "alive\n"
     assert 0 < lifetime.remaining(ws._rec) <= 2  # type: ignore[operator]
     rec = state.Record.load(ws.id)
-    assert rec.deadline == pytest.approx(time.time() + 2, abs=1)  # recorded in the workspace's state
+    assert rec.lifetime.deadline == pytest.approx(time.time() + 2, abs=1)  # recorded in the workspace's state
     wait_for(lambda: ended(ws), timeout=GENEROUS, interval=0.1)
     # No daemon took the host side apart; the next bunshin operation does.
     assert (state.RUN_ROOT / ws.id).exists()
@@ -58,13 +59,13 @@ def test_set_timeout_shortens_extends_and_clears() -> None:
         while time.time() < deadline:  # past the first deadline, and then some
             assert ws.is_running()
             time.sleep(0.2)
-        assert state.Record.load(ws.id).deadline == 0
+        assert state.Record.load(ws.id).lifetime.deadline == 0
         with pytest.raises(InvalidArgumentException):
             ws.set_timeout(-1)
 
 
 def test_no_lifetime_unless_asked(ws: Workspace) -> None:
-    assert ws._rec.deadline == 0 and ws._rec.lease == 0
+    assert ws._rec.lifetime.deadline == 0 and ws._rec.lifetime.lease == 0
     assert run_ok(ws, "cat /.bunshin/lifetime").stdout == "0 0\n"
 
 
@@ -75,7 +76,7 @@ def test_a_clone_has_its_own_lifetime() -> None:
         try:
             wait_for(lambda: ended(short), timeout=GENEROUS, interval=0.1)
             assert src.is_running() and plain.is_running()
-            assert plain._rec.deadline == 0  # not its source's deadline
+            assert plain._rec.lifetime.deadline == 0  # not its source's deadline
         finally:
             short.destroy()
             plain.destroy()
@@ -135,7 +136,7 @@ def test_a_killed_creators_workspaces_stop_and_gc_leaves_nothing() -> None:
         # Deadlines of 3 s, and a lease of lifetime.LEASE_SECONDS, enforced by each init itself.
         wait_for(all_stopped, timeout=GENEROUS + lifetime.LEASE_SECONDS, interval=0.2)
         assert all(ws_id in state.all_ids() for ws_id in inits)  # the host side is still there...
-        workspace.gc()  # ...until gc (or any later bunshin operation) removes it
+        pipeline.gc()  # ...until gc (or any later bunshin operation) removes it
         assert not any(ws_id in state.all_ids() for ws_id in inits)
         after = host_snapshot()
         assert {k: after[k] - before[k] for k in after if after[k] - before[k]} == {}
@@ -143,4 +144,4 @@ def test_a_killed_creators_workspaces_stop_and_gc_leaves_nothing() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        workspace.gc()
+        pipeline.gc()

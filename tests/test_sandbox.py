@@ -238,10 +238,10 @@ def test_cloud_only_options_are_refused_or_ignored() -> None:
 
 def test_workspace_keeps_bunshin_semantics() -> None:
     with Workspace.create() as ws:
-        assert ws._rec.deadline == 0
+        assert ws._rec.lifetime.deadline == 0
         assert ws.commands.run("id -un; pwd; shopt -q login_shell || echo plain").stdout == "root\n/root\nplain\n"
         (clone,) = ws.fork(1, "copy")  # count first
         try:
-            assert type(clone) is Workspace and clone._rec.deadline == 0
+            assert type(clone) is Workspace and clone._rec.lifetime.deadline == 0
         finally:
             clone.destroy()

@@ -14,6 +14,7 @@ collection know it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import os
 import signal
@@ -23,10 +24,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import native, state
+from .. import native, state
+from ..state import Lifetime, Record
 
 if TYPE_CHECKING:
-    from .workspace import Workspace
+    from ..workspace import Workspace
 
 FILE = "/.bunshin/lifetime"
 # Sent to the init after the deadline moved, so that it re-reads the file before its next wake-up.
@@ -40,40 +42,43 @@ def deadline_after(timeout: float | None) -> float:
     if timeout is None or timeout == 0:
         return 0.0
     if timeout < 0:
-        from .errors import InvalidArgumentException
+        from ..errors import InvalidArgumentException
 
         raise InvalidArgumentException(f"timeout must be >= 0 seconds, got {timeout!r}")
     return time.time() + float(timeout)
 
 
-def encode(deadline: float, lease: float) -> str:
-    return f"{int(deadline * 1000)} {int(lease * 1000)}\n"
+def asked(timeout: float | None, die_with_creator: bool) -> Lifetime:
+    """The lifetime a create or fork asks for."""
+    return Lifetime(deadline_after(timeout), LEASE_SECONDS if die_with_creator else 0.0)
 
 
-def seed(upper: Path, deadline: float, lease: float) -> None:
+def encode(lt: Lifetime) -> str:
+    return f"{int(lt.deadline * 1000)} {int(lt.lease * 1000)}\n"
+
+
+def seed(upper: Path, lt: Lifetime) -> None:
     """Write the lifetime into a layer before its init starts (create) or is restored (fork):
     a clone's init runs with its source's memory, and this file is what it obeys."""
     d = upper / ".bunshin"
     d.mkdir(mode=0o700, exist_ok=True)
     tmp = d / "lifetime.tmp"
-    tmp.write_text(encode(deadline, lease))
+    tmp.write_text(encode(lt))
     os.replace(tmp, d / "lifetime")
 
 
-def apply(ws: Workspace, deadline: float, lease: float | None = None) -> None:
+def apply(ws: Workspace, deadline: float) -> None:
     """Give a running workspace a new deadline (0: none), recorded and handed to its init."""
     rec = ws._rec
-    rec.deadline = deadline
-    if lease is not None:
-        rec.lease = lease
+    rec.lifetime = dataclasses.replace(rec.lifetime, deadline=deadline)
     rec.save()
-    ws.files.write(FILE, encode(rec.deadline, rec.lease), user="root", mode=0o600)
+    ws.files.write(FILE, encode(rec.lifetime), user="root", mode=0o600)
     with contextlib.suppress(ProcessLookupError):
         os.kill(ws._live_init_pid(), WAKE)
 
 
-def remaining(rec: state.Record) -> float | None:
-    return None if not rec.deadline else rec.deadline - time.time()
+def remaining(rec: Record) -> float | None:
+    return None if not rec.lifetime.deadline else rec.lifetime.deadline - time.time()
 
 
 # ---- the creator's lease ----
@@ -91,9 +96,10 @@ class Leases:
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
 
-    def hold(self, rec: state.Record) -> None:
+    def hold(self, rec: Record) -> None:
+        assert rec.process is not None
         with self._lock:
-            self._held[rec.id] = (rec.init_pid, rec.init_starttime)
+            self._held[rec.id] = (rec.process.pid, rec.process.starttime)
             if self._thread is None or not self._thread.is_alive() or self._pid != os.getpid():
                 self._pid = os.getpid()
                 self._thread = threading.Thread(target=self._loop, name="bunshin-lease", daemon=True)
@@ -137,7 +143,7 @@ leases = Leases()
 
 
 @contextlib.contextmanager
-def cleanup_lock(rec: state.Record) -> Iterator[bool]:
+def cleanup_lock(rec: Record) -> Iterator[bool]:
     """Serialises the removal of one workspace between its owner's destroy() and another
     process's collection; yields False when the workspace is gone already."""
     try:
@@ -152,33 +158,35 @@ def cleanup_lock(rec: state.Record) -> Iterator[bool]:
         os.close(fd)
 
 
-def _ended(rec: state.Record) -> bool:
+def _ended(rec: Record) -> bool:
     """Its lifetime is over: past the deadline, or a lease whose holder is gone."""
-    if rec.deadline and time.time() >= rec.deadline:
+    lt = rec.lifetime
+    if lt.deadline and time.time() >= lt.deadline:
         return True
-    return bool(rec.lease) and not rec.init_alive() and not rec.creator_alive()
+    return bool(lt.lease) and not rec.init_alive() and not rec.creator_alive()
 
 
 def collect() -> list[str]:
     """Remove the workspaces whose lifetime has ended: what their init left on the host, and a
     workspace whose init outlived its deadline (frozen ones wait until they are resumed)."""
-    from .cgroups import Cgroup
-    from .errors import BunshinError
-    from .workspace import _cleanup
+    from .. import pipeline
+    from ..cgroups import Cgroup
+    from ..contract import Build
+    from ..errors import BunshinError
 
     removed = []
     for ws_id in state.all_ids():
         try:
-            rec = state.Record.load(ws_id)
-        except (FileNotFoundError, ValueError, TypeError):
+            rec = Record.load(ws_id)
+        except (FileNotFoundError, ValueError):
             continue
         if rec.status != "running" or not _ended(rec):
             continue
-        if rec.init_alive() and rec.cgroup:
+        if rec.init_alive() and rec.cgroups is not None:
             with contextlib.suppress(BunshinError, OSError):
-                if Cgroup(rec.cgroup["version"], rec.cgroup["paths"]).frozen():
+                if Cgroup(rec.cgroups).frozen():
                     continue
         with contextlib.suppress(BunshinError):
-            _cleanup(rec)
+            pipeline.release(Build(rec))
             removed.append(ws_id)
     return removed

@@ -2,7 +2,8 @@
 
 The socket lives inside the workspace's own file system and is reached through
 /proc/<init>/root, so no descriptor of the host stays inside the workspace
-between calls.
+between calls. A call returns only once the init's shim has closed its end (EOF), so
+a snapshot taken right after any call never finds a connection to the host.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import socket
 import struct
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 
-from .errors import CommandError, WorkspaceStateError
+from ..errors import CommandError, WorkspaceStateError
 
 CTL_SOCK = "/.bunshin/ctl.sock"
 CMD_DIR = "/.bunshin/cmd"
@@ -74,6 +75,8 @@ class Connection:
             self.sock.close()
             raise WorkspaceStateError(f"workspace init (pid {init_pid}) is not answering at {path}: {e}") from e
         self._buf = b""
+        self._answered = False  # a shim serves this request: it will close its end
+        self._eof = False
 
     def send(self, op: str, argv: Sequence[str] = (), env: Mapping[str, str] | None = None,
              cwd: str | None = None, cmd_id: str | None = None, pid: int | None = None,
@@ -90,6 +93,7 @@ class Connection:
         while len(self._buf) < n:
             chunk = self.sock.recv(max(65536, n - len(self._buf)))
             if not chunk:
+                self._eof = True
                 return None
             self._buf += chunk
         out, self._buf = self._buf[:n], self._buf[n:]
@@ -101,6 +105,7 @@ class Connection:
             hdr = self._read(5)
             if hdr is None:
                 return
+            self._answered = True
             kind, length = chr(hdr[0]), struct.unpack("<I", hdr[1:])[0]
             data = self._read(length) if length else b""
             if data is None:
@@ -108,7 +113,20 @@ class Connection:
             yield kind, data
 
     def close(self) -> None:
-        self.sock.close()
+        """Close, having first waited (up to REPLY_TIMEOUT) for the shim to close its end. A caller
+        that leaves early (a timeout, an error frame) shuts its side down: the shim takes that as
+        the caller giving up (a `run` kills its command) and closes at once. A request no shim
+        has answered yet (a frozen init) is not waited for."""
+        try:
+            if self._answered and not self._eof:
+                self.sock.shutdown(socket.SHUT_WR)
+                self.sock.settimeout(REPLY_TIMEOUT)
+                while self.sock.recv(65536):
+                    pass
+        except OSError:
+            pass  # a timeout included: the workspace stopped answering, nothing more to wait for
+        finally:
+            self.sock.close()
 
     def __enter__(self) -> Connection:
         return self
@@ -165,11 +183,19 @@ def send_input(init_pid: int, pid: int, kind: str, data: bytes = b"", timeout: f
             raise CommandError(f"command {pid} exited before it took the input")
         if chr(hdr[0]) == "F":
             raise CommandError(f"input to command {pid}: {reply.decode(errors='replace')}")
+        _await_hangup(sock)
     except TimeoutError:
         raise WorkspaceStateError(f"command {pid} did not take its input within {sock.gettimeout()}s; "
                                   "is the workspace paused?") from None
     finally:
         sock.close()
+
+
+def _await_hangup(sock: socket.socket) -> None:
+    """Leave only once the shim has closed its end: a snapshot must find nothing connected."""
+    sock.shutdown(socket.SHUT_WR)
+    while sock.recv(65536):
+        pass
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
@@ -188,6 +214,8 @@ class AsyncConnection:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader = reader
         self._writer = writer
+        self._answered = False
+        self._eof = False
 
     @classmethod
     async def open(cls, init_pid: int, timeout: float | None = None) -> AsyncConnection:
@@ -214,16 +242,31 @@ class AsyncConnection:
         while True:
             try:
                 hdr = await self._reader.readexactly(HEADER.size)
+                self._answered = True
                 kind, length = HEADER.unpack(hdr)
                 data = await self._reader.readexactly(length) if length else b""
             except asyncio.IncompleteReadError:
+                self._eof = True
                 return
             yield chr(kind), data
 
     async def close(self) -> None:
-        self._writer.close()
-        with contextlib.suppress(OSError):
-            await self._writer.wait_closed()
+        """As Connection.close: an answered request is left only once the shim hung up."""
+        try:
+            if self._answered and not self._eof:
+                self._writer.write_eof()
+                await asyncio.wait_for(_drain(self._reader), REPLY_TIMEOUT)
+        except (OSError, TimeoutError):
+            pass
+        finally:
+            self._writer.close()
+            with contextlib.suppress(OSError):
+                await self._writer.wait_closed()
+
+
+async def _drain(reader: asyncio.StreamReader) -> None:
+    while await reader.read(65536):
+        pass
 
 
 async def simple_async(init_pid: int, op: str, timeout: float | None = None, **kw: object) -> str:
