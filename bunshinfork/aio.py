@@ -25,10 +25,10 @@ from .commands import (
     CommandResult,
     ProcessInfo,
     PtySize,
-    _exit_exception,
-    _no_limit,
-    _result,
-    _Utf8Stream,
+    Utf8Stream,
+    exit_exception,
+    no_limit,
+    result_of,
 )
 from .errors import CommandError, CommandTimeout, WorkspaceStateError
 from .files import EntryInfo, FileStreamReader, WriteInfo
@@ -61,7 +61,7 @@ async def _call(cb: Callback | None, arg: object) -> None:
 
 
 def _deadline(timeout: float | None) -> float | None:
-    return None if _no_limit(timeout) else time.monotonic() + float(timeout)  # type: ignore[arg-type]
+    return None if no_limit(timeout) else time.monotonic() + float(timeout)  # type: ignore[arg-type]
 
 
 # ---- commands ----
@@ -152,7 +152,7 @@ class AsyncCommandHandle:
         """The command's result once it exits; CommandExitException on a non-zero exit from a sandbox."""
         result = await asyncio.shield(self._task)
         if self._h._raise and result.exit_code != 0:
-            raise _exit_exception(result)
+            raise exit_exception(result)
         return result
 
     async def kill(self) -> bool:
@@ -248,7 +248,7 @@ class AsyncCommandInputHandle:
         if not self._closing:
             self._closing = True
             self._queue.put_nowait(None)
-        await asyncio.wait_for(asyncio.shield(self._task), None if _no_limit(self._timeout) else self._timeout)
+        await asyncio.wait_for(asyncio.shield(self._task), None if no_limit(self._timeout) else self._timeout)
 
     async def __aenter__(self) -> AsyncCommandInputHandle:
         return self
@@ -288,11 +288,11 @@ class AsyncCommands:
                                                  cmd_id=cmd_id, user=spec, stdin="pipe" if stdin else None))
             handle = self._sync._handle(cmd_id, pid, timeout=timeout, retain_output=retain_output)
             return AsyncCommandHandle(handle, self._ws._pids, on_stdout, on_stderr)
-        out, err = _Utf8Stream(None, retain_output), _Utf8Stream(None, retain_output)
+        out, err = Utf8Stream(None, retain_output), Utf8Stream(None, retain_output)
         conn = await control.AsyncConnection.open(init_pid)
         status: int | None = None
         try:
-            async with asyncio.timeout(None if _no_limit(timeout) else timeout):
+            async with asyncio.timeout(None if no_limit(timeout) else timeout):
                 await conn.send("run", argv=argv, env=full_env, cwd=workdir, user=spec,
                                 stdin="pipe" if stdin else None)
                 async for kind, data in conn.frames():
@@ -317,9 +317,9 @@ class AsyncCommands:
         for stream, cb in ((out, on_stdout), (err, on_stderr)):
             if text := stream.feed(b"", final=True):
                 await _call(cb, text)
-        result = _result(status, out, err)
+        result = result_of(status, out, err)
         if self._ws.conventions.raise_on_exit and result.exit_code != 0:
-            raise _exit_exception(result)
+            raise exit_exception(result)
         return result
 
     async def list(self, request_timeout: float | None = None) -> list[ProcessInfo]:
@@ -467,7 +467,7 @@ class AsyncFiles:
         """Watch a directory: on_event gets each event from the event loop until stop() (or
         `timeout` seconds, 0 for no limit), then on_exit."""
         watch = await asyncio.to_thread(self._sync._watcher, path, user, recursive, include_entry)
-        return AsyncWatchHandle(watch, on_event, on_exit, None if _no_limit(timeout) else timeout)
+        return AsyncWatchHandle(watch, on_event, on_exit, None if no_limit(timeout) else timeout)
 
 
 # ---- the workspace ----

@@ -19,7 +19,7 @@ import tty
 from collections.abc import Iterator, Mapping
 from typing import TextIO
 
-from .commands import Foreground, PtySize, _decode_status
+from .commands import Foreground, PtySize, decode_status
 from .errors import CommandError
 from .workspace import Workspace
 
@@ -86,7 +86,7 @@ def run(ws: Workspace, argv: list[str], *, env: Mapping[str, str] | None, cwd: s
                 elif kind == "E":
                     _write(sys.stderr, data)
                 elif kind == "X":
-                    return _decode_status(int(data))[0]
+                    return decode_status(int(data))[0]
     finally:
         if previous_winch is not None:
             signal.signal(signal.SIGWINCH, previous_winch)

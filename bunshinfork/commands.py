@@ -97,7 +97,7 @@ class PtySize:
     cols: int
 
 
-def _decode_status(status: int) -> tuple[int, int | None, str | None]:
+def decode_status(status: int) -> tuple[int, int | None, str | None]:
     """exit code, signal, and the error text E2B's envd gives (Go's ProcessState wording)."""
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
@@ -106,12 +106,12 @@ def _decode_status(status: int) -> tuple[int, int | None, str | None]:
     return code, None, f"exit status {code}" if code else None
 
 
-def _no_limit(timeout: float | None) -> bool:
+def no_limit(timeout: float | None) -> bool:
     """E2B's convention: 0 means no limit (and so does None)."""
     return timeout is None or timeout == 0
 
 
-class _Utf8Stream:
+class Utf8Stream:
     """Incremental decoding: a multi-byte character split across frames is not mangled."""
 
     def __init__(self, callback: OutputCallback | None, retain: bool = True) -> None:
@@ -133,12 +133,12 @@ class _Utf8Stream:
         return None if self.parts is None else "".join(self.parts)
 
 
-def _result(status: int, out: _Utf8Stream, err: _Utf8Stream) -> CommandResult:
-    code, sig, error = _decode_status(status)
+def result_of(status: int, out: Utf8Stream, err: Utf8Stream) -> CommandResult:
+    code, sig, error = decode_status(status)
     return CommandResult(err.text, out.text, code, error, signal=sig)
 
 
-def _exit_exception(r: CommandResult) -> CommandExitException:
+def exit_exception(r: CommandResult) -> CommandExitException:
     return CommandExitException(r.stderr, r.stdout, r.exit_code, r.error, signal=r.signal)
 
 
@@ -156,7 +156,7 @@ class CommandHandle:
         self.cmd_id = cmd_id
         self._pid = pid
         self._offsets = list(offsets)
-        self._streams = [_Utf8Stream(on_stdout, retain_output), _Utf8Stream(on_stderr, retain_output)]
+        self._streams = [Utf8Stream(on_stdout, retain_output), Utf8Stream(on_stderr, retain_output)]
         self._pty = pty
         self._deadline = deadline
         self._raise = raise_on_exit
@@ -226,7 +226,7 @@ class CommandHandle:
 
     def _finish(self, status: int) -> CommandResult:
         if self._result is None:
-            self._result = _result(status, self._streams[0], self._streams[1])
+            self._result = result_of(status, self._streams[0], self._streams[1])
             self._unfollow()
         return self._result
 
@@ -284,7 +284,7 @@ class CommandHandle:
                     on_pty(pty)
         assert self._result is not None
         if self._raise and self._result.exit_code != 0:
-            raise _exit_exception(self._result)
+            raise exit_exception(self._result)
         return self._result
 
     @property
@@ -335,7 +335,7 @@ class Foreground:
         self.argv = argv
         self.timeout = timeout
         self.pid: int | None = None
-        self._deadline = None if _no_limit(timeout) else time.monotonic() + float(timeout)  # type: ignore[arg-type]
+        self._deadline = None if no_limit(timeout) else time.monotonic() + float(timeout)  # type: ignore[arg-type]
 
     def send_stdin(self, data: bytes) -> None:
         self._conn.send_frame("I", data)
@@ -409,7 +409,7 @@ class Commands:
                 on_stderr: OutputCallback | None = None, *, timeout: float | None = None,
                 retain_output: bool = True, pty: bool = False) -> CommandHandle:
         return CommandHandle(self._init_pid, self._files, cmd_id, pid, on_stdout, on_stderr,
-                             deadline=None if _no_limit(timeout) else time.monotonic() + float(timeout),  # type: ignore[arg-type]
+                             deadline=None if no_limit(timeout) else time.monotonic() + float(timeout),  # type: ignore[arg-type]
                              raise_on_exit=self._conv.raise_on_exit, retain_output=retain_output, pty=pty)
 
     def _prepare(self, user: str | None, envs: Mapping[str, str] | None, env: Mapping[str, str] | None,
@@ -477,7 +477,7 @@ class Commands:
             cmd_id, pid = self._spawn(argv, user, envs, env, cwd, "pipe" if stdin else None)
             return self._handle(cmd_id, pid, on_stdout, on_stderr, timeout=timeout, retain_output=retain_output)
         run = self.start(argv, envs, user, cwd, bool(stdin), None, timeout, env=env)
-        out, err = _Utf8Stream(on_stdout, retain_output), _Utf8Stream(on_stderr, retain_output)
+        out, err = Utf8Stream(on_stdout, retain_output), Utf8Stream(on_stderr, retain_output)
         status: int | None = None
         try:
             for kind, data in run.frames():
@@ -496,9 +496,9 @@ class Commands:
         assert status is not None
         out.feed(b"", final=True)
         err.feed(b"", final=True)
-        result = _result(status, out, err)
+        result = result_of(status, out, err)
         if self._conv.raise_on_exit and result.exit_code != 0:
-            raise _exit_exception(result)
+            raise exit_exception(result)
         return result
 
     def _requests(self) -> dict[int, dict[str, list[str]]]:
@@ -550,7 +550,7 @@ class Commands:
             from .errors import InvalidArgumentException
 
             raise InvalidArgumentException("stream_input takes an iterable of chunks, not a single str or bytes")
-        deadline = None if _no_limit(timeout) else time.monotonic() + float(timeout)  # type: ignore[arg-type]
+        deadline = None if no_limit(timeout) else time.monotonic() + float(timeout)  # type: ignore[arg-type]
         for chunk in data:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:

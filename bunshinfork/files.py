@@ -18,50 +18,16 @@ import posixpath
 import shutil
 import stat
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import IO, TYPE_CHECKING, Literal, TypedDict
+from typing import IO, Literal, TypedDict
 
 from . import native, users
+from .entries import EntryInfo, FileType, WriteInfo
 from .errors import FileOperationError, InvalidArgumentException, WorkspaceFileNotFound
-
-if TYPE_CHECKING:
-    from .watch import Inotify, WatchHandle
+from .watch import Inotify, WatchHandle
 
 HOME = "/root"
 CHUNK = 1 << 20
 METADATA_PREFIX = "user.e2b."  # E2B keeps file metadata in these extended attributes
-
-
-class FileType(StrEnum):
-    """A file-system object's kind. A str, so `entry.type == "file"` holds as well."""
-
-    FILE = "file"
-    DIR = "dir"
-    SYMLINK = "symlink"
-
-
-@dataclass
-class WriteInfo:
-    name: str
-    type: FileType | None
-    path: str
-    metadata: dict[str, str] | None = field(default=None, kw_only=True)
-
-
-@dataclass
-class EntryInfo(WriteInfo):
-    size: int
-    mode: int
-    permissions: str
-    owner: str
-    group: str
-    modified_time: datetime.datetime
-    symlink_target: str | None = None
-
-    @property
-    def mtime(self) -> float:
-        return self.modified_time.timestamp()
 
 
 class WriteEntry(TypedDict):
@@ -153,7 +119,7 @@ class Files:
     def __init__(self, init_pid: Callable[[], int], default_user: str | None = None) -> None:
         self._init_pid = init_pid
         self._default_user = default_user
-        self.accounts = users.Accounts(self)
+        self.accounts = users.Accounts(self._stamp, self._read_as_root)
 
     # ---- users and paths ----
 
@@ -413,13 +379,9 @@ class Files:
                   allow_network_mounts: bool = False) -> WatchHandle:
         """Watch a directory (inotify, from the host); handle.get_new_events() returns what
         happened since the last call. allow_network_mounts is accepted: a workspace has none."""
-        from .watch import WatchHandle
-
         return WatchHandle(self._watcher(path, user, recursive, include_entry))
 
     def _watcher(self, path: str, user: str | None, recursive: bool, include_entry: bool) -> Inotify:
-        from .watch import Inotify
-
         who = self._user(user)
         p = self._abs(path, who)
         try:

@@ -17,7 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from . import state
-from .cgroups import CgroupsPart
+from .cgroups import Cgroup, CgroupsPart
 from .contract import Build, Captured, Held, Part, Probe
 from .errors import BunshinError, ForkError, WorkspaceStateError
 from .fs import FsPart
@@ -52,7 +52,7 @@ def probes() -> tuple[Probe, ...]:
 def create(spec: WorkspaceSpec, life: Lifetime | None = None) -> Build:
     """A new workspace from a validated spec, running when this returns."""
     state.require_root()
-    lifetime.collect()  # what ended workspaces left: no daemon removes it
+    collect()  # what ended workspaces left: no daemon removes it
     ws_id = state.new_id()
     rec = Record(id=ws_id, status="creating", creator_pid=os.getpid(), created_at=time.time(),
                  hostname=spec.hostname or ws_id, spec=spec, lifetime=life or Lifetime())
@@ -162,9 +162,31 @@ def gc() -> dict[str, list[str]]:
     owner is gone, then each part's own leftovers. Returns what was removed, by kind."""
     # Past their deadline but still running (a lifetime file rewritten from inside), then the
     # records whose init is gone.
-    removed = {"workspaces": lifetime.collect() + _gc_records(), "snapshots": _gc_snapshots()}
+    removed = {"workspaces": collect() + _gc_records(), "snapshots": _gc_snapshots()}
     for p in PARTS:
         removed[p.name] = p.gc()
+    return removed
+
+
+def collect() -> list[str]:
+    """Remove the workspaces whose lifetime has ended (process/lifetime.py): what their init
+    left on the host, and a workspace whose init outlived its deadline (frozen ones wait until
+    they are resumed). Every create, connect, list and gc runs it: there is no daemon."""
+    removed = []
+    for ws_id in state.all_ids():
+        try:
+            rec = Record.load(ws_id)
+        except (FileNotFoundError, ValueError):
+            continue
+        if rec.status != "running" or not lifetime.ended(rec):
+            continue
+        if rec.init_alive() and rec.cgroups is not None:
+            with contextlib.suppress(BunshinError, OSError):
+                if Cgroup(rec.cgroups).frozen():
+                    continue
+        with contextlib.suppress(BunshinError):
+            release(Build(rec))
+            removed.append(ws_id)
     return removed
 
 

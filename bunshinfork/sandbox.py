@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import importlib.metadata
 import json
 import logging
 import os
@@ -26,7 +27,6 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from . import __version__ as VERSION
 from . import state, users
 from .commands import E2B, Conventions
 from .errors import (
@@ -353,7 +353,7 @@ class Sandbox(Workspace):
             end_at=_utc(rec.lifetime.deadline) if rec.lifetime.deadline else
             datetime.datetime.max.replace(tzinfo=datetime.UTC),
             state=SandboxState.PAUSED if info.state == "paused" else SandboxState.RUNNING,
-            cpu_count=os.cpu_count() or 1, memory_mb=mem >> 20, envd_version=VERSION,
+            cpu_count=os.cpu_count() or 1, memory_mb=mem >> 20, envd_version=importlib.metadata.version("bunshin"),
             allow_internet_access=info.network.get("mode") == "bridge" and bool(info.network.get("nat")),
             lifecycle={"on_timeout": "kill", "auto_resume": False}, volume_mounts=[],
         )

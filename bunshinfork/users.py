@@ -15,12 +15,8 @@ import errno
 import os
 import platform
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .files import Files
 
 # Raw system call numbers: glibc's setgroups() would change every thread of this process.
 _SYSCALLS = {"x86_64": (122, 123, 116), "aarch64": (151, 152, 159)}  # setfsuid, setfsgid, setgroups
@@ -153,17 +149,19 @@ class Accounts:
 
     PATHS = ("/etc/passwd", "/etc/group")
 
-    def __init__(self, files: Files) -> None:
-        self._files = files
+    def __init__(self, stamp: Callable[[Sequence[str]], object],
+                 read_as_root: Callable[[Sequence[str]], Sequence[str]]) -> None:
+        # Both from files.Files: what changes when the files change, and their texts.
+        self._stamp_of, self._read = stamp, read_as_root
         self._stamp: object = None
         self._texts = ("", "")
         self._lock = threading.Lock()
 
     def _current(self) -> tuple[str, str]:
         with self._lock:
-            stamp = self._files._stamp(self.PATHS)
+            stamp = self._stamp_of(self.PATHS)
             if stamp != self._stamp:
-                texts = self._files._read_as_root(self.PATHS)
+                texts = self._read(self.PATHS)
                 self._stamp, self._texts = stamp, (texts[0], texts[1])
             return self._texts
 

@@ -17,14 +17,24 @@ import os
 import posixpath
 import struct
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from .entries import EntryInfo
 from .errors import FileOperationError
 
-if TYPE_CHECKING:
-    from .files import EntryInfo, Files
+
+class Tree(Protocol):
+    """What a watch reads of a workspace's files: files.Files, which builds the watches."""
+
+    def list(self, path: str, depth: int | None = 1, user: str | None = None,
+             request_timeout: float | None = None) -> list[EntryInfo]: ...
+
+    def get_info(self, path: str, user: str | None = None, request_timeout: float | None = None) -> EntryInfo: ...
+
+    def _root(self) -> AbstractContextManager[int]: ...
 
 _libc = ctypes.CDLL(None, use_errno=True)
 IN_NONBLOCK, IN_CLOEXEC = os.O_NONBLOCK, os.O_CLOEXEC
@@ -69,7 +79,7 @@ def _type(mask: int) -> FilesystemEventType | None:
 class Inotify:
     """One inotify instance over a directory (and, recursive, its subdirectories)."""
 
-    def __init__(self, files: Files, path: str, dirfd: int, recursive: bool, include_entry: bool) -> None:
+    def __init__(self, files: Tree, path: str, dirfd: int, recursive: bool, include_entry: bool) -> None:
         self._files = files
         self._path = path
         self._recursive = recursive

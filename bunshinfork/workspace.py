@@ -7,6 +7,7 @@ snapshot.take, and destroying is pipeline.release; each state they read is typed
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 from concurrent.futures import Future
@@ -113,7 +114,7 @@ class Workspace:
     @classmethod
     def connect(cls, ws_id: str) -> Workspace:
         """Attach to a workspace created by this or another process."""
-        lifetime.collect()
+        pipeline.collect()
         try:
             rec = Record.load(ws_id)
         except FileNotFoundError:
@@ -127,7 +128,7 @@ class Workspace:
 
     @staticmethod
     def list() -> list[WorkspaceInfo]:
-        lifetime.collect()
+        pipeline.collect()
         out = []
         for ws_id in state.all_ids():
             with contextlib.suppress(FileNotFoundError, ValueError, BunshinError):
@@ -238,8 +239,13 @@ class Workspace:
 
     def set_timeout(self, timeout: float) -> None:
         """End the workspace `timeout` seconds from now (0: never), enforced by its init."""
-        self._live_init_pid()
-        lifetime.apply(self, lifetime.deadline_after(timeout))
+        init_pid = self._live_init_pid()
+        rec = self._rec
+        rec.lifetime = dataclasses.replace(rec.lifetime, deadline=lifetime.deadline_after(timeout))
+        rec.save()
+        self.files.write(lifetime.FILE, lifetime.encode(rec.lifetime), user="root", mode=0o600)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(init_pid, lifetime.WAKE)  # re-read before its next wake-up
 
     def destroy(self) -> None:
         """Kill every process and remove mounts, cgroups, network, layers and state. Idempotent."""

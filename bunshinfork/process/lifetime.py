@@ -6,7 +6,8 @@ workspace once the deadline passes, or once the file has not been touched for LE
 is how a workspace created with die_with_creator=True ends soon after its creator, however the
 creator died. The creator touches the file from a thread of its own (Leases). Nothing runs on
 the host to do this: no daemon. What a dead workspace leaves on the host (mounts, cgroups,
-layers, state) is removed by the next bunshin operation on the host (collect()) or by gc.
+layers, state) is removed by the next bunshin operation on the host (pipeline.collect())
+or by gc.
 The deadline is also recorded in the workspace's state, so that get_info and the host-side
 collection know it.
 """
@@ -14,7 +15,6 @@ collection know it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import os
 import signal
@@ -22,13 +22,9 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from .. import native, state
 from ..state import Lifetime, Record
-
-if TYPE_CHECKING:
-    from ..workspace import Workspace
 
 FILE = "/.bunshin/lifetime"
 # Sent to the init after the deadline moved, so that it re-reads the file before its next wake-up.
@@ -65,16 +61,6 @@ def seed(upper: Path, lt: Lifetime) -> None:
     tmp = d / "lifetime.tmp"
     tmp.write_text(encode(lt))
     os.replace(tmp, d / "lifetime")
-
-
-def apply(ws: Workspace, deadline: float) -> None:
-    """Give a running workspace a new deadline (0: none), recorded and handed to its init."""
-    rec = ws._rec
-    rec.lifetime = dataclasses.replace(rec.lifetime, deadline=deadline)
-    rec.save()
-    ws.files.write(FILE, encode(rec.lifetime), user="root", mode=0o600)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(ws._live_init_pid(), WAKE)
 
 
 def remaining(rec: Record) -> float | None:
@@ -158,35 +144,9 @@ def cleanup_lock(rec: Record) -> Iterator[bool]:
         os.close(fd)
 
 
-def _ended(rec: Record) -> bool:
+def ended(rec: Record) -> bool:
     """Its lifetime is over: past the deadline, or a lease whose holder is gone."""
     lt = rec.lifetime
     if lt.deadline and time.time() >= lt.deadline:
         return True
     return bool(lt.lease) and not rec.init_alive() and not rec.creator_alive()
-
-
-def collect() -> list[str]:
-    """Remove the workspaces whose lifetime has ended: what their init left on the host, and a
-    workspace whose init outlived its deadline (frozen ones wait until they are resumed)."""
-    from .. import pipeline
-    from ..cgroups import Cgroup
-    from ..contract import Build
-    from ..errors import BunshinError
-
-    removed = []
-    for ws_id in state.all_ids():
-        try:
-            rec = Record.load(ws_id)
-        except (FileNotFoundError, ValueError):
-            continue
-        if rec.status != "running" or not _ended(rec):
-            continue
-        if rec.init_alive() and rec.cgroups is not None:
-            with contextlib.suppress(BunshinError, OSError):
-                if Cgroup(rec.cgroups).frozen():
-                    continue
-        with contextlib.suppress(BunshinError):
-            pipeline.release(Build(rec))
-            removed.append(ws_id)
-    return removed
