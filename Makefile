@@ -25,7 +25,7 @@ bench: setup
 	$(PY) benchmarks/fork_memory.py --engines copy,ksm --forks 1,2,4,8,16 --size-mib 1024 --out results
 
 clean:
-	.venv/bin/bunshin rm --all || true
+	.venv/bin/bunshin rm -af || true
 	.venv/bin/bunshin gc || true
 
 # The fork benchmark with the cow engine: in a guest kernel, since this host cannot load

@@ -1,39 +1,70 @@
-"""bunshinfork: create, run commands in, and live-fork container workspaces."""
+"""bunshinfork: create, run commands in, and live-fork container workspaces.
+
+Two front doors over one core: Workspace (bunshin's semantics: root, no lifetime unless
+asked, fork(count)) and Sandbox (E2B's: a 300 s lifetime, the user "user", a login shell,
+CommandExitException, fork(timeout, count)), each with an asyncio twin (AsyncWorkspace,
+AsyncSandbox).
+"""
+
+__version__ = "0.1.0"
 
 from .accounting import HostMemory
-from .commands import CommandHandle, CommandResult
+from .aio import AsyncCommandHandle, AsyncSandbox, AsyncWatchHandle, AsyncWorkspace
+from .commands import (
+    CommandExitException,
+    CommandHandle,
+    CommandResult,
+    ProcessInfo,
+    PtySize,
+)
 from .errors import (
     BunshinError,
     CgroupError,
     CommandError,
     CommandTimeout,
     CriuError,
+    FileNotFoundException,
     FileOperationError,
     ForkError,
+    InvalidArgumentException,
     KernelFeatureError,
     NetworkError,
+    NotFoundException,
     PrivilegeError,
     RootfsError,
+    SandboxException,
+    SandboxNotFoundException,
     SpecError,
+    TimeoutException,
     WorkspaceFileNotFound,
     WorkspaceNotFound,
     WorkspaceStateError,
 )
-from .files import EntryInfo
+from .files import EntryInfo, FileType, WriteInfo
 from .fs import StorageWarning
 from .fs import digest as rootfs_digest
+from .sandbox import (
+    Sandbox,
+    SandboxInfo,
+    SandboxMetrics,
+    SandboxPaginator,
+    SandboxQuery,
+    SandboxState,
+    SnapshotInfo,
+    SnapshotPaginator,
+)
 from .spec import WorkspaceSpec
+from .watch import FilesystemEvent, FilesystemEventType, WatchHandle
 from .workspace import MemoryStats, Snapshot, Workspace, WorkspaceInfo, host_memory
 
-__version__ = "0.1.0"
-
-# E2B users know the sandbox as `Sandbox`.
-Sandbox = Workspace
-
 __all__ = [
-    "BunshinError", "CgroupError", "CommandError", "CommandHandle", "CommandResult", "CommandTimeout",
-    "CriuError", "EntryInfo", "FileOperationError", "ForkError", "HostMemory", "KernelFeatureError",
-    "MemoryStats", "NetworkError", "PrivilegeError", "RootfsError", "Sandbox", "Snapshot", "SpecError",
-    "StorageWarning", "Workspace", "WorkspaceFileNotFound", "WorkspaceInfo", "WorkspaceNotFound",
-    "WorkspaceSpec", "WorkspaceStateError", "__version__", "host_memory", "rootfs_digest",
+    "AsyncCommandHandle", "AsyncSandbox", "AsyncWatchHandle", "AsyncWorkspace", "BunshinError", "CgroupError",
+    "CommandError", "CommandExitException", "CommandHandle", "CommandResult", "CommandTimeout", "CriuError",
+    "EntryInfo", "FileNotFoundException", "FileOperationError", "FileType", "FilesystemEvent",
+    "FilesystemEventType", "ForkError", "HostMemory", "InvalidArgumentException", "KernelFeatureError", "MemoryStats",
+    "NetworkError", "NotFoundException", "PrivilegeError", "ProcessInfo", "PtySize", "RootfsError", "Sandbox",
+    "SandboxException", "SandboxInfo", "SandboxMetrics", "SandboxNotFoundException", "SandboxPaginator",
+    "SandboxQuery", "SandboxState", "Snapshot", "SnapshotInfo", "SnapshotPaginator", "SpecError", "StorageWarning",
+    "TimeoutException", "WatchHandle", "Workspace", "WorkspaceFileNotFound", "WorkspaceInfo", "WorkspaceNotFound",
+    "WorkspaceSpec", "WorkspaceStateError", "WriteInfo", "__version__", "host_memory", "rootfs_digest",
 ]

@@ -1,8 +1,13 @@
 """The `bunshin` command line: create, exec in, list, inspect and remove workspaces.
 
-Every subcommand is an entry in SUBCOMMANDS; `fork` and `snapshot` are added there later
-(see the end of this module). Errors the user can act on (BunshinError) are printed as
-one line, never as a traceback.
+It follows runc and podman: `bunshin [--root DIR] exec [OPTIONS] ID CMD [ARG...]` (options
+end at the command; `--` is optional), -e/-w/-u/-i/-t, `ps`/`ls` with -q, -a and
+--format json, pause/unpause/kill, `rm -f`, and podman's exit statuses: 125 for an error of
+bunshin itself (usage included), 126 when the command cannot be invoked or the workspace is
+in the wrong state, 127 when the command is not found, otherwise the command's own.
+
+Every subcommand is an entry in SUBCOMMANDS (registered at the end of this module). Errors
+the user can act on (BunshinError) are printed as one line, never as a traceback.
 """
 
 from __future__ import annotations
@@ -12,18 +17,30 @@ import contextlib
 import datetime
 import json
 import os
-import shlex
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, TextIO
+from pathlib import Path
+from typing import Any
 
-from . import __version__, doctor, memory, pipeline, spec, state
-from .errors import BunshinError, SpecError, WorkspaceStateError
+from . import __version__, cli_exec, doctor, memory, pipeline, spec, state
+from .errors import (
+    BunshinError,
+    CommandError,
+    CommandTimeout,
+    SpecError,
+    WorkspaceNotFound,
+    WorkspaceStateError,
+)
 from .fs import store
 from .workspace import MemoryStats, Snapshot, Workspace, WorkspaceInfo
 
 PROG = "bunshin"
+# podman's exit statuses
+EXIT_RUNTIME = 125
+EXIT_CANNOT_INVOKE = cli_exec.NOT_INVOKABLE
+EXIT_TIMEOUT = 124  # exec --timeout ran out (coreutils timeout's status)
 Handler = Callable[[argparse.Namespace], int]
 Configure = Callable[[argparse.ArgumentParser], None]
 
@@ -32,9 +49,9 @@ Configure = Callable[[argparse.ArgumentParser], None]
 class Subcommand:
     """One `bunshin NAME ...` subcommand.
 
-    takes_command: everything after the first `--` is handed over verbatim as `args.command`,
-    because argparse cannot parse options placed between a positional and a trailing
-    nargs="*" list (bunshin exec ID --timeout 5 -- CMD).
+    takes_command: the subcommand's options end at its first positional argument after the
+    workspace id (or at `--`); everything from there is handed over verbatim as `args.command`,
+    as podman's exec does (bunshin exec -e K=V ID ls -la).
     """
 
     name: str
@@ -98,14 +115,6 @@ def _print_json(data: Any) -> None:
     print(json.dumps(data, indent=2, sort_keys=True))
 
 
-def _write(stream: TextIO, text: str) -> None:
-    """Stream command output as it arrives; a terminal that cannot encode a character gets '?'."""
-    try:
-        stream.write(text)
-    except UnicodeEncodeError:
-        enc = stream.encoding or "utf-8"
-        stream.write(text.encode(enc, "replace").decode(enc))
-    stream.flush()
 
 
 def _connect(ws_id: str) -> Workspace:
@@ -141,8 +150,10 @@ def _create_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--network", choices=spec.NETWORK_MODES, help="network mode (default: none)")
     p.add_argument("--nat", action="store_true", help="masquerade a bridge network to the host's uplink")
     p.add_argument("--storage-dir", metavar="DIR", help="where the writable layer lives (btrfs: subvolumes)")
-    p.add_argument("--env", metavar="K=V", type=_key_value, action="append", default=[],
+    p.add_argument("-e", "--env", metavar="K=V", type=_key_value, action="append", default=[],
                    help="environment of every command (repeatable)")
+    p.add_argument("--timeout", type=_positive_float, metavar="S",
+                   help="the workspace's lifetime: its init ends it after S seconds (default: none)")
 
 
 def _create(args: argparse.Namespace) -> int:
@@ -161,7 +172,7 @@ def _create(args: argparse.Namespace) -> int:
         overrides["nat"] = True
     if args.env:
         overrides["env"] = dict(args.env)
-    ws = Workspace.create(**overrides)
+    ws = Workspace.create(timeout=args.timeout, **overrides)
     print(ws.id)
     return 0
 
@@ -171,29 +182,35 @@ def _create(args: argparse.Namespace) -> int:
 
 def _exec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("id", type=_workspace_id)
-    p.add_argument("--timeout", type=_positive_float, metavar="S",
-                   help="kill the command after S seconds (default: no limit)")
-    p.add_argument("--cwd", metavar="DIR", help="working directory inside the workspace (default: /root)")
-    p.add_argument("--env", metavar="K=V", type=_key_value, action="append", default=[],
+    p.add_argument("-e", "--env", metavar="K=V", type=_key_value, action="append", default=[],
                    help="extra environment variable (repeatable)")
-    p.add_argument("command", nargs="*", help="the command, after '--'")
+    p.add_argument("-w", "--workdir", "--cwd", dest="cwd", metavar="DIR",
+                   help="working directory inside the workspace (default: the user's home)")
+    p.add_argument("-u", "--user", metavar="USER", help="run as this user of the workspace (default: root)")
+    p.add_argument("-i", "--interactive", action="store_true", help="pass this process's stdin to the command")
+    p.add_argument("-t", "--tty", action="store_true", help="run the command on a terminal")
+    p.add_argument("--timeout", type=_positive_float, metavar="S",
+                   help="kill the command after S seconds (exit status 124; default: no limit)")
 
 
 def _exec(args: argparse.Namespace) -> int:
     if not args.command:
-        raise _UsageError("exec needs a command: bunshin exec ID -- CMD [ARG...]")
-    ws = _connect(args.id)
-    # A shell string rather than an argv list, so the workspace's shell resolves the program the
-    # way an interactive user would; shlex.join keeps every argument exactly as typed.
-    result = ws.commands.run(
-        shlex.join(args.command),
-        timeout=args.timeout,
-        env=dict(args.env) or None,
-        cwd=args.cwd,
-        on_stdout=lambda text: _write(sys.stdout, text),
-        on_stderr=lambda text: _write(sys.stderr, text),
-    )
-    return result.exit_code
+        raise _UsageError("exec needs a command: bunshin exec [OPTIONS] ID CMD [ARG...]")
+    try:
+        ws = _connect(args.id)
+        if ws.info().state == "paused":
+            raise WorkspaceStateError(f"workspace {args.id} is paused; 'bunshin unpause {args.id}' resumes it")
+        return cli_exec.run(ws, list(args.command), env=dict(args.env) or None, cwd=args.cwd, user=args.user,
+                            interactive=args.interactive, terminal=args.tty, timeout=args.timeout)
+    except CommandError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return cli_exec.failure_code(e)
+    except CommandTimeout as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return EXIT_TIMEOUT
+    except WorkspaceStateError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return EXIT_CANNOT_INVOKE
 
 
 # ---- ls / info / memory ----
@@ -201,6 +218,13 @@ def _exec(args: argparse.Namespace) -> int:
 
 def _json_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _ps_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-a", "--all", action="store_true", help="also list workspaces whose init has ended")
+    p.add_argument("-q", "--quiet", action="store_true", help="print the ids only")
+    p.add_argument("--format", choices=("table", "json"), default="table", help="output format")
+    p.add_argument("--json", dest="format", action="store_const", const="json", help="same as --format json")
 
 
 def _memory_of(info: WorkspaceInfo) -> MemoryStats | None:
@@ -212,9 +236,26 @@ def _memory_of(info: WorkspaceInfo) -> MemoryStats | None:
     return None
 
 
+def _listed(include_dead: bool) -> list[WorkspaceInfo]:
+    if not include_dead:
+        return [info for info in Workspace.list() if info.state != "dead"]
+    out = []
+    for ws_id in state.all_ids():
+        with contextlib.suppress(FileNotFoundError, ValueError, TypeError, BunshinError):
+            rec = state.Record.load(ws_id)
+            if rec.status in ("running", "creating"):
+                out.append(Workspace(rec).info())
+    return out
+
+
 def _ls(args: argparse.Namespace) -> int:
-    rows = [(info, _memory_of(info)) for info in Workspace.list()]
-    if args.json:
+    infos = _listed(args.all)
+    if args.quiet:
+        for info in infos:
+            print(info.id)
+        return 0
+    rows = [(info, _memory_of(info)) for info in infos]
+    if args.format == "json":
         _print_json([
             {**asdict(info), "memory": None if mem is None else _memory_dict(mem, per_process=False)}
             for info, mem in rows
@@ -281,29 +322,90 @@ def _memory(args: argparse.Namespace) -> int:
 
 def _rm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("ids", nargs="*", metavar="ID", type=_workspace_id)
-    p.add_argument("--all", action="store_true",
-                   help="remove every workspace (dead ones through 'gc')")
+    p.add_argument("-a", "--all", action="store_true", help="remove every workspace")
+    p.add_argument("-f", "--force", action="store_true", help="kill running and paused workspaces first")
 
 
 def _rm(args: argparse.Namespace) -> int:
+    """podman's rm: a running or paused workspace needs -f (status 2 without), an unknown id is
+    status 1; what the others hold is removed either way."""
     if args.all == bool(args.ids):
         raise _UsageError("rm takes either workspace ids or --all")
-    failed = False
-    ids = [info.id for info in Workspace.list() if info.state != "dead"] if args.all else args.ids
+    status = 0
+    ids = [info.id for info in _listed(True)] if args.all else args.ids
     for ws_id in ids:
         try:
-            _connect(ws_id).destroy()
+            rec = state.Record.load(ws_id)
+        except (FileNotFoundError, ValueError, TypeError):
+            print(f"{PROG}: error: no workspace {ws_id!r}", file=sys.stderr)
+            status = max(status, 1)
+            continue
+        ws = Workspace(rec)
+        if ws.is_running() and not args.force:
+            print(f"{PROG}: error: workspace {ws_id} is {ws.info().state}; rm -f kills it first", file=sys.stderr)
+            status = 2
+            continue
+        try:
+            ws.destroy()
         except BunshinError as e:
             # Keep going: one stuck workspace must not shield the others from removal.
             print(f"{PROG}: error: {e}", file=sys.stderr)
-            failed = True
+            status = EXIT_RUNTIME
             continue
         print(ws_id)
-    if args.all:
-        # Dead workspaces cannot be connected to; gc is what takes them apart.
-        for ws_id in pipeline.gc()["workspaces"]:
-            print(ws_id)
-    return 1 if failed else 0
+    return status
+
+
+# ---- pause / unpause / kill ----
+
+
+def _ids_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("ids", nargs="+", metavar="ID", type=_workspace_id)
+
+
+def _pause(args: argparse.Namespace) -> int:
+    for ws_id in args.ids:
+        ws = _connect(ws_id)
+        if ws.info().state == "paused":
+            raise WorkspaceStateError(f"workspace {ws_id} is paused already")
+        ws.pause()
+        print(ws_id)
+    return 0
+
+
+def _unpause(args: argparse.Namespace) -> int:
+    for ws_id in args.ids:
+        ws = _connect(ws_id)
+        if ws.info().state != "paused":
+            raise WorkspaceStateError(f"workspace {ws_id} is not paused")
+        ws.resume()
+        print(ws_id)
+    return 0
+
+
+def _signal(text: str) -> int:
+    name = text.upper()
+    try:
+        return int(name) if name.isdigit() else int(signal.Signals[name if name.startswith("SIG") else "SIG" + name])
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a signal") from None
+
+
+def _kill_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-s", "--signal", type=_signal, default=signal.SIGKILL,
+                   help="signal to send (default KILL, which ends the workspace; TERM, INT, HUP, QUIT, USR1 and "
+                        "USR2 are forwarded to every process in it)")
+    _ids_args(p)
+
+
+def _kill(args: argparse.Namespace) -> int:
+    for ws_id in args.ids:
+        ws = _connect(ws_id)
+        if args.signal == signal.SIGKILL:
+            ws._cgroup().thaw()  # a frozen task cannot act on SIGKILL
+        os.kill(ws._live_init_pid(), args.signal)
+        print(ws_id)
+    return 0
 
 
 def _gc_args(p: argparse.ArgumentParser) -> None:
@@ -413,14 +515,19 @@ def _storage(args: argparse.Namespace) -> int:
 # ---- registry ----
 
 register(Subcommand("create", "create and start a workspace; prints its id", _create_args, _create))
-register(Subcommand("exec", "run a command in a workspace: bunshin exec ID [opts] -- CMD [ARG...]",
+register(Subcommand("exec", "run a command in a workspace: bunshin exec [OPTIONS] ID CMD [ARG...]",
                     _exec_args, _exec, takes_command=True))
-register(Subcommand("ls", "list workspaces", _json_args, _ls))
+register(Subcommand("ps", "list workspaces", _ps_args, _ls))
+register(Subcommand("ls", "list workspaces (same as ps)", _ps_args, _ls))
 register(Subcommand("info", "show a workspace's record", _id_json_args, _info))
 register(Subcommand("memory", "show what a workspace costs the host (anon, tmpfs, page cache, kernel), and its "
                     "rss, pss, uss", _id_json_args,
                     _memory))
-register(Subcommand("rm", "destroy workspaces", _rm_args, _rm))
+register(Subcommand("pause", "freeze every process of workspaces", _ids_args, _pause))
+register(Subcommand("unpause", "resume paused workspaces", _ids_args, _unpause))
+register(Subcommand("kill", "send a signal to workspaces (default KILL: ends them; rm removes them)",
+                    _kill_args, _kill))
+register(Subcommand("rm", "remove workspaces (-f: running ones too)", _rm_args, _rm))
 register(Subcommand("gc", "remove what crashed creators left behind", _gc_args, _gc))
 register(Subcommand("doctor", "check what this host offers bunshin", _json_args, _doctor, needs_root=False))
 register(Subcommand("fork", "live-fork a running workspace (or a saved snapshot) into N clones",
@@ -435,14 +542,23 @@ register(Subcommand("storage", "where layers live; 'setup' makes the btrfs layer
 
 
 class _UsageError(Exception):
-    """A usage mistake argparse cannot express; reported like argparse's own errors (exit 2)."""
+    """A usage mistake argparse cannot express; reported like argparse's own errors."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with podman's status for a usage error (125) instead of 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_RUNTIME)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description="Create, run commands in and live-fork container "
-                                     "workspaces.")
+    parser = _Parser(prog=PROG, description="Create, run commands in and live-fork container workspaces.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    subs = parser.add_subparsers(dest="subcommand", metavar="COMMAND", required=True)
+    parser.add_argument("--root", metavar="DIR", help=f"state directory (default {state.RUN_ROOT})")
+    subs = parser.add_subparsers(dest="subcommand", metavar="COMMAND", required=True, parser_class=_Parser)
     for sub in SUBCOMMANDS.values():
         p = subs.add_parser(sub.name, help=sub.help, description=sub.help)
         sub.configure(p)
@@ -450,26 +566,54 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
-    """Cut off the command after `--` for subcommands that run one; (argv, None) otherwise."""
-    if "--" not in argv:
-        return argv, None
-    cut = argv.index("--")
-    # No top-level option takes a value, so the first bare word names the subcommand.
-    name = next((a for a in argv[:cut] if not a.startswith("-")), None)
-    sub = SUBCOMMANDS.get(name or "")
+def _takes_value(parser: argparse.ArgumentParser, option: str) -> bool:
+    action = parser._option_string_actions.get(option)
+    return action is not None and action.nargs != 0
+
+
+def _split_command(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """For a subcommand that runs a command: (its options and id, the command); (argv, None) else.
+
+    The command starts at `--` or at the first bare word after the workspace id, so that
+    `exec ID ls -la` hands `-la` to ls, as podman does.
+    """
+    i = 0
+    while i < len(argv) and argv[i].startswith("-"):  # global options, --root DIR among them
+        i += 2 if _takes_value(parser, argv[i]) else 1
+    sub = SUBCOMMANDS.get(argv[i]) if i < len(argv) else None
     if sub is None or not sub.takes_command:
         return argv, None
-    return argv[:cut], argv[cut + 1:]
+    sub_parser = parser._subparsers._group_actions[0].choices[sub.name]  # type: ignore[union-attr]
+    positionals = 0
+    i += 1
+    while i < len(argv):
+        word = argv[i]
+        if word == "--":
+            return argv[:i], argv[i + 1:]
+        if word.startswith("-") and len(word) > 1:
+            # -eK=V and --env=K=V carry their value; -it is two flags.
+            opt = word.split("=", 1)[0] if word.startswith("--") else word[:2]
+            attached = "=" in word if word.startswith("--") else len(word) > 2 and _takes_value(sub_parser, opt)
+            i += 2 if _takes_value(sub_parser, opt) and not attached else 1
+            continue
+        if positionals == 1:
+            return argv[:i], argv[i:]
+        positionals += 1
+        i += 1
+    return argv, []
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
-    head, tail = _split_command(argv)
+    head, tail = _split_command(parser, argv)
     args = parser.parse_args(head)
     if tail is not None:
-        # Words before `--` were the command's start, so that `--` belongs to the command itself.
-        args.command = [*args.command, "--", *tail] if args.command else tail
+        args.command = tail
     return args
+
+
+def _exit_status(e: BunshinError) -> int:
+    return EXIT_CANNOT_INVOKE if isinstance(e, WorkspaceStateError) and not isinstance(e, WorkspaceNotFound) \
+        else EXIT_RUNTIME
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -477,9 +621,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parse(parser, list(sys.argv[1:] if argv is None else argv))
     except SystemExit as e:  # argparse: --help, --version and usage errors
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_RUNTIME)
     sub: Subcommand = args._sub
+    saved_root = state.RUN_ROOT
     try:
+        if args.root:
+            state.RUN_ROOT = Path(args.root).absolute()
         if sub.needs_root:
             state.require_root()
         return sub.run(args)
@@ -488,10 +635,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         sub_parser: argparse.ArgumentParser = args._parser
         print(sub_parser.format_usage(), end="", file=sys.stderr)
         print(f"{sub_parser.prog}: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_RUNTIME
     except BunshinError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 1
+        return _exit_status(e)
     except KeyboardInterrupt:
         # The foreground command's connection is closed on the way out, which kills it inside.
         print(file=sys.stderr)
@@ -502,6 +649,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
         return 141
+    finally:
+        state.RUN_ROOT = saved_root
 
 
 if __name__ == "__main__":

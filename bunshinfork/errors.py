@@ -7,7 +7,24 @@ class BunshinError(Exception):
     """Base class of every error raised by bunshinfork."""
 
 
-class SpecError(BunshinError, ValueError):
+# E2B's names for the same failures, so that code written against E2B catches them: every
+# bunshinfork error is a SandboxException, as every E2B SDK error is one there.
+SandboxException = BunshinError
+
+
+class TimeoutException(BunshinError, TimeoutError):
+    """An operation or a command ran past its timeout (E2B's TimeoutException)."""
+
+
+class InvalidArgumentException(BunshinError, ValueError):
+    """An argument is outside what the operation accepts (E2B's InvalidArgumentException)."""
+
+
+class NotFoundException(BunshinError):
+    """What the operation names does not exist (E2B's NotFoundException)."""
+
+
+class SpecError(InvalidArgumentException):
     """The WorkspaceSpec is invalid (missing rootfs, bad limits, unknown network mode)."""
 
 
@@ -27,15 +44,18 @@ class CriuError(BunshinError):
     """CRIU is missing, too old, or failed; the message carries the relevant part of its log."""
 
 
-class WorkspaceNotFound(BunshinError, LookupError):
-    """No workspace with that id exists under the state directory."""
+class WorkspaceNotFound(NotFoundException, LookupError):
+    """No workspace with that id exists under the state directory (E2B's SandboxNotFoundException)."""
+
+
+SandboxNotFoundException = WorkspaceNotFound
 
 
 class WorkspaceStateError(BunshinError):
     """The workspace is in the wrong state for the operation (destroyed, paused, init gone)."""
 
 
-class CommandTimeout(BunshinError, TimeoutError):
+class CommandTimeout(TimeoutException):
     """A command ran longer than its timeout and was killed inside the workspace."""
 
     def __init__(self, message: str, stdout: str = "", stderr: str = "") -> None:
@@ -64,5 +84,8 @@ class ForkError(BunshinError):
     """A fork of a workspace failed; the source keeps running unchanged."""
 
 
-class WorkspaceFileNotFound(FileOperationError, FileNotFoundError):
-    """The path does not exist inside the workspace."""
+class WorkspaceFileNotFound(FileOperationError, NotFoundException, FileNotFoundError):
+    """The path does not exist inside the workspace (E2B's FileNotFoundException)."""
+
+
+FileNotFoundException = WorkspaceFileNotFound

@@ -1,46 +1,51 @@
-"""ws.files: read, write, list, exists, remove, make_dir inside a workspace.
+"""ws.files: E2B's file-system module (read, write, list, stat, rename, remove, make_dir,
+watch_dir) inside a workspace.
 
 Every path is resolved with openat2(RESOLVE_IN_ROOT) against the workspace's root, so
-absolute symlinks and ".." planted inside the workspace can never reach the host.
-Works on a paused workspace too: nothing runs inside it.
+absolute symlinks and ".." planted inside the workspace can never reach the host. Relative
+paths start in the user's home. An operation for a user other than root runs with that
+user's file-system identity (users.fs_identity): the kernel checks its permissions and new
+files belong to it. Works on a paused workspace too: nothing runs inside it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import errno
 import os
 import posixpath
 import shutil
 import stat
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import IO, Literal, TypedDict
 
-from . import native
-from .errors import FileOperationError, WorkspaceFileNotFound
+from . import native, users
+from .entries import EntryInfo, FileType, WriteInfo
+from .errors import FileOperationError, InvalidArgumentException, WorkspaceFileNotFound
+from .watch import Inotify, WatchHandle
 
 HOME = "/root"
+CHUNK = 1 << 20
+METADATA_PREFIX = "user.e2b."  # E2B keeps file metadata in these extended attributes
 
 
-@dataclass(frozen=True)
-class EntryInfo:
-    name: str
+class WriteEntry(TypedDict):
     path: str
-    type: Literal["file", "dir", "symlink", "other"]
-    size: int
-    mode: int
-    mtime: float
+    data: str | bytes | IO | Iterable[bytes]
 
 
-def _kind(mode: int) -> Literal["file", "dir", "symlink", "other"]:
+WriteData = str | bytes | IO | Iterable[bytes]
+
+
+def _kind(mode: int) -> FileType | None:
     if stat.S_ISREG(mode):
-        return "file"
+        return FileType.FILE
     if stat.S_ISDIR(mode):
-        return "dir"
+        return FileType.DIR
     if stat.S_ISLNK(mode):
-        return "symlink"
-    return "other"
+        return FileType.SYMLINK
+    return None
 
 
 def _error(e: OSError, what: str, path: str) -> FileOperationError:
@@ -48,23 +53,92 @@ def _error(e: OSError, what: str, path: str) -> FileOperationError:
     return cls(e.errno, f"{what} {path} in workspace: {os.strerror(e.errno or 0)}", path)
 
 
+def _chunks(data: WriteData) -> Iterator[bytes]:
+    """The bytes of anything E2B's write accepts, in pieces: file objects and iterables stream."""
+    if isinstance(data, str):
+        yield data.encode()
+    elif isinstance(data, (bytes, bytearray, memoryview)):
+        yield bytes(data)
+    elif hasattr(data, "read"):
+        while chunk := data.read(CHUNK):  # type: ignore[union-attr]
+            yield chunk.encode() if isinstance(chunk, str) else bytes(chunk)
+    else:
+        for chunk in data:
+            if not isinstance(chunk, (bytes, bytearray, memoryview)):
+                raise InvalidArgumentException(f"an iterable written to a file must yield bytes, got {type(chunk)}")
+            yield bytes(chunk)
+
+
+def _metadata(path: str) -> dict[str, str] | None:
+    """E2B's user.e2b.* attributes of the file at `path` (a /proc/self/fd/... path)."""
+    try:
+        names = [n for n in os.listxattr(path, follow_symlinks=False) if n.startswith(METADATA_PREFIX)]
+        out = {n[len(METADATA_PREFIX):]: os.getxattr(path, n, follow_symlinks=False).decode() for n in names}
+    except OSError:
+        return None
+    return out or None
+
+
+class FileStreamReader(Iterator[bytes]):
+    """A file read in chunks (files.read(format="stream")); close it, or read it to the end."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd: int | None = fd
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self
+
+    def __next__(self) -> bytes:
+        if self._fd is None:
+            raise StopIteration
+        chunk = os.read(self._fd, CHUNK)
+        if not chunk:
+            self.close()
+            raise StopIteration
+        return chunk
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> FileStreamReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
 class Files:
-    """ws.files, resolved against the root of the workspace whose live init `init_pid()` names."""
+    """ws.files, resolved against the root of the workspace whose live init `init_pid()` names;
+    operations without a `user` run as `default_user` (None: root)."""
 
-    def __init__(self, init_pid: Callable[[], int]) -> None:
+    def __init__(self, init_pid: Callable[[], int], default_user: str | None = None) -> None:
         self._init_pid = init_pid
+        self._default_user = default_user
+        self.accounts = users.Accounts(self._stamp, self._read_as_root)
 
-    def _abs(self, path: str) -> str:
+    # ---- users and paths ----
+
+    def _user(self, user: str | None) -> users.User:
+        return self.accounts.resolve(user or self._default_user or "root")
+
+    def _abs(self, path: str, who: users.User | None = None) -> str:
         if not path:
             raise FileOperationError(errno.EINVAL, "empty path")
-        return posixpath.normpath(posixpath.join(HOME, path))
+        return posixpath.normpath(posixpath.join(who.home if who else HOME, path))
 
     @contextlib.contextmanager
-    def _root(self) -> Iterator[int]:
+    def _root(self, who: users.User = users.ROOT) -> Iterator[int]:
+        # /proc/<init>/root is opened with root's identity: the user's would not be let in.
         pid = self._init_pid()
         fd = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            yield fd
+            with users.fs_identity(who):
+                yield fd
         finally:
             os.close(fd)
 
@@ -76,17 +150,80 @@ class Files:
         finally:
             os.close(fd)
 
-    def read(self, path: str, format: Literal["text", "bytes"] = "text") -> str | bytes:
-        p = self._abs(path)
+    def _entry(self, dirfd: int, name: str, path: str) -> EntryInfo:
+        st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+        target = os.readlink(name, dir_fd=dirfd) if stat.S_ISLNK(st.st_mode) else None
+        owners, groups = self.accounts.names()
+        return EntryInfo(
+            name=name, type=_kind(st.st_mode), path=path, size=st.st_size, mode=stat.S_IMODE(st.st_mode),
+            permissions=stat.filemode(st.st_mode)[1:], owner=owners.get(st.st_uid, str(st.st_uid)),
+            group=groups.get(st.st_gid, str(st.st_gid)),
+            modified_time=datetime.datetime.fromtimestamp(st.st_mtime, datetime.UTC),
+            symlink_target=target, metadata=_metadata(f"/proc/self/fd/{dirfd}/{name}"),
+        )
+
+    def _info_at(self, root: int, p: str) -> EntryInfo:
+        # The root has no parent inside the workspace to stat it from: "." of itself stands in.
+        parent, name = (p, ".") if p == "/" else (posixpath.dirname(p), posixpath.basename(p))
+        with self._open(root, parent, os.O_PATH | os.O_DIRECTORY) as fd:
+            info = self._entry(fd, name, p)
+        if p == "/":
+            info.name = "/"
+        return info
+
+    def _stamp(self, paths: Sequence[str]) -> tuple[tuple[int, int, int] | None, ...]:
+        """What changes when any of these files changes (inode, mtime, size), read as root."""
+        out: list[tuple[int, int, int] | None] = []
+        with self._root() as root:
+            for p in paths:
+                try:
+                    with self._open(root, p, os.O_PATH) as fd:
+                        st = os.fstat(fd)
+                    out.append((st.st_ino, st.st_mtime_ns, st.st_size))
+                except OSError:
+                    out.append(None)
+        return tuple(out)
+
+    def _read_as_root(self, paths: Sequence[str]) -> list[str]:
+        """The texts of these files ("" for a missing one), whatever the default user is."""
+        out = []
+        for p in paths:
+            try:
+                out.append(str(self.read(p, user="root")))
+            except WorkspaceFileNotFound:
+                out.append("")
+        return out
+
+    # ---- reading ----
+
+    def read(self, path: str, format: Literal["text", "bytes", "stream"] = "text", user: str | None = None,
+             request_timeout: float | None = None, gzip: bool = False,
+             stream_idle_timeout: float | None = None) -> str | bytearray | FileStreamReader:
+        """The file's content: a str, a bytearray, or (format="stream") an iterator of chunks.
+
+        request_timeout, gzip and stream_idle_timeout are E2B's transport options: a local read
+        has no transport, and they are accepted and ignored.
+        """
+        if format not in ("text", "bytes", "stream"):
+            raise InvalidArgumentException(f"format must be 'text', 'bytes' or 'stream', not {format!r}")
+        who = self._user(user)
+        p = self._abs(path, who)
         try:
-            with self._root() as root, self._open(root, p, os.O_RDONLY) as fd:
-                chunks = []
-                while chunk := os.read(fd, 1 << 20):
-                    chunks.append(chunk)
+            with self._root(who) as root:
+                fd = native.openat2(root, p, os.O_RDONLY)
+                if format == "stream":
+                    return FileStreamReader(fd)
+                try:
+                    data = bytearray()
+                    while chunk := os.read(fd, CHUNK):
+                        data += chunk
+                finally:
+                    os.close(fd)
         except OSError as e:
             raise _error(e, "read", p) from e
-        data = b"".join(chunks)
         return data if format == "bytes" else data.decode()
+
+    # ---- writing ----
 
     def _make_dirs(self, root: int, path: str) -> None:
         parts = [c for c in path.split("/") if c]
@@ -102,64 +239,128 @@ class Files:
                     contextlib.suppress(FileExistsError):
                 os.mkdir(parts[i - 1], 0o755, dir_fd=parent)
 
-    def write(self, path: str, data: str | bytes, mode: int = 0o644) -> EntryInfo:
-        """Write a whole file, creating missing parent directories."""
-        p = self._abs(path)
-        raw = data.encode() if isinstance(data, str) else bytes(data)
-        try:
-            with self._root() as root:
-                self._make_dirs(root, posixpath.dirname(p))
-                with self._open(root, p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode) as fd:
-                    view = memoryview(raw)
-                    while view:
-                        n = os.write(fd, view)
-                        view = view[n:]
-                    st = os.fstat(fd)
-        except OSError as e:
-            raise _error(e, "write", p) from e
-        return EntryInfo(posixpath.basename(p), p, "file", st.st_size, st.st_mode, st.st_mtime)
+    def _write_one(self, root: int, p: str, data: WriteData, mode: int, metadata: dict[str, str] | None) -> EntryInfo:
+        self._make_dirs(root, posixpath.dirname(p))
+        with self._open(root, p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode) as fd:
+            for chunk in _chunks(data):
+                view = memoryview(chunk)
+                while view:
+                    n = os.write(fd, view)
+                    view = view[n:]
+            for key, value in (metadata or {}).items():
+                os.setxattr(fd, METADATA_PREFIX + key.lower(), value.encode())
+        return self._info_at(root, p)
 
-    def make_dir(self, path: str) -> bool:
+    def write(self, path: str, data: WriteData, user: str | None = None, request_timeout: float | None = None,
+              gzip: bool = False, use_octet_stream: bool | None = None, metadata: dict[str, str] | None = None,
+              *, mode: int = 0o644) -> WriteInfo:
+        """Write a whole file (str, bytes, a file object or an iterable of bytes, streamed),
+        creating missing parent directories. Returns its EntryInfo (a WriteInfo).
+
+        request_timeout, gzip and use_octet_stream choose E2B's upload encoding; nothing is
+        uploaded here, and they are accepted and ignored.
+        """
+        return self.write_files([{"path": path, "data": data}], user, request_timeout, gzip, use_octet_stream,
+                                metadata, mode=mode)[0]
+
+    def write_files(self, files: Sequence[WriteEntry], user: str | None = None, request_timeout: float | None = None,
+                    gzip: bool = False, use_octet_stream: bool | None = None,
+                    metadata: dict[str, str] | None = None, *, mode: int = 0o644) -> list[WriteInfo]:
+        """Write several files (each a {"path", "data"} entry), as write() does."""
+        _check_metadata(metadata)
+        who = self._user(user)
+        out: list[WriteInfo] = []
+        with self._root(who) as root:
+            for entry in files:
+                p = self._abs(entry["path"], who)
+                try:
+                    out.append(self._write_one(root, p, entry["data"], mode, metadata))
+                except OSError as e:
+                    raise _error(e, "write", p) from e
+        return out
+
+    def make_dir(self, path: str, user: str | None = None, request_timeout: float | None = None) -> bool:
         """Create a directory and its parents; False if it already existed."""
-        p = self._abs(path)
-        existed = self.exists(p)
+        who = self._user(user)
+        p = self._abs(path, who)
+        existed = self.exists(p, user)
         try:
-            with self._root() as root:
+            with self._root(who) as root:
                 self._make_dirs(root, p)
         except OSError as e:
             raise _error(e, "make_dir", p) from e
         return not existed
 
-    def list(self, path: str = HOME) -> list[EntryInfo]:
-        p = self._abs(path)
+    # ---- listing and stat ----
+
+    def list(self, path: str, depth: int | None = 1, user: str | None = None,
+             request_timeout: float | None = None) -> list[EntryInfo]:
+        """The entries of a directory, and with depth > 1 those of its subdirectories."""
+        if depth is not None and depth < 1:
+            raise InvalidArgumentException("depth should be at least 1")
+        who = self._user(user)
+        p = self._abs(path, who)
+        out: list[EntryInfo] = []
         try:
-            with self._root() as root, self._open(root, p, os.O_RDONLY | os.O_DIRECTORY) as fd:
-                out = []
-                for name in sorted(os.listdir(fd)):
-                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                    out.append(EntryInfo(name, posixpath.join(p, name), _kind(st.st_mode), st.st_size,
-                                         st.st_mode, st.st_mtime))
-                return out
+            with self._root(who) as root:
+                self._list_into(root, p, depth or 1, out)
         except OSError as e:
             raise _error(e, "list", p) from e
+        return out
 
-    def exists(self, path: str) -> bool:
-        p = self._abs(path)
+    def _list_into(self, root: int, p: str, depth: int, out: list[EntryInfo]) -> None:
+        with self._open(root, p, os.O_RDONLY | os.O_DIRECTORY) as fd:
+            entries = [self._entry(fd, name, posixpath.join(p, name)) for name in sorted(os.listdir(fd))]
+        for e in entries:
+            out.append(e)
+            if depth > 1 and e.type == FileType.DIR:
+                self._list_into(root, e.path, depth - 1, out)
+
+    def exists(self, path: str, user: str | None = None, request_timeout: float | None = None) -> bool:
+        who = self._user(user)
+        p = self._abs(path, who)
         try:
-            with self._root() as root, self._open(root, p, os.O_PATH):
+            with self._root(who) as root, self._open(root, p, os.O_PATH):
                 return True
         except OSError as e:
             if e.errno in (errno.ENOENT, errno.ENOTDIR):
                 return False
             raise _error(e, "stat", p) from e
 
-    def remove(self, path: str) -> None:
+    def get_info(self, path: str, user: str | None = None, request_timeout: float | None = None) -> EntryInfo:
+        """Name, type, size, mode, owner and modification time of a file or directory."""
+        who = self._user(user)
+        p = self._abs(path, who)
+        try:
+            with self._root(who) as root:
+                return self._info_at(root, p)
+        except OSError as e:
+            raise _error(e, "stat", p) from e
+
+    # ---- changing ----
+
+    def rename(self, old_path: str, new_path: str, user: str | None = None,
+               request_timeout: float | None = None) -> EntryInfo:
+        """Rename (move) a file or directory; returns the entry at its new path."""
+        who = self._user(user)
+        old, new = self._abs(old_path, who), self._abs(new_path, who)
+        try:
+            with self._root(who) as root, \
+                    self._open(root, posixpath.dirname(old), os.O_PATH | os.O_DIRECTORY) as src, \
+                    self._open(root, posixpath.dirname(new), os.O_PATH | os.O_DIRECTORY) as dst:
+                os.rename(posixpath.basename(old), posixpath.basename(new), src_dir_fd=src, dst_dir_fd=dst)
+                return self._entry(dst, posixpath.basename(new), new)
+        except OSError as e:
+            raise _error(e, "rename", old) from e
+
+    def remove(self, path: str, user: str | None = None, request_timeout: float | None = None) -> None:
         """Remove a file, a symlink, or a directory with everything in it."""
-        p = self._abs(path)
+        who = self._user(user)
+        p = self._abs(path, who)
         if p == "/":
             raise FileOperationError(errno.EINVAL, "refusing to remove the workspace's root", p)
         try:
-            with self._root() as root, self._open(
+            with self._root(who) as root, self._open(
                 root, posixpath.dirname(p), os.O_RDONLY | os.O_DIRECTORY
             ) as parent:
                 name = posixpath.basename(p)
@@ -170,3 +371,28 @@ class Files:
                     os.unlink(name, dir_fd=parent)
         except OSError as e:
             raise _error(e, "remove", p) from e
+
+    # ---- watching ----
+
+    def watch_dir(self, path: str, user: str | None = None, request_timeout: float | None = None,
+                  recursive: bool = False, include_entry: bool = False,
+                  allow_network_mounts: bool = False) -> WatchHandle:
+        """Watch a directory (inotify, from the host); handle.get_new_events() returns what
+        happened since the last call. allow_network_mounts is accepted: a workspace has none."""
+        return WatchHandle(self._watcher(path, user, recursive, include_entry))
+
+    def _watcher(self, path: str, user: str | None, recursive: bool, include_entry: bool) -> Inotify:
+        who = self._user(user)
+        p = self._abs(path, who)
+        try:
+            with self._root(who) as root, self._open(root, p, os.O_PATH | os.O_DIRECTORY) as fd:
+                return Inotify(self, p, fd, recursive, include_entry)
+        except OSError as e:
+            raise _error(e, "watch", p) from e
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> None:
+    for k, v in (metadata or {}).items():
+        if not isinstance(k, str) or not k or not isinstance(v, str) or "\0" in k + v or len(k) > 200:
+            raise InvalidArgumentException(f"metadata entry {k!r}={v!r} is invalid: a non-empty key and a str value")
+

@@ -17,15 +17,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from . import state
-from .cgroups import CgroupsPart
+from .cgroups import Cgroup, CgroupsPart
 from .contract import Build, Captured, Held, Part, Probe
 from .errors import BunshinError, ForkError, WorkspaceStateError
 from .fs import FsPart
 from .memory import MemoryPart
 from .network import NetworkPart
-from .process import ProcessPart, chain
+from .process import ProcessPart, chain, lifetime
 from .spec import WorkspaceSpec
-from .state import Record, SnapshotMeta
+from .state import Lifetime, Record, SnapshotMeta
 
 PARTS: tuple[Part, ...] = (FsPart(), CgroupsPart(), MemoryPart(), ProcessPart(), NetworkPart())
 # Capture: refuse what cannot be forked first; the memory engine's share before the dump it
@@ -49,24 +49,26 @@ def probes() -> tuple[Probe, ...]:
 # ---- assembly ----
 
 
-def create(spec: WorkspaceSpec) -> Build:
+def create(spec: WorkspaceSpec, life: Lifetime | None = None) -> Build:
     """A new workspace from a validated spec, running when this returns."""
     state.require_root()
+    collect()  # what ended workspaces left: no daemon removes it
     ws_id = state.new_id()
     rec = Record(id=ws_id, status="creating", creator_pid=os.getpid(), created_at=time.time(),
-                 hostname=spec.hostname or ws_id, spec=spec)
+                 hostname=spec.hostname or ws_id, spec=spec, lifetime=life or Lifetime())
     return _assemble(Build(rec))
 
 
-def fork(snap: Captured, count: int, memory: str) -> list[Build | Exception]:
-    """`count` clones of a snapshot, restored with the engine `memory`. Each succeeds or fails on
-    its own: a failed clone is a ForkError in the list and leaves nothing behind."""
+def fork(snap: Captured, count: int, memory: str, life: Lifetime | None = None) -> list[Build | Exception]:
+    """`count` clones of a snapshot, restored with the engine `memory`, each with the lifetime
+    `life` (never its source's). Each succeeds or fails on its own: a failed clone is a
+    ForkError in the list and leaves nothing behind."""
 
     def one(_: int) -> Build | Exception:
         ws_id = state.new_id()
         meta = snap.meta
         rec = Record(id=ws_id, status="creating", creator_pid=os.getpid(), created_at=time.time(),
-                     hostname=ws_id, spec=meta.spec, parent=meta.source)
+                     hostname=ws_id, spec=meta.spec, parent=meta.source, lifetime=life or Lifetime())
         # The fork profile starts with what the snapshot cost its source.
         if meta.timing is not None:
             rec.timings.update({f"snapshot.{k}": v for k, v in meta.timing.stages.items()})
@@ -121,9 +123,25 @@ def _assemble(b: Build) -> Build:
 
 def release(held: Held) -> None:
     """Give back everything a workspace (or a snapshot) holds, part by part in reverse order.
-    Idempotent; every part is tried even when one fails, and the failures are reported together."""
-    if isinstance(held, Build) and held.rec.status == "destroyed":
+    Idempotent; every part is tried even when one fails, and the failures are reported together.
+    A workspace's owner and another process's gc or lifetime collection take turns at it."""
+    if isinstance(held, Build):
+        if held.rec.status == "destroyed":
+            return
+        with lifetime.cleanup_lock(held.rec) as present:
+            if not present:
+                # Taken apart by another process already: only this process's pidfd is left.
+                if held.pidfd is not None:
+                    pidfd, held.pidfd = held.pidfd, None
+                    os.close(pidfd)
+                held.rec.status = "destroyed"
+                return
+            _release(held)
         return
+    _release(held)
+
+
+def _release(held: Held) -> None:
     errors = []
     for p in reversed(PARTS):
         try:
@@ -148,9 +166,33 @@ def release(held: Held) -> None:
 def gc() -> dict[str, list[str]]:
     """Remove what crashed creators left behind: workspaces whose init is gone, snapshots whose
     owner is gone, then each part's own leftovers. Returns what was removed, by kind."""
-    removed = {"workspaces": _gc_records(), "snapshots": _gc_snapshots()}
+    # Past their deadline but still running (a lifetime file rewritten from inside), then the
+    # records whose init is gone.
+    removed = {"workspaces": collect() + _gc_records(), "snapshots": _gc_snapshots()}
     for p in PARTS:
         removed[p.name] = p.gc()
+    return removed
+
+
+def collect() -> list[str]:
+    """Remove the workspaces whose lifetime has ended (process/lifetime.py): what their init
+    left on the host, and a workspace whose init outlived its deadline (frozen ones wait until
+    they are resumed). Every create, connect, list and gc runs it: there is no daemon."""
+    removed = []
+    for ws_id in state.all_ids():
+        try:
+            rec = Record.load(ws_id)
+        except (FileNotFoundError, ValueError):
+            continue
+        if rec.status != "running" or not lifetime.ended(rec):
+            continue
+        if rec.init_alive() and rec.cgroups is not None:
+            with contextlib.suppress(BunshinError, OSError):
+                if Cgroup(rec.cgroups).frozen():
+                    continue
+        with contextlib.suppress(BunshinError):
+            release(Build(rec))
+            removed.append(ws_id)
     return removed
 
 

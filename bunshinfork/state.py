@@ -80,6 +80,15 @@ def proc_starttime(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[19])
 
 
+def _running(pid: int, starttime: int) -> bool:
+    """The process is the one recorded and has not exited (a zombie awaiting its reaper has)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] not in ("Z", "X") and int(fields[19]) == starttime
+
+
 def all_ids() -> list[str]:
     if not RUN_ROOT.is_dir():
         return []
@@ -156,7 +165,7 @@ class InitState:
     starttime: int
 
     def alive(self) -> bool:
-        return proc_starttime(self.pid) == self.starttime
+        return _running(self.pid, self.starttime)
 
 
 @dataclass(frozen=True)
@@ -188,6 +197,14 @@ class Lineage:
 
 
 @dataclass(frozen=True)
+class Lifetime:
+    """process: when the workspace's init ends it (lifetime.py), wall-clock seconds, 0 for never."""
+
+    deadline: float = 0.0
+    lease: float = 0.0  # a die_with_creator workspace ends this long after its creator stops renewing
+
+
+@dataclass(frozen=True)
 class Timing:
     """A snapshot's cost to its source: how long it was frozen, and where the time went."""
 
@@ -216,6 +233,10 @@ class Record:
     # Seconds per subsystem while it was built ("fs"), and per stage within one ("fs.layer"); a
     # clone's also name the snapshot's stages ("snapshot.freeze").
     timings: dict[str, float] = field(default_factory=dict)
+    lifetime: Lifetime = field(default_factory=Lifetime)
+    # E2B's sandbox metadata and the template it was created from (sandbox.py).
+    metadata: dict[str, str] = field(default_factory=dict)
+    template: str = ""
 
     @property
     def dir(self) -> Path:

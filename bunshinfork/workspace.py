@@ -7,6 +7,7 @@ snapshot.take, and destroying is pipeline.release; each state they read is typed
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 from collections.abc import Iterable
@@ -19,10 +20,11 @@ from . import accounting, pipeline, snapshot, state
 from . import memory as memory_engines
 from .accounting import HostMemory
 from .cgroups import Cgroup
-from .commands import Commands
+from .commands import BUNSHIN, Commands, Conventions, Pty
 from .contract import Build, Captured
 from .errors import BunshinError, SpecError, WorkspaceNotFound, WorkspaceStateError
 from .files import Files
+from .process import lifetime
 from .spec import WorkspaceSpec
 from .state import Record, Timing
 
@@ -88,33 +90,47 @@ class Workspace:
     """A running, isolated container workspace.
 
     Create with Workspace.create(spec); attach from any process with Workspace.connect(id).
+    Commands run as root in the workspace's shell and return their result whatever the exit
+    code; a workspace lives until destroyed unless given a timeout. (Sandbox, its E2B twin,
+    differs in its `conventions`.)
     """
+
+    conventions: Conventions = BUNSHIN
 
     def __init__(self, record: Record, pidfd: int | None = None) -> None:
         self._rec = record
         self._pidfd = pidfd
         self._lock = threading.Lock()
         self._shell_path: str | None = None
-        self.files = Files(self._live_init_pid)
-        self.commands = Commands(self._live_init_pid, self.files, record.spec.env, self._shell)
+        conv = self.conventions
+        self.files = Files(self._live_init_pid, conv.default_user)
+        self.commands = Commands(self._live_init_pid, self.files, record.spec.env, self._shell, self._pids, conv)
+        self.pty = Pty(self.commands)
 
     # ---- construction ----
 
     @classmethod
-    def create(cls, spec: WorkspaceSpec | None = None, **overrides: Any) -> Workspace:
-        """Create and start a workspace. Keyword overrides are WorkspaceSpec fields."""
+    def create(cls, spec: WorkspaceSpec | None = None, *, timeout: float | None = None,
+               die_with_creator: bool = False, **overrides: Any) -> Workspace:
+        """Create and start a workspace. Keyword overrides are WorkspaceSpec fields.
+
+        timeout: seconds until the workspace's init ends it (None or 0: never); set_timeout()
+        moves it. die_with_creator: it also ends within lifetime.LEASE_SECONDS of this
+        process's exit, however that comes.
+        """
         base = spec or WorkspaceSpec()
         if overrides:
             try:
                 base = WorkspaceSpec(**{**base.to_dict(), **overrides})
             except TypeError as e:
                 raise SpecError(str(e)) from e
-        b = pipeline.create(base.validate())
+        b = pipeline.create(base.validate(), lifetime.asked(timeout, die_with_creator))
         return cls(b.rec, b.pidfd)
 
     @classmethod
     def connect(cls, ws_id: str) -> Workspace:
         """Attach to a workspace created by this or another process."""
+        pipeline.collect()
         try:
             rec = Record.load(ws_id)
         except FileNotFoundError:
@@ -128,6 +144,7 @@ class Workspace:
 
     @staticmethod
     def list() -> list[WorkspaceInfo]:
+        pipeline.collect()
         out = []
         for ws_id in state.all_ids():
             with contextlib.suppress(FileNotFoundError, ValueError, BunshinError):
@@ -156,9 +173,12 @@ class Workspace:
             raise WorkspaceStateError(f"workspace {self.id} is not running (destroyed, or its init died)")
         return self.init_pid
 
+    def _pids(self) -> list[int]:
+        return self._cgroup().pids()
+
     def _shell(self) -> str:
         if self._shell_path is None:
-            self._shell_path = "/bin/bash" if self.files.exists("/bin/bash") else "/bin/sh"
+            self._shell_path = "/bin/bash" if self.files.exists("/bin/bash", user="root") else "/bin/sh"
         return self._shell_path
 
     def is_running(self) -> bool:
@@ -230,16 +250,28 @@ class Workspace:
         """
         return Snapshot.take(self, memory, incremental=incremental)
 
-    def fork(self, count: int = 1, memory: str = "auto") -> list[Workspace | Exception]:
+    def fork(self, count: int = 1, memory: str = "auto", *, timeout: float | None = None,
+             die_with_creator: bool = False) -> list[Workspace | Exception]:
         """Live-fork into `count` running clones (E2B semantics: each entry is a Workspace or the
         Exception that clone failed with; the source keeps running unchanged either way).
 
         memory: "copy" (private copies), "ksm" (merged after the fact), "cow" (kernel module),
         or "auto" (cow when /dev/bunshin exists, else ksm on Linux >= 6.4, else copy).
+        timeout / die_with_creator: each clone's own lifetime (none by default, never the source's).
         """
         # The snapshot lives only for this fork: not worth comparing its pages after the thaw.
         with Snapshot._take(self, memory, delta=True, dedupe=False) as snap:
-            return snap.fork(count)
+            return snap.fork(count, timeout=timeout, die_with_creator=die_with_creator)
+
+    def set_timeout(self, timeout: float) -> None:
+        """End the workspace `timeout` seconds from now (0: never), enforced by its init."""
+        init_pid = self._live_init_pid()
+        rec = self._rec
+        rec.lifetime = dataclasses.replace(rec.lifetime, deadline=lifetime.deadline_after(timeout))
+        rec.save()
+        self.files.write(lifetime.FILE, lifetime.encode(rec.lifetime), user="root", mode=0o600)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(init_pid, lifetime.WAKE)  # re-read before its next wake-up
 
     def destroy(self) -> None:
         """Kill every process and remove mounts, cgroups, network, layers and state. Idempotent."""
@@ -354,17 +386,20 @@ class Snapshot:
 
     # ---- forking ----
 
-    def fork(self, count: int = 1, memory: str | None = None) -> list[Workspace | Exception]:
+    def fork(self, count: int = 1, memory: str | None = None, *, timeout: float | None = None,
+             die_with_creator: bool = False) -> list[Workspace | Exception]:
         """Start `count` running clones with the engine the snapshot was taken for. Each succeeds
         or fails on its own (E2B semantics): a failed clone is an Exception in the list and leaves
         nothing behind. memory: None or "auto" (the snapshot's engine), or another engine that
-        restores the same capture ("copy" and "ksm" both restore CRIU images)."""
+        restores the same capture ("copy" and "ksm" both restore CRIU images).
+        timeout / die_with_creator: each clone's lifetime (see Workspace.create)."""
         self._check_live()
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise SpecError(f"count must be a positive integer, got {count!r}")
         engine = memory_engines.for_fork(self.memory, self.id, memory)
+        life = lifetime.asked(timeout, die_with_creator)
         return [Workspace(r.rec, r.pidfd) if isinstance(r, Build) else r
-                for r in pipeline.fork(self._snap, count, engine)]
+                for r in pipeline.fork(self._snap, count, engine, life)]
 
     # ---- durability ----
 

@@ -11,10 +11,14 @@
  * Request (client -> shim): u32 little-endian length, then NUL-terminated
  * strings. The first is the operation; the rest are tagged by their first byte:
  *   a<argv item>  e<KEY=VALUE>  c<cwd>  i<command id>  p<pid>  s<signal>
+ *   u<uid:gid[:gid,gid...]> (run as this user)
+ *   n<input> (the command's stdin: "pipe", or "pty:ROWS:COLS" for a terminal;
+ *             default /dev/null)
  * Operations: run (foreground, output streamed), spawn (background, output to
  * /.bunshin/cmd/<id>/{stdout,stderr}, wait status to .../exit), kill, ping.
+ * While a command of run or spawn runs, its request is kept in /.bunshin/procs/<pid>.
  * Reply frames (shim -> client): 1 byte type, u32 little-endian length, data.
- *   'P' pid (decimal)   'O' stdout bytes   'E' stderr bytes
+ *   'P' pid (decimal)   'O' stdout bytes (a terminal's output)   'E' stderr bytes
  *   'X' wait status (decimal)   'F' failure message (errno text)
  * A client that disconnects during `run` kills the command's process group:
  * that is how a timeout is enforced.
@@ -22,7 +26,20 @@
  * A shim closes its connection before anything the client waits for can end (the
  * last frame of a reply, or the client's hang-up), so once the client has seen EOF
  * no process of the workspace holds a socket whose peer is outside it, and a
- * snapshot taken right after any call finds none.
+ * snapshot taken right after any call finds none. Input connections likewise: a
+ * client waits for the shim's EOF after its last acknowledgement.
+ *
+ * Input. A command with an input has its shim listen on /.bunshin/io/<pid>;
+ * clients send it frames in the reply format and get 'X' or 'F' for each:
+ *   'I' bytes for stdin   'C' close stdin   'R' "ROWS COLS" (resize the terminal)
+ * The client of a foreground `run` may also send these frames on its own
+ * connection (no acknowledgements there).
+ *
+ * Lifetime. /.bunshin/lifetime holds "DEADLINE_MS LEASE_MS" (wall clock, 0 for
+ * none). The init re-reads it whenever it wakes (SIGRTMIN+1 wakes it after the
+ * host shortened it) and, past the deadline or when the file has not been
+ * touched for LEASE_MS, kills every process of the workspace and exits, whether
+ * or not the process that created the workspace is still there.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -34,6 +51,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <grp.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
@@ -48,11 +67,18 @@
 #define CTL_DIR "/.bunshin"
 #define CTL_SOCK CTL_DIR "/ctl.sock"
 #define CMD_DIR CTL_DIR "/cmd"
+#define IO_DIR CTL_DIR "/io"
+#define PROCS_DIR CTL_DIR "/procs"
+#define LIFETIME_FILE CTL_DIR "/lifetime"
 #define MAX_REQ (1 << 20)
 #define MAX_ITEMS 4096
+#define MAX_FRAME (1 << 20)
+#define MAX_IO_CLIENTS 8
 #ifndef PR_SET_MEMORY_MERGE
 #define PR_SET_MEMORY_MERGE 67
 #endif
+/* Sent by the host after it shortened the lifetime: re-read it now. */
+#define SIG_LIFETIME (SIGRTMIN + 1)
 
 static const int forwarded[] = {SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2};
 
@@ -113,10 +139,19 @@ static int send_text(int fd, char type, const char *fmt, ...)
 	return send_frame(fd, type, buf, (uint32_t)n);
 }
 
+static void set_nonblock(int fd)
+{
+	int fl = fcntl(fd, F_GETFL);
+	if (fl >= 0)
+		fcntl(fd, F_SETFL, fl | O_NONBLOCK);
+}
+
 struct request {
 	const char *op;
 	const char *cwd;
 	const char *id;
+	const char *user;
+	const char *input;
 	pid_t pid;
 	int sig;
 	char *argv[MAX_ITEMS];
@@ -158,6 +193,12 @@ static int parse_request(char *buf, uint32_t len, struct request *rq)
 		case 's':
 			rq->sig = atoi(val);
 			break;
+		case 'u':
+			rq->user = val;
+			break;
+		case 'n':
+			rq->input = val;
+			break;
 		default:
 			return -1;
 		}
@@ -175,32 +216,288 @@ static void reset_signals(void)
 		signal(s, SIG_DFL);
 }
 
-/*
- * Fork the command. The child gets its own process group so that a timeout can
- * kill everything it started in the foreground. An exec failure travels back
- * over a CLOEXEC pipe, so the caller learns ENOENT for a missing binary or bad cwd
- * instead of a bare exit code.
- */
-static pid_t start_command(struct request *rq, int out_fd, int err_fd, char *errbuf, size_t errlen)
+/* ---- users: "uid:gid[:gid,gid...]", resolved by the host from the workspace's /etc ---- */
+
+static int switch_user(const char *spec)
 {
-	int ep[2];
+	char *end;
+	errno = EINVAL;
+	long uid = strtol(spec, &end, 10);
+	if (end == spec || *end != ':' || uid < 0)
+		return -1;
+	const char *p = end + 1;
+	long gid = strtol(p, &end, 10);
+	if (end == p || (*end != ':' && *end != '\0') || gid < 0)
+		return -1;
+	gid_t groups[64];
+	int n = 0;
+	if (*end == ':') {
+		p = end + 1;
+		while (*p && n < 64) {
+			long g = strtol(p, &end, 10);
+			if (end == p || g < 0)
+				return -1;
+			groups[n++] = (gid_t)g;
+			p = *end == ',' ? end + 1 : end;
+			if (*p && *end != ',')
+				return -1;
+		}
+	}
+	if (setgroups((size_t)n, groups) < 0 || setresgid((gid_t)gid, (gid_t)gid, (gid_t)gid) < 0 ||
+	    setresuid((uid_t)uid, (uid_t)uid, (uid_t)uid) < 0)
+		return -1;
+	return 0;
+}
+
+/* ---- input: a stdin pipe or a terminal, fed by clients ---- */
+
+enum { IN_NONE, IN_PIPE, IN_PTY };
+
+struct input {
+	int mode;
+	int fd;          /* the pipe's write end, or the terminal's master; -1 once closed */
+	int close_after; /* close it once the pending bytes are written */
+	char *pending;
+	size_t plen;
+	unsigned short rows, cols;
+	char slave[64];
+};
+
+static int parse_input(const char *spec, struct input *in)
+{
+	memset(in, 0, sizeof(*in));
+	in->fd = -1;
+	if (!spec || !*spec)
+		return 0;
+	if (!strcmp(spec, "pipe")) {
+		in->mode = IN_PIPE;
+		return 0;
+	}
+	unsigned rows = 0, cols = 0;
+	if (sscanf(spec, "pty:%u:%u", &rows, &cols) == 2 && rows && cols && rows < 65536 && cols < 65536) {
+		in->mode = IN_PTY;
+		in->rows = (unsigned short)rows;
+		in->cols = (unsigned short)cols;
+		return 0;
+	}
+	return -1;
+}
+
+static int resize(struct input *in, const char *text)
+{
+	unsigned rows = 0, cols = 0;
+	if (in->mode != IN_PTY || in->fd < 0) {
+		errno = ENOTTY;
+		return -1;
+	}
+	if (sscanf(text, "%u %u", &rows, &cols) != 2 || !rows || !cols || rows > 65535 || cols > 65535) {
+		errno = EINVAL;
+		return -1;
+	}
+	struct winsize ws = {.ws_row = (unsigned short)rows, .ws_col = (unsigned short)cols};
+	return ioctl(in->fd, TIOCSWINSZ, &ws);
+}
+
+static int queue_input(struct input *in, const char *data, size_t len)
+{
+	if (in->mode == IN_NONE || in->fd < 0 || in->close_after) {
+		errno = in->mode == IN_NONE ? ENOTSUP : EPIPE;
+		return -1;
+	}
+	if (in->plen + len > 16 * MAX_FRAME) {
+		errno = EAGAIN;
+		return -1;
+	}
+	char *p = realloc(in->pending, in->plen + len);
+	if (!p && in->plen + len) {
+		errno = ENOMEM;
+		return -1;
+	}
+	memcpy(p + in->plen, data, len);
+	in->pending = p;
+	in->plen += len;
+	return 0;
+}
+
+/* Write what the command will take now; never block, or the shim would stop forwarding its
+ * output while it waits for us to read. */
+static void flush_input(struct input *in, int owns_fd)
+{
+	while (in->fd >= 0 && in->plen) {
+		ssize_t n = write(in->fd, in->pending, in->plen);
+		if (n < 0) {
+			if (errno == EINTR)
+				continue;
+			if (errno == EAGAIN)
+				return;
+			in->plen = 0; /* the reader is gone */
+			break;
+		}
+		memmove(in->pending, in->pending + n, in->plen - (size_t)n);
+		in->plen -= (size_t)n;
+	}
+	if (in->fd >= 0 && in->close_after && !in->plen) {
+		if (in->mode == IN_PTY) {
+			/* A terminal's end of input is its EOF character, not a hang-up. */
+			char eof = 4;
+			(void)!write(in->fd, &eof, 1);
+			in->close_after = 0;
+		} else if (owns_fd) {
+			close(in->fd);
+			in->fd = -1;
+		}
+	}
+}
+
+/* A stream of frames read from one socket. */
+struct framebuf {
+	int fd;
+	char *buf;
+	size_t len;
+};
+
+/* One frame a client sent ('I', 'C' or 'R'); returns 0, or -1 with errno for 'F'. */
+static int apply_frame(struct input *in, char type, const char *data, uint32_t len)
+{
+	switch (type) {
+	case 'I':
+		return queue_input(in, data, len);
+	case 'C':
+		if (in->mode == IN_NONE || in->fd < 0) {
+			errno = in->mode == IN_NONE ? ENOTSUP : EPIPE;
+			return -1;
+		}
+		in->close_after = 1;
+		return 0;
+	case 'R': {
+		char text[64];
+		snprintf(text, sizeof(text), "%.*s", (int)(len < 63 ? len : 63), data);
+		return resize(in, text);
+	}
+	default:
+		errno = EINVAL;
+		return -1;
+	}
+}
+
+/* Read what arrived; apply each complete frame, acknowledging it when `ack`. Returns -1 when
+ * the peer hung up or broke the protocol. */
+static int pump_frames(struct framebuf *fb, struct input *in, int ack)
+{
+	char chunk[65536];
+	ssize_t n = recv(fb->fd, chunk, sizeof(chunk), MSG_DONTWAIT);
+	if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR))
+		return -1;
+	if (n < 0)
+		return 0;
+	char *p = realloc(fb->buf, fb->len + (size_t)n);
+	if (!p)
+		return -1;
+	memcpy(p + fb->len, chunk, (size_t)n);
+	fb->buf = p;
+	fb->len += (size_t)n;
+	size_t off = 0;
+	while (fb->len - off >= 5) {
+		unsigned char *h = (unsigned char *)fb->buf + off;
+		uint32_t flen = h[1] | (h[2] << 8) | (h[3] << 16) | ((uint32_t)h[4] << 24);
+		if (flen > MAX_FRAME)
+			return -1;
+		if (fb->len - off < 5 + flen)
+			break;
+		int rc = apply_frame(in, (char)h[0], fb->buf + off + 5, flen);
+		if (ack) {
+			if (rc == 0)
+				send_text(fb->fd, 'X', "0");
+			else
+				send_text(fb->fd, 'F', "%s", strerror(errno));
+		}
+		off += 5 + flen;
+	}
+	memmove(fb->buf, fb->buf + off, fb->len - off);
+	fb->len -= off;
+	return 0;
+}
+
+static int listen_io(pid_t pid, char *path, size_t plen)
+{
+	struct sockaddr_un addr = {.sun_family = AF_UNIX};
+	mkdir(IO_DIR, 0700);
+	snprintf(path, plen, IO_DIR "/%d", (int)pid);
+	unlink(path);
+	snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", path);
+	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+	if (fd < 0 || bind(fd, (struct sockaddr *)&addr, sizeof(addr)) < 0 || listen(fd, 16) < 0) {
+		if (fd >= 0)
+			close(fd);
+		path[0] = '\0';
+		return -1;
+	}
+	return fd;
+}
+
+/*
+ * Fork the command. The child gets its own process group (a terminal: its own session)
+ * so that a timeout can kill everything it started in the foreground. An exec failure
+ * travels back over a CLOEXEC pipe, so the caller learns ENOENT for a missing binary or
+ * bad cwd instead of a bare exit code.
+ */
+static pid_t start_command(struct request *rq, struct input *in, int out_fd, int err_fd, char *errbuf,
+			   size_t errlen)
+{
+	int ep[2], inp[2] = {-1, -1};
 	if (pipe2(ep, O_CLOEXEC) < 0) {
 		snprintf(errbuf, errlen, "pipe: %s", strerror(errno));
 		return -1;
+	}
+	if (in->mode == IN_PIPE && pipe2(inp, O_CLOEXEC) < 0) {
+		snprintf(errbuf, errlen, "pipe: %s", strerror(errno));
+		close(ep[0]);
+		close(ep[1]);
+		return -1;
+	}
+	if (in->mode == IN_PTY) {
+		struct winsize ws = {.ws_row = in->rows, .ws_col = in->cols};
+		in->fd = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+		if (in->fd < 0 || unlockpt(in->fd) < 0 || ptsname_r(in->fd, in->slave, sizeof(in->slave)) != 0 ||
+		    ioctl(in->fd, TIOCSWINSZ, &ws) < 0) {
+			snprintf(errbuf, errlen, "pty: %s", strerror(errno));
+			if (in->fd >= 0)
+				close(in->fd);
+			in->fd = -1;
+			close(ep[0]);
+			close(ep[1]);
+			return -1;
+		}
 	}
 	pid_t pid = fork();
 	if (pid < 0) {
 		snprintf(errbuf, errlen, "fork: %s", strerror(errno));
 		close(ep[0]);
 		close(ep[1]);
+		if (inp[0] >= 0) {
+			close(inp[0]);
+			close(inp[1]);
+		}
 		return -1;
 	}
 	if (pid == 0) {
 		int stage = 0;
 		close(ep[0]);
-		setpgid(0, 0);
-		int devnull = open("/dev/null", O_RDONLY);
-		if (devnull < 0 || dup2(devnull, 0) < 0 || dup2(out_fd, 1) < 0 || dup2(err_fd, 2) < 0)
+		if (in->mode == IN_PTY) {
+			int slave;
+			if (setsid() < 0 || (slave = open(in->slave, O_RDWR)) < 0 || ioctl(slave, TIOCSCTTY, 0) < 0 ||
+			    dup2(slave, 0) < 0 || dup2(slave, 1) < 0 || dup2(slave, 2) < 0)
+				goto fail;
+			if (slave > 2)
+				close(slave);
+		} else {
+			setpgid(0, 0);
+			int in_fd = in->mode == IN_PIPE ? inp[0] : open("/dev/null", O_RDONLY);
+			if (in_fd < 0 || dup2(in_fd, 0) < 0 || dup2(out_fd, 1) < 0 || dup2(err_fd, 2) < 0)
+				goto fail;
+		}
+		stage = 3;
+		if (rq->user && switch_user(rq->user) < 0)
 			goto fail;
 		stage = 1;
 		if (rq->cwd && chdir(rq->cwd) < 0)
@@ -216,13 +513,23 @@ fail:;
 		_exit(127);
 	}
 	close(ep[1]);
+	if (in->mode == IN_PIPE) {
+		close(inp[0]);
+		in->fd = inp[1];
+	}
+	if (in->fd >= 0)
+		set_nonblock(in->fd);
 	int e[2];
 	if (read_all(ep[0], e, sizeof(e)) == 0) {
-		const char *what = e[1] == 1 ? "cwd" : e[1] == 2 ? "exec" : "stdio";
+		const char *what = e[1] == 1 ? "cwd" : e[1] == 2 ? "exec" : e[1] == 3 ? "user" : "stdio";
 		snprintf(errbuf, errlen, "%s %s: %s", what,
-			 e[1] == 1 ? rq->cwd : e[1] == 2 ? rq->argv[0] : "", strerror(e[0]));
+			 e[1] == 1 ? rq->cwd : e[1] == 2 ? rq->argv[0] : e[1] == 3 ? rq->user : "",
+			 strerror(e[0]));
 		close(ep[0]);
 		waitpid(pid, NULL, 0);
+		if (in->fd >= 0)
+			close(in->fd);
+		in->fd = -1;
 		return -1;
 	}
 	close(ep[0]);
@@ -263,41 +570,72 @@ static long long now_ms(void)
 	return ts.tv_sec * 1000LL + ts.tv_nsec / 1000000;
 }
 
-/* How long output is still forwarded after the command exits (see op_run). */
+/* How long output is still forwarded after the command exits (see supervise). */
 #define EXIT_QUIET_MS 50
 #define EXIT_GRACE_MS 250
 
-static int op_run(int conn, struct request *rq)
-{
-	int op[2], ep[2];
-	char err[512];
-	if (rq->argc == 0)
-		return send_text(conn, 'F', "EINVAL empty argv");
-	if (pipe2(op, O_CLOEXEC) < 0 || pipe2(ep, O_CLOEXEC) < 0)
-		return send_text(conn, 'F', "pipe: %s", strerror(errno));
-	pid_t pid = start_command(rq, op[1], ep[1], err, sizeof(err));
-	close(op[1]);
-	close(ep[1]);
-	if (pid < 0)
-		return send_text(conn, 'F', "%s", err);
-	send_text(conn, 'P', "%d", pid);
+/*
+ * What a shim watches while its command runs.
+ *   client: the foreground caller's connection (frames out, input frames in), or -1.
+ *   outs:   read ends of the command's stdout/stderr to forward (-1 where none); a terminal's
+ *           master is outs[0].
+ *   sink:   where a background terminal's output goes (its stdout file), or -1.
+ */
+struct watch {
+	pid_t pid;
+	int client;
+	int outs[2];
+	int sink;
+	struct input *in;
+	int listen_fd;
+	struct framebuf peers[MAX_IO_CLIENTS];
+	struct framebuf client_frames;
+};
 
-	int pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
-	int fds[2] = {op[0], ep[0]};
-	int status = 0, exited = 0, client = 1;
+static void drop_client(struct watch *w)
+{
+	close(w->client);
+	w->client = -1;
+	free(w->client_frames.buf);
+	w->client_frames = (struct framebuf){.fd = -1};
+}
+
+static void kill_command(pid_t pid)
+{
+	kill(-pid, SIGKILL);
+	kill(pid, SIGKILL);
+}
+
+/* Runs until the command has exited and its output is forwarded; returns its wait status. */
+static int supervise(struct watch *w)
+{
+	int pidfd = (int)syscall(SYS_pidfd_open, w->pid, 0);
+	int status = 0, exited = 0;
 	long long exited_at = 0;
 	char buf[65536];
-	while (!exited || fds[0] >= 0 || fds[1] >= 0) {
-		struct pollfd pf[4];
-		int m = 0, idx_out = -1, idx_err = -1, idx_pid = -1, idx_conn = -1;
-		if (fds[0] >= 0)
-			idx_out = m, pf[m++] = (struct pollfd){.fd = fds[0], .events = POLLIN};
-		if (fds[1] >= 0)
-			idx_err = m, pf[m++] = (struct pollfd){.fd = fds[1], .events = POLLIN};
+	for (int i = 0; i < MAX_IO_CLIENTS; i++)
+		w->peers[i].fd = -1;
+	w->client_frames.fd = w->client;
+	while (!exited || w->outs[0] >= 0 || w->outs[1] >= 0) {
+		struct pollfd pf[6 + MAX_IO_CLIENTS];
+		int m = 0, idx_out[2] = {-1, -1}, idx_pid = -1, idx_client = -1, idx_listen = -1, idx_in = -1;
+		int idx_peer[MAX_IO_CLIENTS];
+		for (int k = 0; k < 2; k++)
+			if (w->outs[k] >= 0)
+				idx_out[k] = m, pf[m++] = (struct pollfd){.fd = w->outs[k], .events = POLLIN};
 		if (!exited && pidfd >= 0)
 			idx_pid = m, pf[m++] = (struct pollfd){.fd = pidfd, .events = POLLIN};
-		if (client)
-			idx_conn = m, pf[m++] = (struct pollfd){.fd = conn, .events = POLLIN | POLLRDHUP};
+		if (w->client >= 0)
+			idx_client = m, pf[m++] = (struct pollfd){.fd = w->client, .events = POLLIN | POLLRDHUP};
+		if (w->listen_fd >= 0 && !exited)
+			idx_listen = m, pf[m++] = (struct pollfd){.fd = w->listen_fd, .events = POLLIN};
+		if (w->in->fd >= 0 && w->in->plen)
+			idx_in = m, pf[m++] = (struct pollfd){.fd = w->in->fd, .events = POLLOUT};
+		for (int i = 0; i < MAX_IO_CLIENTS; i++) {
+			idx_peer[i] = -1;
+			if (w->peers[i].fd >= 0)
+				idx_peer[i] = m, pf[m++] = (struct pollfd){.fd = w->peers[i].fd, .events = POLLIN};
+		}
 		/* After the command exits, a daemon it left behind may hold the pipes open
 		 * forever: give its last output a moment, then stop forwarding. (A pipe holds
 		 * no more than one read, so the command's own output is already in hand.) The
@@ -318,50 +656,172 @@ static int op_run(int conn, struct request *rq)
 		}
 		if (r == 0 && exited)
 			break;
-		if (idx_conn >= 0 && (pf[idx_conn].revents & (POLLIN | POLLHUP | POLLRDHUP | POLLERR))) {
-			char c;
-			if (recv(conn, &c, 1, MSG_DONTWAIT) <= 0) {
+		if (idx_client >= 0 && (pf[idx_client].revents & (POLLIN | POLLHUP | POLLRDHUP | POLLERR))) {
+			if (pump_frames(&w->client_frames, w->in, 0) < 0) {
 				/* Client gone (timeout or crash): the foreground job dies with it. The
 				 * connection goes first, so a client waiting for our EOF is released
 				 * before the job has finished dying. */
-				close(conn);
-				conn = -1;
-				kill(-pid, SIGKILL);
-				kill(pid, SIGKILL);
-				client = 0;
+				drop_client(w);
+				kill_command(w->pid);
 			}
 		}
+		if (idx_listen >= 0 && (pf[idx_listen].revents & POLLIN)) {
+			int c = accept4(w->listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+			if (c >= 0) {
+				int slot = -1;
+				for (int i = 0; i < MAX_IO_CLIENTS && slot < 0; i++)
+					if (w->peers[i].fd < 0)
+						slot = i;
+				if (slot < 0)
+					close(c);
+				else
+					w->peers[slot] = (struct framebuf){.fd = c};
+			}
+		}
+		for (int i = 0; i < MAX_IO_CLIENTS; i++) {
+			if (idx_peer[i] < 0 || !pf[idx_peer[i]].revents)
+				continue;
+			if (pump_frames(&w->peers[i], w->in, 1) < 0) {
+				close(w->peers[i].fd);
+				free(w->peers[i].buf);
+				w->peers[i] = (struct framebuf){.fd = -1};
+			}
+		}
+		/* idx_in's POLLOUT only wakes the loop: whatever the command takes now is written. */
+		(void)idx_in;
+		flush_input(w->in, 1);
 		for (int k = 0; k < 2; k++) {
-			int idx = k == 0 ? idx_out : idx_err;
+			int idx = idx_out[k];
 			if (idx < 0 || !pf[idx].revents)
 				continue;
-			ssize_t n = read(fds[k], buf, sizeof(buf));
+			ssize_t n = read(w->outs[k], buf, sizeof(buf));
+			if (n < 0 && (errno == EAGAIN || errno == EINTR))
+				continue;
 			if (n <= 0) {
-				close(fds[k]);
-				fds[k] = -1;
-			} else if (client && send_frame(conn, k == 0 ? 'O' : 'E', buf, (uint32_t)n) < 0) {
-				close(conn);
-				conn = -1;
-				client = 0;
-				kill(-pid, SIGKILL);
+				/* A terminal's master reads EIO once every slave is closed. */
+				if (w->in->mode == IN_PTY && k == 0)
+					w->in->fd = -1;
+				close(w->outs[k]);
+				w->outs[k] = -1;
+			} else if (w->sink >= 0) {
+				write_all(w->sink, buf, (size_t)n);
+			} else if (w->client >= 0 && send_frame(w->client, k == 0 ? 'O' : 'E', buf, (uint32_t)n) < 0) {
+				drop_client(w);
+				kill_command(w->pid);
 			}
 		}
 		if ((idx_pid >= 0 && pf[idx_pid].revents) || (pidfd < 0 && !exited)) {
-			if (waitpid(pid, &status, pidfd < 0 ? WNOHANG : 0) == pid)
+			if (waitpid(w->pid, &status, pidfd < 0 ? WNOHANG : 0) == w->pid)
 				exited = 1, exited_at = now_ms();
 		}
 	}
 	if (!exited)
-		waitpid(pid, &status, 0);
-	if (client)
-		send_text(conn, 'X', "%d", status);
-	if (conn >= 0)
-		close(conn);
+		waitpid(w->pid, &status, 0);
 	if (pidfd >= 0)
 		close(pidfd);
+	for (int i = 0; i < MAX_IO_CLIENTS; i++)
+		if (w->peers[i].fd >= 0)
+			close(w->peers[i].fd);
+	return status;
+}
+
+static int start_input(struct request *rq, struct input *in, int conn)
+{
+	if (parse_input(rq->input, in) < 0) {
+		send_text(conn, 'F', "EINVAL input must be 'pipe' or 'pty:ROWS:COLS'");
+		return -1;
+	}
+	return 0;
+}
+
+static void stop_input(struct input *in, int listen_fd, const char *path)
+{
+	if (listen_fd >= 0) {
+		close(listen_fd);
+		unlink(path);
+	}
+	if (in->mode == IN_PIPE && in->fd >= 0)
+		close(in->fd);
+	free(in->pending);
+}
+
+/* The request that started each running command, as /.bunshin/procs/<pid>: what
+ * commands.list() reports (E2B lists a command's configuration, not what it exec'd into). */
+static const char *raw_request;
+static uint32_t raw_length;
+
+static void proc_path(char *buf, size_t len, pid_t pid)
+{
+	snprintf(buf, len, PROCS_DIR "/%d", (int)pid);
+}
+
+static void record_command(pid_t pid)
+{
+	char path[64], tmp[80];
+	mkdir(PROCS_DIR, 0700);
+	proc_path(path, sizeof(path), pid);
+	snprintf(tmp, sizeof(tmp), "%s.tmp", path);
+	int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+	if (fd < 0)
+		return;
+	write_all(fd, raw_request, raw_length);
+	close(fd);
+	rename(tmp, path);
+}
+
+static void forget_command(pid_t pid)
+{
+	char path[64];
+	proc_path(path, sizeof(path), pid);
+	unlink(path);
+}
+
+static int op_run(int conn, struct request *rq)
+{
+	int op[2], ep[2];
+	char err[512], io_path[64] = "";
+	struct input in;
+	if (rq->argc == 0)
+		return send_text(conn, 'F', "EINVAL empty argv");
+	if (start_input(rq, &in, conn) < 0)
+		return 0;
+	if (pipe2(op, O_CLOEXEC) < 0 || pipe2(ep, O_CLOEXEC) < 0)
+		return send_text(conn, 'F', "pipe: %s", strerror(errno));
+	pid_t pid = start_command(rq, &in, op[1], ep[1], err, sizeof(err));
+	close(op[1]);
+	close(ep[1]);
+	if (pid < 0)
+		return send_text(conn, 'F', "%s", err);
+	record_command(pid);
+	int listen_fd = in.mode != IN_NONE ? listen_io(pid, io_path, sizeof(io_path)) : -1;
+	send_text(conn, 'P', "%d", pid);
+
+	struct watch w = {.pid = pid, .client = conn, .outs = {op[0], ep[0]}, .sink = -1, .in = &in,
+			  .listen_fd = listen_fd};
+	if (in.mode == IN_PTY) {
+		/* The terminal carries both streams; the pipes are left to nothing. */
+		close(op[0]);
+		close(ep[0]);
+		w.outs[0] = dup(in.fd);
+		w.outs[1] = -1;
+	}
+	int status = supervise(&w);
+	forget_command(pid);
+	if (w.client >= 0) {
+		send_text(conn, 'X', "%d", status);
+		close(conn);
+	}
+	stop_input(&in, listen_fd, io_path);
+	if (in.mode == IN_PTY) {
+		if (in.fd >= 0)
+			close(in.fd);
+		if (w.outs[0] >= 0)
+			close(w.outs[0]);
+		return 0;
+	}
 	/* Keep the read ends open for background processes that inherited the pipes,
 	 * so they do not die of SIGPIPE; their output goes nowhere. */
-	drain_discard(fds, 2);
+	drain_discard(w.outs, 2);
 	return 0;
 }
 
@@ -375,11 +835,28 @@ static int valid_id(const char *id)
 	return 1;
 }
 
+/* Atomically, so a reader never sees a partial value. */
+static void write_file_atomic(const char *dir, const char *name, const char *text)
+{
+	char tmp[200], path[200];
+	snprintf(tmp, sizeof(tmp), "%s/%s.tmp", dir, name);
+	snprintf(path, sizeof(path), "%s/%s", dir, name);
+	int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+	if (fd >= 0) {
+		write_all(fd, text, strlen(text));
+		close(fd);
+		rename(tmp, path);
+	}
+}
+
 static int op_spawn(int conn, struct request *rq)
 {
-	char dir[128], path[160], tmp[160], err[512];
+	char dir[128], path[160], err[512], io_path[64] = "", text[32];
+	struct input in;
 	if (rq->argc == 0 || !valid_id(rq->id))
 		return send_text(conn, 'F', "EINVAL spawn needs argv and an id of [a-z0-9-]");
+	if (start_input(rq, &in, conn) < 0)
+		return 0;
 	mkdir(CMD_DIR, 0700);
 	snprintf(dir, sizeof(dir), CMD_DIR "/%s", rq->id);
 	if (mkdir(dir, 0700) < 0)
@@ -390,27 +867,37 @@ static int op_spawn(int conn, struct request *rq)
 	int errf = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
 	if (out < 0 || errf < 0)
 		return send_text(conn, 'F', "open output: %s", strerror(errno));
-	pid_t pid = start_command(rq, out, errf, err, sizeof(err));
-	close(out);
+	pid_t pid = start_command(rq, &in, out, errf, err, sizeof(err));
 	close(errf);
 	if (pid < 0)
 		return send_text(conn, 'F', "%s", err);
+	record_command(pid);
+	int listen_fd = in.mode != IN_NONE ? listen_io(pid, io_path, sizeof(io_path)) : -1;
 	send_text(conn, 'P', "%d", pid);
 	close(conn);
 	int status;
-	while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
-		;
-	/* The exit file appears atomically, so a reader never sees a partial status. */
-	snprintf(tmp, sizeof(tmp), "%s/exit.tmp", dir);
-	snprintf(path, sizeof(path), "%s/exit", dir);
-	int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-	if (fd >= 0) {
-		char s[32];
-		int n = snprintf(s, sizeof(s), "%d\n", status);
-		write_all(fd, s, (size_t)n);
-		close(fd);
-		rename(tmp, path);
+	if (in.mode == IN_NONE) {
+		close(out);
+		while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
+			;
+	} else {
+		struct watch w = {.pid = pid, .client = -1, .outs = {-1, -1}, .sink = -1, .in = &in,
+				  .listen_fd = listen_fd};
+		if (in.mode == IN_PTY) {
+			w.outs[0] = dup(in.fd);
+			w.sink = out;
+		}
+		status = supervise(&w);
+		if (w.outs[0] >= 0)
+			close(w.outs[0]);
+		close(out);
+		stop_input(&in, listen_fd, io_path);
+		if (in.mode == IN_PTY && in.fd >= 0)
+			close(in.fd);
 	}
+	forget_command(pid);
+	snprintf(text, sizeof(text), "%d\n", status);
+	write_file_atomic(dir, "exit", text);
 	return 0;
 }
 
@@ -425,6 +912,8 @@ static void serve(int conn)
 		send_text(conn, 'F', "EINVAL malformed request");
 		_exit(1);
 	}
+	raw_request = buf;
+	raw_length = len;
 	/* A caller that gave up (a request sent while the workspace was paused, then timed out)
 	 * was told it failed: acting on it after a resume would surprise it. Callers never shut
 	 * down their write side, so a hang-up means exactly that. */
@@ -459,6 +948,44 @@ static int listen_ctl(void)
 	if (fd < 0 || bind(fd, (struct sockaddr *)&addr, sizeof(addr)) < 0 || listen(fd, 128) < 0)
 		return -1;
 	return fd;
+}
+
+/* ---- lifetime ---- */
+
+static long long wall_ms(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_REALTIME, &ts);
+	return ts.tv_sec * 1000LL + ts.tv_nsec / 1000000;
+}
+
+/* When the workspace must end (wall clock, ms), or 0 for never. Read afresh on every wake-up:
+ * the file, not this process's memory, is what counts (a clone restored from a snapshot has
+ * its source's memory and its own file). */
+static long long lifetime_expiry(void)
+{
+	char text[64];
+	long long deadline = 0, lease = 0, expiry = 0;
+	int fd = open(LIFETIME_FILE, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return 0;
+	struct stat st;
+	ssize_t n = read(fd, text, sizeof(text) - 1);
+	int ok = fstat(fd, &st) == 0;
+	close(fd);
+	if (n <= 0 || !ok)
+		return 0;
+	text[n] = '\0';
+	if (sscanf(text, "%lld %lld", &deadline, &lease) < 1)
+		return 0;
+	if (deadline > 0)
+		expiry = deadline;
+	if (lease > 0) {
+		long long touched = st.st_mtim.tv_sec * 1000LL + st.st_mtim.tv_nsec / 1000000;
+		if (!expiry || touched + lease < expiry)
+			expiry = touched + lease;
+	}
+	return expiry;
 }
 
 /*
@@ -497,6 +1024,7 @@ int main(int argc, char **argv)
 	sigset_t mask;
 	sigemptyset(&mask);
 	sigaddset(&mask, SIGCHLD);
+	sigaddset(&mask, SIG_LIFETIME);
 	for (size_t i = 0; i < sizeof(forwarded) / sizeof(forwarded[0]); i++)
 		sigaddset(&mask, forwarded[i]);
 	sigprocmask(SIG_BLOCK, &mask, NULL);
@@ -507,14 +1035,26 @@ int main(int argc, char **argv)
 
 	int terminating = 0;
 	for (;;) {
+		long long expiry = lifetime_expiry();
+		int wait_ms = terminating ? 100 : -1;
+		if (expiry) {
+			long long left = expiry - wall_ms();
+			if (left <= 0) {
+				/* The lifetime is over: the namespace dies with its init. */
+				kill(-1, SIGKILL);
+				return 124;
+			}
+			if (wait_ms < 0 || left < wait_ms)
+				wait_ms = left > 60000 ? 60000 : (int)left;
+		}
 		struct pollfd pf[2] = {{.fd = sfd, .events = POLLIN}, {.fd = lfd, .events = POLLIN}};
-		int r = poll(pf, terminating ? 1 : 2, terminating ? 100 : -1);
+		int r = poll(pf, terminating ? 1 : 2, wait_ms);
 		if (r < 0 && errno != EINTR)
 			return 1;
 		if (pf[0].revents & POLLIN) {
 			struct signalfd_siginfo si;
 			while (read(sfd, &si, sizeof(si)) == sizeof(si)) {
-				if (si.ssi_signo == SIGCHLD)
+				if (si.ssi_signo == SIGCHLD || (int)si.ssi_signo == SIG_LIFETIME)
 					continue;
 				/* Forward to every process in the namespace; kill(-1) skips init itself. */
 				kill(-1, (int)si.ssi_signo);

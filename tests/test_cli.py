@@ -157,7 +157,10 @@ def test_create_exec_ls_info_memory_rm(capsys: pytest.CaptureFixture[str], creat
     rc, out, _ = run_main(capsys, "memory", ws_id)
     assert rc == 0 and out.startswith("host cost:") and "\nrss:" in out
 
+    # podman's rm: a running workspace needs -f.
     rc, out, err = run_main(capsys, "rm", ws_id)
+    assert (rc, out) == (2, "") and "rm -f" in err
+    rc, out, err = run_main(capsys, "rm", "-f", ws_id)
     assert (rc, out, err) == (0, ws_id + "\n", "")
     assert not (state.RUN_ROOT / ws_id).exists()
     rc, out, _ = run_main(capsys, "ls", "--json")
@@ -170,46 +173,47 @@ def test_exec_timeout_is_an_error(capsys: pytest.CaptureFixture[str], created: C
     rc, out, err = run_main(capsys, "exec", ws_id, "--timeout", "0.5", "--",
                             "sh", "-c", "echo started; sleep 30")
     assert time.monotonic() - t0 < 10
-    assert rc == 1
+    assert rc == 124  # coreutils timeout's status
     assert out == "started\n"  # streamed before the kill
     assert err.startswith("bunshin: error:") and "timed out" in err
     # The workspace survives its command's timeout.
     assert run_main(capsys, "exec", ws_id, "--", "true")[0] == 0
-    assert run_main(capsys, "rm", ws_id)[0] == 0
+    assert run_main(capsys, "rm", "-f", ws_id)[0] == 0
 
 
 def test_user_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    # podman's statuses: 125 for an error of bunshin itself, 1 for rm of an unknown id.
     rc, out, err = run_main(capsys, "exec", "ws-000000000000", "--", "true")
-    assert (rc, out) == (1, "")
+    assert (rc, out) == (125, "")
     assert err.startswith("bunshin: error: ") and "ws-000000000000" in err
     assert "Traceback" not in err and len(err.splitlines()) == 1
 
-    for cmd in (["info", "ws-000000000000"], ["memory", "ws-000000000000", "--json"],
-                ["rm", "ws-000000000000"]):
+    for cmd, status in ((["info", "ws-000000000000"], 125), (["memory", "ws-000000000000", "--json"], 125),
+                        (["rm", "ws-000000000000"], 1)):
         rc, out, err = run_main(capsys, *cmd)
-        assert rc == 1 and err.startswith("bunshin: error: ") and "Traceback" not in err, (cmd, err)
+        assert rc == status and err.startswith("bunshin: error: ") and "Traceback" not in err, (cmd, err)
 
     rc, out, err = run_main(capsys, "create", "--memory", "abc")
-    assert (rc, out) == (1, "")
+    assert (rc, out) == (125, "")
     assert err.startswith("bunshin: error: ") and "--memory" in err and "abc" in err
 
     rc, _, err = run_main(capsys, "create", "--memory", "1M")
-    assert rc == 1 and "below" in err
+    assert rc == 125 and "below" in err
 
     rc, _, err = run_main(capsys, "create", "--nat")
-    assert rc == 1 and "--network bridge" in err
+    assert rc == 125 and "--network bridge" in err
 
     rc, _, err = run_main(capsys, "create", "--hostname", "not a hostname")
-    assert rc == 1 and err.startswith("bunshin: error: ")
+    assert rc == 125 and err.startswith("bunshin: error: ")
 
 
-def test_usage_errors_return_2(capsys: pytest.CaptureFixture[str]) -> None:
+def test_usage_errors_return_125(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in ([], ["frobnicate"], ["create", "--pids", "many"], ["create", "--network", "wifi"],
                  ["create", "--env", "NOVALUE"], ["exec", "ws-000000000000"],
                  ["exec", "ws-000000000000", "--timeout", "-1", "--", "true"], ["rm"],
                  ["rm", "--all", "ws-000000000000"], ["info", "../../etc"]):
         rc, out, err = run_main(capsys, *argv)
-        assert rc == 2, (argv, err)
+        assert rc == 125, (argv, err)
         assert "usage:" in err and "Traceback" not in err, (argv, err)
     rc, out, _ = run_main(capsys, "--help")
     assert rc == 0 and "exec" in out and "doctor" in out
@@ -224,7 +228,7 @@ def test_rm_all(capsys: pytest.CaptureFixture[str], created: Created, private_ro
     os.kill(info["init_pid"], signal.SIGKILL)
     wait_gone(info["init_pid"])
 
-    rc, out, err = run_main(capsys, "rm", "--all")
+    rc, out, err = run_main(capsys, "rm", "-af")
     assert rc == 0, err
     assert sorted(out.split()) == sorted([a, b, dead])
     assert state.all_ids() == []
@@ -244,8 +248,9 @@ def test_gc_removes_workspace_with_killed_init(capsys: pytest.CaptureFixture[str
     os.kill(info["init_pid"], signal.SIGKILL)
     wait_gone(info["init_pid"])
 
+    # A workspace in the wrong state (its init is gone): podman's 126.
     rc, out, err = run_main(capsys, "exec", ws_id, "--", "true")
-    assert rc == 1 and "gc" in err
+    assert rc == 126 and "gc" in err
 
     rc, out, err = run_main(capsys, "gc")
     assert rc == 0, err
@@ -256,7 +261,7 @@ def test_gc_removes_workspace_with_killed_init(capsys: pytest.CaptureFixture[str
 
     rc, out, _ = run_main(capsys, "gc", "--json")
     assert rc == 0 and json.loads(out)["workspaces"] == []
-    assert run_main(capsys, "rm", keep)[0] == 0
+    assert run_main(capsys, "rm", "-f", keep)[0] == 0
 
 
 def test_doctor(capsys: pytest.CaptureFixture[str]) -> None:
@@ -318,10 +323,10 @@ def test_console_script_end_to_end(created: Created) -> None:
     assert proc.stdout == "y\ny\n" and "Traceback" not in proc.stderr
 
     proc = cli("exec", "ws-000000000000", "--", "true")
-    assert proc.returncode == 1 and proc.stderr.startswith("bunshin: error:")
+    assert proc.returncode == 125 and proc.stderr.startswith("bunshin: error:")
     assert "Traceback" not in proc.stderr
 
-    proc = cli("rm", ws_id)
+    proc = cli("rm", "-f", ws_id)
     assert (proc.returncode, proc.stdout) == (0, ws_id + "\n"), proc.stderr
     assert not (state.RUN_ROOT / ws_id).exists()
 
@@ -345,6 +350,6 @@ def test_fork_and_snapshot(capsys: pytest.CaptureFixture[str], created: Created,
     created.add(clone)
     assert run_main(capsys, "exec", clone, "--", "cat", "/root/f")[1] == "before\n"
     # Neither a workspace nor a snapshot named: a usage error, nothing forked.
-    assert run_main(capsys, "fork")[0] == 2
+    assert run_main(capsys, "fork")[0] == 125
     rc, _, err = run_main(capsys, "fork", "ws-000000000000")
-    assert rc == 1 and "ws-000000000000" in err and "Traceback" not in err
+    assert rc == 125 and "ws-000000000000" in err and "Traceback" not in err

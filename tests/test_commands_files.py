@@ -284,7 +284,7 @@ def test_list_exists_make_dir_remove(ws: Workspace) -> None:
     entries = {e.name: e for e in ws.files.list("/data")}
     assert {n: e.type for n, e in entries.items()} == {"f.txt": "file", "link": "symlink", "sub": "dir"}
     assert entries["f.txt"].size == 5 and entries["f.txt"].path == "/data/f.txt"
-    assert {e.name for e in ws.files.list()} == set(run_ok(ws, "ls -A /root").stdout.split())
+    assert {e.name for e in ws.files.list(".")} == set(run_ok(ws, "ls -A /root").stdout.split())
     assert ws.files.exists("/data/f.txt") and not ws.files.exists("/data/nope")
     # Removing a symlink leaves its target.
     ws.files.remove("/data/link")

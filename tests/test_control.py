@@ -1,4 +1,5 @@
-"""The init's control protocol leaves nothing connected: a snapshot right after any call succeeds.
+"""The init's control protocol leaves nothing connected: a snapshot right after any call succeeds
+(input frames, terminals and commands.list included).
 
 A call returns only once the shim serving it has closed its end, so CRIU never finds a socket
 inside the workspace whose peer is this process (it refuses to dump one).
@@ -9,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from bunshinfork import Workspace
-from bunshinfork.commands import CommandHandle
+from bunshinfork.commands import CommandHandle, PtySize
 from bunshinfork.errors import CommandError, CommandTimeout
 from bunshinfork.process import control
 
@@ -39,6 +40,25 @@ def _calls(ws: Workspace) -> dict[str, object]:
     def kill_running() -> None:
         assert _background(ws).kill() is True
 
+    def stdin_to_background() -> None:
+        h = ws.commands.run("cat", background=True, stdin=True)
+        ws.commands.send_stdin(h.pid, "x")
+        h.close_stdin()
+        assert h.wait(timeout=10).stdout == "x"
+
+    def stdin_to_foreground() -> None:
+        run = ws.commands.start(["cat"], stdin=True)
+        run.send_stdin(b"y")
+        run.close_stdin()
+        assert [k for k, _ in run.frames()] == ["O", "X"]
+        run.close()
+
+    def terminal() -> None:
+        h = ws.pty.create(PtySize(24, 80))
+        ws.pty.resize(h.pid, PtySize(30, 90))
+        ws.pty.send_stdin(h.pid, b"exit 0\n")
+        h.wait(timeout=10)
+
     return {
         "foreground": lambda: ws.commands.run("echo hi"),
         "foreground with output after exit": lambda: ws.commands.run("(sleep 0.01; echo late) & echo now"),
@@ -46,6 +66,10 @@ def _calls(ws: Workspace) -> dict[str, object]:
         "timeout": timing_out,
         "background": lambda: _background(ws),
         "kill": kill_running,
+        "stdin to a background command": stdin_to_background,
+        "stdin to a foreground command": stdin_to_foreground,
+        "a terminal": terminal,
+        "commands.list": lambda: ws.commands.list(),
         "kill of an exited command": lambda: exited.kill(),
         "ping": lambda: control.ping(ws.init_pid),
     }

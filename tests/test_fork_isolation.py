@@ -1,4 +1,4 @@
-"""Fork isolation as a Hypothesis state machine.
+"""Fork isolation as Hypothesis properties, on bunshinfork's own pytest plugin.
 
 A small fork family (a source and up to three clones, forked from any member at any time, so
 clones stack the frozen layers of up to three ancestors) gets random file writes, deletions
@@ -7,6 +7,8 @@ processes, writes to a long-running process's memory and messages over its unix 
 aimed at one member. Every member is compared against a
 model of its own after every step: nothing done to one member may show in its parent, its
 siblings or its clones, and everything a member held when it was forked must be in the clone.
+Every example starts from a fork of one prepared snapshot (ForkedStateMachine), not from a
+new container; a @given test checks sibling forks of the session's prepared workspace.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from pathlib import Path
 
 import pytest
 from fork_support import agent, forked, start_agent
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import invariant, precondition, rule
 
 from bunshinfork.memory import cow
+from bunshinfork.testing import ForkedStateMachine, Prepared
 from bunshinfork.workspace import Workspace
 
 MAX_MEMBERS = 4
@@ -66,22 +69,20 @@ def files(ws: Workspace) -> dict[str, str]:
     return {e.name: str(ws.files.read(e.path)) for e in ws.files.list(FILE_DIR)}
 
 
-class ForkFamily(RuleBasedStateMachine):
+class ForkFamily(ForkedStateMachine):
     memory = "copy"
 
+    @classmethod
+    def setup(cls, ws: Workspace) -> None:
+        start_agent(ws, 1)
+
     def __init__(self) -> None:
-        super().__init__()
-        self.members: list[Member] = []
+        super().__init__()  # self.workspace: a fork of the prepared agent workspace
+        self.members: list[Member] = [Member(self.workspace, Model())]
         self.tags = itertools.count()
 
     def pick(self, i: int) -> Member:
         return self.members[i % len(self.members)]
-
-    @initialize()
-    def source(self) -> None:
-        ws = Workspace.create()
-        self.members.append(Member(ws, Model()))
-        start_agent(ws, 1)
 
     @precondition(lambda self: len(self.members) < MAX_MEMBERS)
     @rule(i=member_index)
@@ -149,6 +150,7 @@ class ForkFamily(RuleBasedStateMachine):
                 m.ws.destroy()
             except Exception as e:  # destroy the rest before reporting
                 errors.append(e)
+        super().teardown()
         assert not errors, errors
 
 
@@ -173,3 +175,29 @@ CowForkFamily.TestCase.settings = settings(
 )
 test_cow_fork_family_isolation = pytest.mark.cow(pytest.mark.skipif(
     not cow.available(), reason="needs /dev/bunshin (run `make test-guest`)")(CowForkFamily.TestCase))
+
+
+@pytest.fixture(scope="session")
+def bunshin_setup() -> object:
+    """The plugin's prepared workspace for this module: a file every fork starts with."""
+    return lambda ws: ws.files.write(f"{FILE_DIR}/base", "prepared")
+
+
+paths = st.lists(st.tuples(names, words), min_size=1, max_size=4)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(writes=paths, other=paths)
+def test_sibling_forks_of_a_prepared_workspace(bunshin_prepared: Prepared, writes: list[tuple[str, str]],
+                                               other: list[tuple[str, str]]) -> None:
+    """Two forks of the session's prepared snapshot, each example: what one writes is
+    invisible to the other and to later forks, and both start with what was prepared."""
+    with bunshin_prepared.fork() as a, bunshin_prepared.fork() as b:
+        for ws, ops in ((a, writes), (b, other)):
+            assert files(ws) == {"base": "prepared"}
+            for name, content in ops:
+                ws.files.write(f"{FILE_DIR}/{name}", content)
+        assert files(a) == {"base": "prepared", **dict(writes)}
+        assert files(b) == {"base": "prepared", **dict(other)}
+    with bunshin_prepared.fork() as c:
+        assert files(c) == {"base": "prepared"}

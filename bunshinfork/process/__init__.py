@@ -18,7 +18,7 @@ from ..cgroups import Cgroup
 from ..contract import Build, Capture, Check, Held, Part
 from ..errors import BunshinError, ForkError
 from ..state import InitState, Lineage, proc_starttime
-from . import control, criu, init
+from . import control, criu, init, lifetime
 from .dump import dump_tree, predump_tree
 from .options import dump_opts, restore_opts
 from .reaper import reaper
@@ -95,9 +95,12 @@ class ProcessPart(Part):
         assert b.root is not None and b.rec.fs is not None and b.rec.fs.layer is not None
         init.require_binary()
         init.install(Path(b.rec.fs.layer.upper))
+        lifetime.seed(Path(b.rec.fs.layer.upper), b.rec.lifetime)
         assert b.rec.cgroups is not None
         b.rec.process, b.pidfd = init.spawn(b.rec, str(b.root.path), b.root.options, Cgroup(b.rec.cgroups),
                                             b.ksm_merge)
+        if b.rec.lifetime.lease:
+            lifetime.leases.hold(b.rec)
 
     def before_freeze(self, c: Capture) -> None:
         predump_tree(c)
@@ -108,6 +111,9 @@ class ProcessPart(Part):
     def restore(self, b: Build) -> None:
         assert b.source is not None
         rec = b.rec
+        assert rec.fs is not None and rec.fs.layer is not None
+        # The clone's own lifetime, never its source's: the restored init obeys this file.
+        lifetime.seed(Path(rec.fs.layer.upper), rec.lifetime)
         pid = restore_tree(b)
         rec.process = InitState(pid, proc_starttime(pid) or 0)
         # Its memory is the snapshot's: a snapshot of the clone stores what differs from it.
@@ -120,10 +126,13 @@ class ProcessPart(Part):
         with b.stage("process.ready"):
             if not control.ping(pid):
                 raise ForkError(f"clone {rec.id} was restored but its init does not answer")
+        if rec.lifetime.lease:
+            lifetime.leases.hold(rec)
 
     def release(self, held: Held) -> None:
         if not isinstance(held, Build):
             return
+        lifetime.leases.drop(held.rec.id)
         init.kill_tree(held.rec, held.pidfd)
         if held.pidfd is not None:
             pidfd, held.pidfd = held.pidfd, None

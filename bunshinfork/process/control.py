@@ -8,20 +8,28 @@ a snapshot taken right after any call never finds a connection to the host.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import socket
 import struct
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 
 from ..errors import CommandError, WorkspaceStateError
 
 CTL_SOCK = "/.bunshin/ctl.sock"
 CMD_DIR = "/.bunshin/cmd"
+# A command started with an input has its shim listen here, at /.bunshin/io/<pid>.
+IO_DIR = "/.bunshin/io"
+# The request of every running command, at /.bunshin/procs/<pid>.
+PROCS_DIR = "/.bunshin/procs"
 # How long a request waits for the init's first answer (a frozen init gives none).
 REPLY_TIMEOUT = 10.0
+HEADER = struct.Struct("<BI")
 
 
 def _encode(op: str, argv: Sequence[str], env: Mapping[str, str] | None, cwd: str | None,
-            cmd_id: str | None, pid: int | None, sig: int | None) -> bytes:
+            cmd_id: str | None, pid: int | None, sig: int | None, user: str | None = None,
+            stdin: str | None = None) -> bytes:
     items = [op]
     items += ["a" + a for a in argv]
     items += [f"e{k}={v}" for k, v in (env or {}).items()]
@@ -33,11 +41,25 @@ def _encode(op: str, argv: Sequence[str], env: Mapping[str, str] | None, cwd: st
         items.append(f"p{pid}")
     if sig is not None:
         items.append(f"s{sig}")
+    if user is not None:
+        items.append("u" + user)
+    if stdin is not None:
+        items.append("n" + stdin)
     for it in items:
         if "\0" in it:
             raise CommandError(f"NUL byte in command, environment or cwd: {it[1:]!r}")
     payload = b"".join(it.encode() + b"\0" for it in items)
     return struct.pack("<I", len(payload)) + payload
+
+
+def frame(kind: str, data: bytes = b"") -> bytes:
+    """A frame as the init sends them, and as it takes input: 'I' stdin bytes, 'C' close
+    stdin, 'R' b"ROWS COLS"."""
+    return HEADER.pack(ord(kind), len(data)) + data
+
+
+def socket_path(init_pid: int, inside: str) -> str:
+    return f"/proc/{init_pid}/root{inside}"
 
 
 class Connection:
@@ -46,7 +68,7 @@ class Connection:
     def __init__(self, init_pid: int, timeout: float | None = None) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self.sock.settimeout(REPLY_TIMEOUT if timeout is None else timeout)
-        path = f"/proc/{init_pid}/root{CTL_SOCK}"
+        path = socket_path(init_pid, CTL_SOCK)
         try:
             self.sock.connect(path)
         except OSError as e:
@@ -58,8 +80,11 @@ class Connection:
 
     def send(self, op: str, argv: Sequence[str] = (), env: Mapping[str, str] | None = None,
              cwd: str | None = None, cmd_id: str | None = None, pid: int | None = None,
-             sig: int | None = None) -> None:
-        self.sock.sendall(_encode(op, argv, env, cwd, cmd_id, pid, sig))
+             sig: int | None = None, user: str | None = None, stdin: str | None = None) -> None:
+        self.sock.sendall(_encode(op, argv, env, cwd, cmd_id, pid, sig, user, stdin))
+
+    def send_frame(self, kind: str, data: bytes = b"") -> None:
+        self.sock.sendall(frame(kind, data))
 
     def settimeout(self, timeout: float | None) -> None:
         self.sock.settimeout(timeout)
@@ -140,3 +165,133 @@ def ping(init_pid: int) -> bool:
         return True
     except (WorkspaceStateError, CommandError, OSError):
         return False
+
+
+def send_input(init_pid: int, pid: int, kind: str, data: bytes = b"", timeout: float | None = None) -> None:
+    """Hand one input frame to the shim of command `pid` and wait for its acknowledgement."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    sock.settimeout(REPLY_TIMEOUT if timeout is None else timeout)
+    try:
+        try:
+            sock.connect(socket_path(init_pid, f"{IO_DIR}/{pid}"))
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise CommandError(f"command {pid} is not running, or was started without stdin") from None
+        sock.sendall(frame(kind, data))
+        hdr = _recv_exact(sock, HEADER.size)
+        reply = _recv_exact(sock, HEADER.unpack(hdr)[1]) if hdr else None
+        if hdr is None or reply is None:
+            raise CommandError(f"command {pid} exited before it took the input")
+        if chr(hdr[0]) == "F":
+            raise CommandError(f"input to command {pid}: {reply.decode(errors='replace')}")
+        _await_hangup(sock)
+    except TimeoutError:
+        raise WorkspaceStateError(f"command {pid} did not take its input within {sock.gettimeout()}s; "
+                                  "is the workspace paused?") from None
+    finally:
+        sock.close()
+
+
+def _await_hangup(sock: socket.socket) -> None:
+    """Leave only once the shim has closed its end: a snapshot must find nothing connected."""
+    sock.shutdown(socket.SHUT_WR)
+    while sock.recv(65536):
+        pass
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return buf
+
+
+class AsyncConnection:
+    """Connection's twin on asyncio streams: one request and its reply frames."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._answered = False
+        self._eof = False
+
+    @classmethod
+    async def open(cls, init_pid: int, timeout: float | None = None) -> AsyncConnection:
+        path = socket_path(init_pid, CTL_SOCK)
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path),
+                                                    REPLY_TIMEOUT if timeout is None else timeout)
+        except (OSError, TimeoutError) as e:
+            raise WorkspaceStateError(f"workspace init (pid {init_pid}) is not answering at {path}: {e}") from e
+        return cls(reader, writer)
+
+    async def send(self, op: str, argv: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                   cwd: str | None = None, cmd_id: str | None = None, pid: int | None = None,
+                   sig: int | None = None, user: str | None = None, stdin: str | None = None) -> None:
+        self._writer.write(_encode(op, argv, env, cwd, cmd_id, pid, sig, user, stdin))
+        await self._writer.drain()
+
+    async def send_frame(self, kind: str, data: bytes = b"") -> None:
+        self._writer.write(frame(kind, data))
+        await self._writer.drain()
+
+    async def frames(self) -> AsyncIterator[tuple[str, bytes]]:
+        """Yield (type, data) until the init closes the connection."""
+        while True:
+            try:
+                hdr = await self._reader.readexactly(HEADER.size)
+                self._answered = True
+                kind, length = HEADER.unpack(hdr)
+                data = await self._reader.readexactly(length) if length else b""
+            except asyncio.IncompleteReadError:
+                self._eof = True
+                return
+            yield chr(kind), data
+
+    async def close(self) -> None:
+        """As Connection.close: an answered request is left only once the shim hung up."""
+        try:
+            if self._answered and not self._eof:
+                self._writer.write_eof()
+                await asyncio.wait_for(_drain(self._reader), REPLY_TIMEOUT)
+        except (OSError, TimeoutError):
+            pass
+        finally:
+            self._writer.close()
+            with contextlib.suppress(OSError):
+                await self._writer.wait_closed()
+
+
+async def _drain(reader: asyncio.StreamReader) -> None:
+    while await reader.read(65536):
+        pass
+
+
+async def simple_async(init_pid: int, op: str, timeout: float | None = None, **kw: object) -> str:
+    """simple() on asyncio streams."""
+    limit = REPLY_TIMEOUT if timeout is None else timeout
+    conn = await AsyncConnection.open(init_pid, limit)
+    try:
+        async def exchange() -> str | None:
+            await conn.send(op, **kw)  # type: ignore[arg-type]
+            reply: str | None = None
+            async for kind, data in conn.frames():
+                if kind == "F":
+                    raise CommandError(data.decode(errors="replace"))
+                if kind in ("X", "P") and reply is None:
+                    reply = data.decode()
+            return reply
+
+        try:
+            reply = await asyncio.wait_for(exchange(), limit)
+        except TimeoutError:
+            raise WorkspaceStateError(
+                f"workspace init (pid {init_pid}) did not answer {op} within {limit}s; is the workspace paused?"
+            ) from None
+    finally:
+        await conn.close()
+    if reply is None:
+        raise WorkspaceStateError(f"workspace init (pid {init_pid}) closed the connection without answering {op}")
+    return reply

@@ -155,8 +155,8 @@ class GuiWorkspace(Desktop):
         path = "/tmp/.bunshin-screenshot.png"
         self._x(["import", "-window", "root", f"png:{path}"])
         data = self.ws.files.read(path, format="bytes")
-        assert isinstance(data, bytes)
-        return data
+        assert isinstance(data, bytearray)
+        return bytes(data)
 
     def windows(self) -> list[Window]:
         """Managed top-level windows, as the window manager lists them."""

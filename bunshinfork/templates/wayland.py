@@ -251,9 +251,7 @@ class WaylandWorkspace(Desktop):
         is in it: a headless output has no cursor plane, so sway draws the cursor into the frame."""
         path = "/tmp/.bunshin-screenshot.png"
         self._argv(["grim", "-t", "png", "-l", "1", path])
-        data = self.ws.files.read(path, format="bytes")
-        assert isinstance(data, bytes)
-        return data
+        return bytes(self.ws.files.read(path, format="bytes"))  # E2B's bytes format is a bytearray
 
     def windows(self) -> list[Window]:
         """Top-level windows (Wayland and Xwayland), as sway's tree lists them."""

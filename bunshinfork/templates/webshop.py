@@ -129,8 +129,8 @@ class Browser:
         path = "/tmp/.bunshin-page.png"
         self._call("screenshot", path=path)
         data = self.ws.files.read(path, format="bytes")
-        assert isinstance(data, bytes)
-        return data
+        assert isinstance(data, bytearray)
+        return bytes(data)
 
     def accessibility_tree(self) -> str:
         """The page's accessibility tree, one node a line: role "name" [value=...]."""
