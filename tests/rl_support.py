@@ -1,4 +1,4 @@
-"""Tools and an environment for the bunshinrl tests: a counter held in a live server process
+"""Tools and a task for the bunshinrl tests: a counter held in a live server process
 (state that only a whole-workspace fork carries), files, background processes."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from bunshinfork import Workspace
-from bunshinrl import Environment, Tool
+from bunshinrl import Task, Tool
 from bunshinrl.tools import command_observation
 
 SERVER = textwrap.dedent('''
@@ -91,8 +91,8 @@ def tools() -> list[Tool]:
             Tool("state", state), Tool("uuid", uuid, deterministic=False), Tool("liar", liar)]
 
 
-def environment() -> Environment:
-    return Environment(tools(), setup, fingerprint="rl-test-counter-v1")
+def counter_task(task_id: str = "task") -> Task:
+    return Task(task_id, "Bump the counter.", tools(), setup, fingerprint="rl-test-counter-v1")
 
 
 def my_snapshots() -> set[str]:

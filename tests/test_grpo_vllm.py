@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 from openai import AsyncOpenAI
 
-from bunshinrl import SampleContext, Step, ToolCall
+from bunshinrl import SampleContext, Step, ToolCall, parse_reply
 from bunshinrl.grpo import BackendUnavailable, OpenAIPolicy, VLLMServer, VLLMServerSync, WeightSyncError, suite
-from bunshinrl.grpo.chat import candidate_replies, parse_reply
+from bunshinrl.grpo.chat import candidate_replies
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")

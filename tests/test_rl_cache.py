@@ -7,7 +7,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from rl_support import environment, my_snapshots, no_own_leaks  # noqa: F401 (fixture, used by name)
+from rl_support import counter_task, my_snapshots, no_own_leaks  # noqa: F401 (fixture, used by name)
 
 from bunshinfork import Workspace
 from bunshinrl import DeterminismGuard, SharedSnapshot, SnapshotBackend, ToolCall, ToolPrefixCache
@@ -28,7 +28,7 @@ async def _run(cache: ToolPrefixCache, tools, parent, call: ToolCall, ws: Worksp
 
 def test_hit_served_from_disk_equals_live(tmp_path: Path) -> None:
     snaps_before = set(my_snapshots())
-    env = environment()
+    env = counter_task()
     tools = env.tools
 
     async def main() -> None:
@@ -77,7 +77,7 @@ def test_hit_served_from_disk_equals_live(tmp_path: Path) -> None:
 
 
 def test_sparse_node_is_rebuilt_by_replay(tmp_path: Path) -> None:
-    env = environment()
+    env = counter_task()
     tools = env.tools
 
     async def main() -> None:
@@ -108,7 +108,7 @@ def test_sparse_node_is_rebuilt_by_replay(tmp_path: Path) -> None:
 
 
 def test_nondeterministic_tools_are_never_served_and_replay_detects_liars() -> None:
-    env = environment()
+    env = counter_task()
     tools = env.tools
     guard = DeterminismGuard()
 

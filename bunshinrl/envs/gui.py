@@ -17,8 +17,9 @@ from typing import Any
 from bunshinfork import BunshinError, Workspace
 from bunshinfork.templates import GuiWorkspace, start_gui
 
-from . import TaskEnv
-from ._common import agent_tool
+from ..task import Task
+from ..tools import Tool
+from ._common import agent_tool, tools_of
 
 NOTES = "/root/Desktop/notes.txt"
 INITIAL_TEXT = "TODO: replace this line\n"
@@ -106,10 +107,8 @@ def activate_window(ws: Workspace, title: str) -> str:
     return f"activated {w.title!r}"
 
 
-TOOLS: dict[str, Callable[..., str]] = {
-    f.__name__: f for f in (screenshot, click, move, drag, type_text, key, scroll, clipboard_get, clipboard_set,
-                            list_windows, activate_window)
-}
+TOOLS: list[Tool] = tools_of((screenshot, click, move, drag, type_text, key, scroll, clipboard_get, clipboard_set,
+                              list_windows, activate_window), nondeterministic=("screenshot",))
 
 
 def reward_for(target: str) -> Callable[[Workspace], float]:
@@ -136,7 +135,7 @@ def reward(ws: Workspace) -> float:
 
 
 def make_env(target: str = DEFAULT_TARGET, initial_text: str = INITIAL_TEXT, width: int = 1280, height: int = 800,
-             apps: tuple[str, ...] = ("terminal", "editor"), **spec: Any) -> TaskEnv:
+             apps: tuple[str, ...] = ("terminal", "editor"), **spec: Any) -> Task:
     """The desktop editing task. `spec` holds WorkspaceSpec fields for the workspace."""
     if "\n" in target:
         raise ValueError("target must be a single line")
@@ -150,6 +149,5 @@ def make_env(target: str = DEFAULT_TARGET, initial_text: str = INITIAL_TEXT, wid
               f"Replace the whole content of that file with exactly this line:\n{target}\n"
               "and save it (Ctrl+S). Use the tools to look at the screen and to click and type.")
     fp = hashlib.sha256(repr(("gui-v1", target, initial_text, width, height, apps)).encode()).hexdigest()[:16]
-    return TaskEnv(name="gui-edit-notes", prompt=prompt, setup=setup, tools=dict(TOOLS), reward=reward_for(target),
-                   fingerprint=fp, spec=dict(spec),
-                   tool_descriptions={name: (fn.__doc__ or "").strip() for name, fn in TOOLS.items()})
+    return Task("gui-edit-notes", prompt, TOOLS, setup, reward_for(target), spec=dict(spec), fingerprint=fp,
+                family="gui")
