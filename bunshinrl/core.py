@@ -204,6 +204,8 @@ class RolloutCore:
             out = [Rollout(self, task, c, tl, origin, None, self.workspaces.add(w))  # type: ignore[arg-type]
                    for c, tl, w in zip(contexts, timelines, clones, strict=True)]
         for r in out:
+            if isinstance(r.state, Live):
+                await r._note_fork(r.state.ws)
             r.timeline.add("setup", t0, r.now())
         return out
 
@@ -238,6 +240,7 @@ class RolloutCore:
                 self._leave(key)
                 raise
             r = Rollout(self, task, ctx, tl, origin, None, ws, group=key)
+            await r._note_fork(ws)
         r.timeline.add("setup", t0, r.now())
         return r
 
@@ -331,6 +334,9 @@ class Rollout:
         self.branches: list[SpeculativeBranch] = []
         self.reward: float | None = None
         self.verdict: str | None = None
+        # The workspace the snapshot this sample first forked was taken from (its group's
+        # initialized workspace, or a cached state's source); None until it forks.
+        self.forked_from: str | None = None
         self._group = group
         self._lock: asyncio.Lock | None = None
         if isinstance(self.state, Idle):
@@ -406,6 +412,10 @@ class Rollout:
             self.core._leave(self._group)
             self._group = None
         self.core._record(self)
+
+    async def _note_fork(self, ws: Workspace) -> None:
+        if self.forked_from is None:
+            self.forked_from = (await run_blocking(ws.info)).parent
 
     # ---- one step ----
 
@@ -527,6 +537,7 @@ class Rollout:
                 ws = e.workspace
                 self.node = None
         self.state = Live(self.core.workspaces.add(ws))
+        await self._note_fork(ws)
         tl.add("materialize", t, self.now())
 
     async def _execute(self, call: ToolCall, tool: Tool, reusable: bool) -> str:

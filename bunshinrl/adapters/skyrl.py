@@ -1,0 +1,160 @@
+"""bunshinrl inside SkyRL: a skyrl_gym text environment whose steps run on bunshinrl's rollout core.
+
+    import bunshinrl.adapters.skyrl  # registers "bunshin-workspace" with skyrl_gym
+    env = skyrl_gym.make("bunshin-workspace", env_config={"task": "fix-both"}, extras={"max_turns": 4})
+
+SkyRL's generator makes one env per trajectory, calls `init(prompt)`, `step(llm_output)` until
+`done`, `get_metrics()` at the episode's end, then `close()`, and aggregates every episode's
+metrics with the env class's `aggregate_metrics`. Here the trajectory is a Rollout
+(bunshinrl.core): a step parses the model's tool call(s) (Hermes `<tool_call>` blocks or bare
+JSON; several are run in order), serves each from a speculative branch that predicted it, from
+the prefix cache, or runs it for real, and returns the observations. The episode ends when the
+model answers without a tool call or its budget is spent; the task's verifier then scores the
+final workspace state as the step's reward.
+
+step() is synchronous (SkyRL runs it inline or on its env executor): it waits on the runtime's
+one loop thread, where every rollout, capture and speculative chain of the process runs, so a
+predicted call keeps running there while SkyRL's model generates. No thread is spawned per call.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import skyrl_gym
+from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
+
+from ..core import Rollout
+from ..policy import FinalAnswer, calls_of
+from ..replies import parse_reply
+from ..task import INVALID_TOOL, Task
+from .runtime import Runtime, resolve_task, rollout_metrics, task_options
+
+ENV_ID = "bunshin-workspace"
+
+_TOOLS_PROMPT = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
+                 "with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor "
+                 "each function call, return a json object with function name and arguments within "
+                 "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
+                 "<args-json-object>}}\n</tool_call>")
+
+
+def _plain(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(value, DictConfig):
+            return dict(OmegaConf.to_container(value, resolve=True))  # type: ignore[arg-type]
+    except ImportError:  # pragma: no cover - skyrl_gym depends on omegaconf
+        pass
+    return dict(value)
+
+
+def tools_prompt(task: Task) -> str:
+    """The task's tools as Hermes/Qwen chat templates present them to a model."""
+    return _TOOLS_PROMPT.format(tools="\n".join(json.dumps(s, ensure_ascii=False) for s in task.agent_tools.schemas()))
+
+
+class BunshinEnv(BaseTextEnv):
+    """env_config: "task" (a task id or "module:attribute"), "template" (WorkspaceSpec fields),
+    "runtime" (RuntimeConfig fields of the process-wide runtime), "tools_in_prompt" (default
+    True: init() adds the tool schemas to the system message, since SkyRL renders the chat
+    without tools), "observation_role" ("tool" by default). extras (a dataset row's): "task"
+    overrides env_config's; "max_turns" (SkyRL's generator sets it) caps the task's budget;
+    "group" names the GRPO group (its samples fork one snapshot)."""
+
+    def __init__(self, env_config: Mapping[str, Any] | None = None, extras: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        cfg, ext = _plain(env_config), _plain(extras)
+        name, template = task_options({**cfg, **{k: ext[k] for k in ("task", "template") if k in ext}})
+        self.task = resolve_task(name, template)
+        self.runtime = Runtime.shared(cfg.get("runtime"))
+        self.max_turns = min(int(ext.get("max_turns") or self.task.budget), self.task.budget)
+        self.group = str(ext["group"]) if ext.get("group") is not None else None
+        self.tools_in_prompt = bool(cfg.get("tools_in_prompt", True))
+        self.observation_role = str(cfg.get("observation_role", "tool"))
+        self.trajectory_id = f"skyrl-{uuid.uuid4().hex}"
+        self.rollout: Rollout | None = None
+        self._ended = False
+
+    def init(self, prompt: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        self.rollout = self.runtime.run(self.runtime.start(self.trajectory_id, self.task, group=self.group))
+        chat = [dict(m) for m in prompt]
+        if self.tools_in_prompt:
+            tools = tools_prompt(self.task)
+            if chat and chat[0].get("role") == "system":
+                chat[0]["content"] = f"{chat[0].get('content') or ''}\n\n{tools}".lstrip()
+            else:
+                chat.insert(0, {"role": "system", "content": tools})
+        return chat, {"task_id": self.task.id, "trajectory_id": self.trajectory_id, "max_turns": self.max_turns,
+                      "tools": self.task.agent_tools.schemas()}
+
+    def step(self, action: str) -> BaseTextEnvStepOutput:
+        r = self.rollout
+        if r is None or self._ended:
+            raise RuntimeError("step() before init() or after the episode ended")
+        self.turns += 1
+        parsed = parse_reply(action, self.task.agent_tools)
+        if isinstance(parsed, FinalAnswer):
+            return self._end([], parsed.text)
+        calls = calls_of(parsed)[:r.calls_left]
+        if not calls:
+            return self._end([], None)
+        observations = self.runtime.run(self._run(r, calls))
+        messages = [{"role": "user" if c.name == INVALID_TOOL else self.observation_role, "content": o}
+                    for c, o in zip(calls, observations, strict=True)]
+        if self.turns >= self.max_turns or r.calls_left == 0:
+            return self._end(messages, None)
+        return BaseTextEnvStepOutput(observations=messages, reward=0.0, done=False,
+                                     metadata={"turn": self.turns, "served": r.served[-len(calls):]},
+                                     postprocessed_action=None)
+
+    @staticmethod
+    async def _run(r: Rollout, calls: tuple[Any, ...]) -> list[str]:
+        decision = len(r.history)
+        return [await r.call(c, decision) for c in calls]
+
+    def _end(self, messages: list[dict[str, Any]], answer: str | None) -> BaseTextEnvStepOutput:
+        self._ended = True
+        r = self.runtime.run(self.runtime.end(self.trajectory_id, answer))
+        reward = float(r.reward) if r is not None and r.reward is not None else 0.0
+        return BaseTextEnvStepOutput(observations=messages, reward=reward, done=True,
+                                     metadata={"turn": self.turns, "verdict": r.verdict if r is not None else None},
+                                     postprocessed_action=None)
+
+    def get_metrics(self) -> dict[str, Any]:
+        if self.rollout is None:
+            return {}
+        m = rollout_metrics(self.rollout)
+        m["reward"] = m["reward"] if m["reward"] is not None else 0.0
+        return m
+
+    @staticmethod
+    def aggregate_metrics(metrics: list[dict[str, Any]]) -> dict[str, Any]:
+        """Totals of the per-path call counts over the episodes, the mean reward, and the share of
+        calls served without running them (cache hits and adopted speculation)."""
+        if not metrics:
+            return {}
+        keys = ("tool_calls", "executed", "cache_hits", "spec_hits", "rejected", "spec_misses", "errors")
+        out: dict[str, Any] = {k: sum(int(m.get(k, 0)) for m in metrics) for k in keys}
+        out["reward"] = sum(float(m.get("reward") or 0.0) for m in metrics) / len(metrics)
+        out["served_without_running"] = (out["cache_hits"] + out["spec_hits"]) / out["tool_calls"] \
+            if out["tool_calls"] else 0.0
+        out["episodes"] = len(metrics)
+        return out
+
+    def close(self) -> None:
+        if self.rollout is not None and not self._ended:
+            self._ended = True
+            self.runtime.run(self.runtime.discard(self.trajectory_id))
+
+
+if ENV_ID not in skyrl_gym.registry:
+    skyrl_gym.register(id=ENV_ID, entry_point=f"{__name__}:BunshinEnv")
+
+__all__ = ["ENV_ID", "BunshinEnv", "tools_prompt"]
