@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import itertools
+import os
 import shlex
 import textwrap
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -142,3 +144,20 @@ def no_own_leaks() -> Iterator[None]:
         time.sleep(0.05)
     assert my_workspaces() - ws_before == set(), "workspaces left running"
     assert my_snapshots() - snaps_before == set(), "snapshots left retained"
+
+
+def serve_vllm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, max_num_seqs: int) -> Iterator[Any]:
+    """A vLLM api_server serving model_dir, for a module-scoped fixture: skipped with the reason
+    when the vLLM venv is missing, except under BUNSHIN_REQUIRE_VLLM=1 (make test)."""
+    from bunshinrl.grpo import BackendUnavailable, VLLMServer
+
+    try:
+        srv = VLLMServer(model_dir, max_num_seqs=max_num_seqs, log_path=tmp_path_factory.mktemp("vllm") / "server.log")
+    except BackendUnavailable as e:
+        if os.environ.get("BUNSHIN_REQUIRE_VLLM") == "1":
+            pytest.fail(str(e))
+        pytest.skip(str(e))
+    with srv:
+        yield srv
+    # The engine core runs as a child process: nothing of the server may outlive it.
+    assert srv.proc is None and not srv.running()

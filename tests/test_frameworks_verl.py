@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
-from rl_support import no_own_leaks  # noqa: F401 (fixture, used by name)
+from rl_support import no_own_leaks, serve_vllm  # noqa: F401 (no_own_leaks: a fixture, used by name)
 from verl.experimental.agent_loop.agent_loop import AgentLoopWorker, _agent_loop_registry
 from verl.experimental.agent_loop.tool_agent_loop import AgentData
 from verl.protocol import DataProto
@@ -33,7 +33,7 @@ from verl.workers.config import RolloutConfig
 
 from bunshinrl.adapters import Runtime
 from bunshinrl.adapters.verl import BunshinAgentLoop, BunshinTool, VLLMServerClient
-from bunshinrl.grpo import BackendUnavailable, VLLMServer, suite
+from bunshinrl.grpo import VLLMServer, suite
 from bunshinrl.grpo.chat import SYSTEM_PROMPT
 
 pytestmark = pytest.mark.usefixtures("no_own_leaks")
@@ -135,17 +135,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    try:
-        # One sequence at a time: batch composition changes CPU numerics, and the test repeats
-        # batches expecting the very same replies.
-        srv = VLLMServer(model_dir, max_num_seqs=1, log_path=tmp_path_factory.mktemp("vllm") / "server.log")
-    except BackendUnavailable as e:
-        if os.environ.get("BUNSHIN_REQUIRE_VLLM") == "1":
-            pytest.fail(str(e))
-        pytest.skip(str(e))
-    with srv:
-        yield srv
-    assert srv.proc is None and not srv.running()
+    # One sequence at a time: batch composition changes CPU numerics, and the test repeats
+    # batches expecting the very same replies.
+    yield from serve_vllm(model_dir, tmp_path_factory, max_num_seqs=1)
 
 
 def _batch(groups: int) -> DataProto:

@@ -260,6 +260,19 @@ class Runtime:
         return {**self.core.stats(), "open_trajectories": len(self.live())}
 
 
+def plain(value: Any) -> dict[str, Any]:
+    """A framework's config section (an omegaconf DictConfig, a mapping or None) as a dict."""
+    if value is None:
+        return {}
+    if type(value).__module__.startswith("omegaconf"):
+        from omegaconf import OmegaConf
+
+        value = OmegaConf.to_container(value, resolve=True)
+    if not isinstance(value, Mapping):
+        raise TypeError(f"expected a mapping, not {value!r}")
+    return dict(value)
+
+
 def task_options(config: Mapping[str, Any]) -> tuple[str, dict[str, Any] | None]:
     """(task name, workspace template) from an adapter's config."""
     name = config.get("task")
@@ -281,4 +294,4 @@ def rollout_metrics(r: Rollout) -> dict[str, Any]:
             "spec_misses": r.timeline.count("spec_miss"), "reward": r.reward, "errors": len(r.timeline.errors)}
 
 
-__all__ = ["Runtime", "RuntimeConfig", "register_task", "resolve_task", "rollout_metrics", "task_options"]
+__all__ = ["Runtime", "RuntimeConfig", "plain", "register_task", "resolve_task", "rollout_metrics", "task_options"]

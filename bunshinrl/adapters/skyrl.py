@@ -31,7 +31,7 @@ from ..core import Rollout
 from ..policy import FinalAnswer, calls_of
 from ..replies import parse_reply
 from ..task import INVALID_TOOL, Task
-from .runtime import Runtime, resolve_task, rollout_metrics, task_options
+from .runtime import Runtime, plain, resolve_task, rollout_metrics, task_options
 
 ENV_ID = "bunshin-workspace"
 
@@ -40,19 +40,6 @@ _TOOLS_PROMPT = ("# Tools\n\nYou may call one or more functions to assist with t
                  "each function call, return a json object with function name and arguments within "
                  "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
                  "<args-json-object>}}\n</tool_call>")
-
-
-def _plain(value: Any) -> dict[str, Any]:
-    if value is None:
-        return {}
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(value, DictConfig):
-            return dict(OmegaConf.to_container(value, resolve=True))  # type: ignore[arg-type]
-    except ImportError:  # pragma: no cover - skyrl_gym depends on omegaconf
-        pass
-    return dict(value)
 
 
 def tools_prompt(task: Task) -> str:
@@ -70,7 +57,7 @@ class BunshinEnv(BaseTextEnv):
 
     def __init__(self, env_config: Mapping[str, Any] | None = None, extras: Mapping[str, Any] | None = None) -> None:
         super().__init__()
-        cfg, ext = _plain(env_config), _plain(extras)
+        cfg, ext = plain(env_config), plain(extras)
         name, template = task_options({**cfg, **{k: ext[k] for k in ("task", "template") if k in ext}})
         self.task = resolve_task(name, template)
         self.runtime = Runtime.shared(cfg.get("runtime"))

@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, register
 from verl.experimental.agent_loop.tool_agent_loop import AgentData, AgentState, ToolAgentLoop
 from verl.tools.base_tool import BaseTool
@@ -38,13 +38,9 @@ from verl.workers.rollout.replica import TokenOutput
 from ..signature import ToolCall
 from ..task import Task
 from ..tools import is_hidden
-from .runtime import Runtime, resolve_task, rollout_metrics, task_options
+from .runtime import Runtime, plain, resolve_task, rollout_metrics, task_options
 
 log = logging.getLogger(__name__)
-
-
-def _plain(value: Any) -> Any:
-    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
 
 
 class BunshinTool(BaseTool):
@@ -121,7 +117,7 @@ class BunshinAgentLoop(ToolAgentLoop):
     def __init__(self, *args: Any, runtime: Mapping[str, Any] | None = None, constrain: bool = False,
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.runtime = Runtime.shared(_plain(runtime))
+        self.runtime = Runtime.shared(plain(runtime) if runtime is not None else None)
         self.constrain = bool(constrain)
         ours = [t for t in self.tools.values() if isinstance(t, BunshinTool)]
         if not ours:
@@ -132,8 +128,7 @@ class BunshinAgentLoop(ToolAgentLoop):
         self._agent_data: AgentData | None = None
 
     def _sample_task(self, kwargs: Mapping[str, Any]) -> Task:
-        extra = _plain(kwargs.get("extra_info")) or {}
-        name = extra.get("bunshin_task") if isinstance(extra, Mapping) else None
+        name = plain(kwargs.get("extra_info")).get("bunshin_task")
         if name:
             return self._default_tasks.get(str(name)) or resolve_task(str(name))
         if len(self._default_tasks) != 1:
