@@ -39,6 +39,9 @@ apt_packages=(
   # noVNC live view, and the web shop's database, its driver and a browser
   openbox xterm mousepad chromium xdotool xclip wmctrl imagemagick fonts-dejavu-core
   x11vnc novnc websockify postgresql python3-psycopg2
+  # the Wayland desktop template: sway (headless wlroots, pixman renderer), its terminal,
+  # screencopy, virtual keyboard and clipboard tools, the VNC live view and Xwayland
+  sway foot grim wtype wl-clipboard wayvnc xwayland
 )
 
 missing=()
@@ -48,8 +51,9 @@ done
 if [ ${#missing[@]} -gt 0 ]; then
   log "apt: installing ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -q >/dev/null
-  apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+  # Others on the host may hold the dpkg lock: wait for it rather than fail.
+  apt-get -o DPkg::Lock::Timeout=600 update -q >/dev/null
+  apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
 # CRIU: bookworm's 3.17 fails on kernels with vvar_vclock, and 4.1.x cannot dump

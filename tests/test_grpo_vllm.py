@@ -99,7 +99,11 @@ def test_round_trip_with_structured_outputs_and_tools(server: VLLMServer, model_
 
 
 def test_requests_in_flight_are_batched(server: VLLMServer) -> None:
-    """Many decisions at once: the server runs several of them in the same batch."""
+    """Many decisions at once: the server runs several of them in the same batch.
+
+    The gauge is sampled, so a quiet machine can finish a burst between two samples: the watcher
+    has sampled once before the first burst, and bursts repeat (at most five) until one is seen
+    with more than one request running."""
     import httpx
 
     task = TMAP["files-ab"]
@@ -107,6 +111,7 @@ def test_requests_in_flight_are_batched(server: VLLMServer) -> None:
     async def main() -> int:
         policy = _policy(server)
         peak = 0
+        sampled = asyncio.Event()
         done = asyncio.Event()
 
         async def watch() -> None:
@@ -115,15 +120,21 @@ def test_requests_in_flight_are_batched(server: VLLMServer) -> None:
                 while not done.is_set():
                     text = (await c.get(server.root_url + "/metrics")).text
                     m = re.search(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", text, re.M)
-                    if m:
-                        peak = max(peak, int(float(m.group(1))))
-                    await asyncio.sleep(0.01)  # paces the poll
+                    assert m, "vLLM's /metrics has no vllm:num_requests_running gauge"
+                    peak = max(peak, int(float(m.group(1))))
+                    sampled.set()
+                    await asyncio.sleep(0.005)  # paces the poll
 
         watcher = asyncio.create_task(watch())
-        await asyncio.gather(*(_act(policy, SampleContext(task.id, s, 7, task.prompt)) for s in range(16)))
+        await asyncio.wait_for(sampled.wait(), 30)
+        for burst in range(5):
+            epoch = 7 + burst
+            await asyncio.gather(*(_act(policy, SampleContext(task.id, s, epoch, task.prompt)) for s in range(32)))
+            assert len(policy.take_turns(epoch)) == 32
+            if peak > 1:
+                break
         done.set()
         await watcher
-        assert len(policy.take_turns(7)) == 16
         return peak
 
     assert asyncio.run(main()) > 1
