@@ -136,3 +136,12 @@ def test_speculation_is_adopted_on_a_match_and_leaves_no_trace_on_a_mismatch() -
     assert mismatch["metrics"]["spec_misses"] >= 1
     assert mismatch["observations"] == fresh[1]["observations"] and "No such file" in mismatch["observations"][1]
     assert mismatch["reward"] == fresh[1]["reward"] == 0.5
+
+
+def test_parallel_tool_calls_in_one_step_run_in_order() -> None:
+    # One reply with both writes: two observations, one tool message each, in the reply's order.
+    both = SOLUTION[0] + "\n" + SOLUTION[1]
+    [[e]] = _episodes({"task": "files-ab", "runtime": {"cache_mib": 0, "speculation_depth": 0}},
+                      [[({}, [both, "Done."])]])
+    assert e["observations"] == ["wrote 6 bytes to /root/out/a.txt", "wrote 5 bytes to /root/out/b.txt"]
+    assert e["roles"] == ["tool", "tool"] and e["metrics"]["tool_calls"] == 2 and e["reward"] == 1.0
