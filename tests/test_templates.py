@@ -464,7 +464,7 @@ def test_env_factories_validate_and_describe_their_tools() -> None:
     assert set(g.tools) >= {"screenshot", "click", "type_text", "key", "scroll", "clipboard_get", "list_windows"}
     click = g.agent_tools["click"]
     assert click.schema()["function"]["parameters"]["properties"]["x"] == {"type": "integer"}
-    assert "x must be an integer" in (click.check({"x": "1", "y": 2}) or "")
+    assert "argument x of click must be an integer" in (click.check({"x": "1", "y": 2}) or "")
     with pytest.raises(ValueError, match="single line"):
         gui_env.make_env(target="a\nb")
     assert set(CATALOGUE) >= set(shop_env.DEFAULT_ITEMS)
