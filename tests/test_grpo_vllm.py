@@ -92,7 +92,10 @@ def test_round_trip_with_structured_outputs_and_tools(server: VLLMServer, model_
         # The request is what current vLLM accepts (no guided_choice, which vLLM ignores now).
         req = policy.request(SampleContext(task.id, 0, 0, task.prompt), [])
         assert req["extra_body"]["structured_outputs"] == {"choice": list(candidate_replies(task))}
-        assert "guided_choice" not in req["extra_body"] and req["parallel_tool_calls"] is False
+        # Parallel tool calls are on by default (the calls of one reply run in order).
+        assert "guided_choice" not in req["extra_body"] and req["parallel_tool_calls"] is True
+        assert _policy(server, parallel_tool_calls=False).request(SampleContext(task.id, 0, 0, task.prompt),
+                                                                  [])["parallel_tool_calls"] is False
         assert req["max_completion_tokens"] > 0 and req["tool_choice"] == "auto"
 
     asyncio.run(main())
