@@ -53,8 +53,7 @@ MiB = 1 << 20
 def build_tasks(cfg: T.TraceConfig, wait: float, ksm: bool = True) -> list[Task]:
     # Without KSM opt-in for the copy engine: restored clones would otherwise still be merged
     # by ksmd (their VMAs keep the mergeable flag), and "copy" would not be a private-copy baseline.
-    return [Task(tid, workload.environment(T.task_seed(cfg, i), wait=wait, ksm=ksm))
-            for i, tid in enumerate(T.task_ids(cfg))]
+    return [workload.task(tid, T.task_seed(cfg, i), wait=wait, ksm=ksm) for i, tid in enumerate(T.task_ids(cfg))]
 
 
 async def run_config(name: str, cfg: T.TraceConfig, traces: dict, tasks: list[Task], memory: str,

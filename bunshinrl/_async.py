@@ -1,13 +1,19 @@
-"""Running blocking bunshinfork calls from asyncio without starving the rollout."""
+"""Running blocking bunshinfork calls from asyncio without starving the rollout, and asyncio
+work from synchronous callers.
+
+The one seam between bunshinrl and bunshinfork's blocking SDK: every workspace call the engine,
+the cache, the speculator and the adapters make goes through run_blocking (a pool sized for
+rollouts). When bunshinfork has an asyncio-native front, this is the one place to change."""
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
 import functools
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -26,3 +32,29 @@ async def run_blocking(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) ->
     ctx = contextvars.copy_context()
     call = functools.partial(ctx.run, fn, *args, **kwargs)
     return await loop.run_in_executor(_POOL, call)
+
+
+class LoopThread:
+    """One event loop on a thread of its own, for synchronous callers that drive asyncio work
+    (SkyRL calls env.step() inline or from its executor threads). One thread for the process,
+    not one per call: every rollout it runs, and their background work (captures, speculative
+    chains), lives on this loop."""
+
+    def __init__(self, name: str = "bunshinrl-loop") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run `coro` on the loop and wait for its result (timeout: seconds, then TimeoutError)."""
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("LoopThread.run() called from its own loop: await the coroutine instead")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=30)
+        self.loop.close()

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
-
-from bunshinfork import Workspace
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from .signature import ToolCall
-from .tools import Tool, ToolSet
 
 
 @dataclass(frozen=True)
@@ -17,15 +14,31 @@ class FinalAnswer:
     text: str = ""
 
 
-Action = ToolCall | FinalAnswer
+# One decision: a tool call, several calls made at once (parallel tool calls: they run in order,
+# each observed on its own), or the final answer.
+Action = ToolCall | tuple[ToolCall, ...] | FinalAnswer
+
+
+def calls_of(action: Action) -> tuple[ToolCall, ...]:
+    """The calls a decision makes (none for a final answer)."""
+    if isinstance(action, FinalAnswer):
+        return ()
+    if isinstance(action, ToolCall):
+        return (action,)
+    if isinstance(action, tuple) and action and all(isinstance(c, ToolCall) for c in action):
+        return action
+    raise TypeError(f"the policy returned {action!r}, not a ToolCall, a tuple of them or a FinalAnswer")
 
 
 @dataclass(frozen=True)
 class Step:
-    """One completed tool call of a trajectory and the observation the policy was given."""
+    """One completed tool call of a trajectory and the observation the policy was given.
+    decision: how many steps the trajectory had when the policy made the decision that issued
+    this call; calls of one decision (parallel tool calls) share it."""
 
     call: ToolCall
     observation: str
+    decision: int = -1
 
 
 @dataclass(frozen=True)
@@ -41,34 +54,5 @@ class SampleContext:
 @runtime_checkable
 class Policy(Protocol):
     async def act(self, ctx: SampleContext, history: Sequence[Step]) -> Action:
-        """Reason over the history and return the next tool call, or the final answer."""
+        """Reason over the history and return the next tool call(s), or the final answer."""
         ...
-
-
-@dataclass
-class Environment:
-    """How a task's initial workspace is made and which tools act on it.
-
-    setup runs once per group on a fresh workspace (write the repository, start services). The
-    fingerprint must change whenever setup would produce a different state: together with the
-    root file system's digest it forms the template digest every cached prefix is keyed by.
-    """
-
-    tools: ToolSet
-    setup: Callable[[Workspace], None]
-    fingerprint: str
-    spec: dict[str, Any] = field(default_factory=dict)
-
-    def __init__(self, tools: Sequence[Tool] | ToolSet, setup: Callable[[Workspace], None], fingerprint: str,
-                 spec: dict[str, Any] | None = None) -> None:
-        self.tools = tools if isinstance(tools, ToolSet) else ToolSet(tools)
-        self.setup = setup
-        self.fingerprint = fingerprint
-        self.spec = dict(spec or {})
-
-
-@dataclass(frozen=True)
-class Task:
-    id: str
-    environment: Environment
-    prompt: str = ""

@@ -36,7 +36,8 @@ class SampleTimeline:
     finished: float = 0.0
     events: list[Event] = field(default_factory=list)
     steps: list[Step] = field(default_factory=list)
-    answer: str | None = None
+    answer: str | None = None  # the agent's final text; None when its budget or an error ended it
+    reward: float | None = None  # the task's verifier on the final state, when it has one
     errors: list[str] = field(default_factory=list)
     wasted_seconds: float = 0.0  # speculative execution whose result was discarded
 
@@ -63,7 +64,7 @@ class SampleTimeline:
                                                                  "materialize", "post_wait")), 3),
             "waits": {k: round(self.seconds(k), 3) for k in ("cache_hit", "spec_hit", "spec_miss",
                                                              "materialize", "post_wait")},
-            "wasted_seconds": round(self.wasted_seconds, 3), "errors": list(self.errors),
+            "wasted_seconds": round(self.wasted_seconds, 3), "reward": self.reward, "errors": list(self.errors),
         }
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from bunshinfork import Workspace
 
-from .policy import Environment
+from .task import Task
 from .tools import Tool, command_observation
 
 PROJ = "/root/proj"
@@ -339,27 +339,38 @@ def _clock(ws: Workspace, args: dict[str, Any]) -> str:
     return _sh(ws, "date +%s%N")
 
 
+def _params(required: tuple[str, ...] = (), optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {"type": "object", "properties": {n: {"type": "string"} for n in (*required, *optional)},
+            "required": list(required), "additionalProperties": False}
+
+
 def tools() -> list[Tool]:
     return [
-        Tool("ls", _ls, description="list files (fast)"),
-        Tool("cat", _cat, description="read a file (fast)"),
-        Tool("grep", _grep, description="search the sources (fast)"),
-        Tool("edit", _edit, description="replace text in a file (fast)"),
-        Tool("write", _write, description="write a file (fast)"),
-        Tool("run_tests", _run_tests, description="run the test cases (slow)"),
-        Tool("build", _build, description="compile and build the database (slow)"),
-        Tool("start_server", _start_server, description="start the HTTP service (medium)"),
-        Tool("query", _query, description="GET a path of the service; /report is slow"),
-        Tool("sql", _sql, description="query the built database (fast)"),
-        Tool("lookup", _lookup, description="look a key up in the catalog service (fast)"),
+        Tool("ls", _ls, description="list files (fast)", parameters=_params(optional=("path",))),
+        Tool("cat", _cat, description="read a file (fast)", parameters=_params(("path",))),
+        Tool("grep", _grep, description="search the sources (fast)", parameters=_params(("pattern",))),
+        Tool("edit", _edit, description="replace text in a file (fast)",
+             parameters=_params(("path", "find", "replace"))),
+        Tool("write", _write, description="write a file (fast)", parameters=_params(("path", "content"))),
+        Tool("run_tests", _run_tests, description="run the test cases (slow)",
+             parameters=_params(optional=("target",))),
+        Tool("build", _build, description="compile and build the database (slow)",
+             parameters=_params(optional=("target",))),
+        Tool("start_server", _start_server, description="start the HTTP service (medium)", parameters=_params()),
+        Tool("query", _query, description="GET a path of the service; /report is slow", parameters=_params(("path",))),
+        Tool("sql", _sql, description="query the built database (fast)", parameters=_params(("query",))),
+        Tool("lookup", _lookup, description="look a key up in the catalog service (fast)",
+             parameters=_params(("key",))),
         # Observes the clock: declared non-deterministic, never reused.
-        Tool("clock", _clock, deterministic=False, description="current time (non-deterministic)"),
+        Tool("clock", _clock, deterministic=False, description="current time (non-deterministic)",
+             parameters=_params()),
     ]
 
 
-def environment(seed: int, wait: float = 1.0, catalog_mib: int = 4, ksm: bool = True) -> Environment:
-    """Task `seed`'s environment; `wait` is the I/O stand-in of slow tools, in seconds, and the
+def task(task_id: str, seed: int, wait: float = 1.0, catalog_mib: int = 4, ksm: bool = True) -> Task:
+    """Task `seed` of the workload; `wait` is the I/O stand-in of slow tools, in seconds, and the
     catalog service keeps `catalog_mib` MiB in memory. ksm=False keeps the workspace's processes
     out of kernel samepage merging (for a true private-copy baseline with the "copy" engine)."""
-    return Environment(tools(), _setup(seed, wait, catalog_mib),
-                       fingerprint=json.dumps(["repo-v2", seed, wait, catalog_mib]), spec={"ksm": ksm})
+    return Task(task_id, "Fix the failing test in /root/proj, build it and check the service's report.", tools(),
+                _setup(seed, wait, catalog_mib), fingerprint=json.dumps(["repo-v2", seed, wait, catalog_mib]),
+                spec={"ksm": ksm})

@@ -130,20 +130,19 @@ if [ ! -f "$stamp" ] || [ "$here/pyproject.toml" -nt "$stamp" ] || [ "$here/scri
    || [ -n "$(find "$here/csrc" "$here/kernel/bunshin_uapi.h" -newer "$stamp" -print -quit)" ]; then
   log "installing bunshin into $venv"
   "$venv/bin/pip" install -q --upgrade pip >/dev/null 2>&1
-  quiet_pip "$venv/bin/pip" install -q -c "$constraints" -e "$here[dev,rl,llm]"
+  quiet_pip "$venv/bin/pip" install -q -c "$constraints" -e "$here[dev,rl,llm,frameworks]"
   "$venv/bin/python" -c "import bunshinfork._native"
   # pycriu ships no packaging of its own: link the generated sources into the venv.
   site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   rm -rf "$site/pycriu" && cp -r "$cache/pycriu" "$site/pycriu"
-  # verl, for its GRPO reference math (verl.trainer.ppo.core_algos, which the objective is
-  # tested against) and its tool/agent-loop contracts. Its full dependency set would replace
-  # torch and pin a transformers we cannot share with vLLM, so: no deps, plus exactly what
-  # importing verl and core_algos needs.
+  # verl, for its tool registry, agent loop and Hydra trainer config (bunshinrl.adapters.verl)
+  # and its GRPO reference math (verl.trainer.ppo.core_algos, which the objective is tested
+  # against). Its full dependency set would replace torch and pin a transformers we cannot share
+  # with vLLM, so: no deps; what those modules import is the 'frameworks' extra above.
   quiet_pip "$venv/bin/pip" install -q --no-deps "verl==0.9.1"
-  quiet_pip "$venv/bin/pip" install -q -c "$constraints" "ray==2.60.0" "tensordict>=0.8,<=0.10" "omegaconf>=2.3" \
-    "codetiming>=1.4"
-  "$venv/bin/python" -c "import verl.trainer.ppo.core_algos" >/dev/null 2>&1 \
-    || { echo "verl's core_algos does not import" >&2; exit 1; }
+  "$venv/bin/python" -c "import verl.trainer.ppo.core_algos, verl.experimental.agent_loop.tool_agent_loop, \
+verl.tools.tool_registry, skyrl_gym" >/dev/null 2>&1 \
+    || { echo "verl's agent loop, tool registry or core_algos, or skyrl_gym, does not import" >&2; exit 1; }
   "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$torch_version')" \
     || { echo "something replaced torch==$torch_version" >&2; exit 1; }
   touch "$stamp"

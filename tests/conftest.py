@@ -5,6 +5,11 @@ before, and the layer store's loop device is the one it had."""
 from __future__ import annotations
 
 import os
+
+# As bunshinrl's README asks of a process that imports numpy before bunshinrl (the framework
+# tests import skyrl_gym and verl, which import numpy): BLAS stays single-threaded, or OpenBLAS's
+# fork handler can deadlock under concurrent workspace forks.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import time
 from collections.abc import Iterator
 from pathlib import Path

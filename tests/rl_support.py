@@ -1,19 +1,21 @@
-"""Tools and an environment for the bunshinrl tests: a counter held in a live server process
+"""Tools and a task for the bunshinrl tests: a counter held in a live server process
 (state that only a whole-workspace fork carries), files, background processes."""
 
 from __future__ import annotations
 
 import itertools
+import os
 import shlex
 import textwrap
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from bunshinfork import Workspace
-from bunshinrl import Environment, Tool
+from bunshinrl import Task, Tool
 from bunshinrl.tools import command_observation
 
 SERVER = textwrap.dedent('''
@@ -91,8 +93,8 @@ def tools() -> list[Tool]:
             Tool("state", state), Tool("uuid", uuid, deterministic=False), Tool("liar", liar)]
 
 
-def environment() -> Environment:
-    return Environment(tools(), setup, fingerprint="rl-test-counter-v1")
+def counter_task(task_id: str = "task") -> Task:
+    return Task(task_id, "Bump the counter.", tools(), setup, fingerprint="rl-test-counter-v1")
 
 
 def my_snapshots() -> set[str]:
@@ -142,3 +144,20 @@ def no_own_leaks() -> Iterator[None]:
         time.sleep(0.05)
     assert my_workspaces() - ws_before == set(), "workspaces left running"
     assert my_snapshots() - snaps_before == set(), "snapshots left retained"
+
+
+def serve_vllm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, max_num_seqs: int) -> Iterator[Any]:
+    """A vLLM api_server serving model_dir, for a module-scoped fixture: skipped with the reason
+    when the vLLM venv is missing, except under BUNSHIN_REQUIRE_VLLM=1 (make test)."""
+    from bunshinrl.grpo import BackendUnavailable, VLLMServer
+
+    try:
+        srv = VLLMServer(model_dir, max_num_seqs=max_num_seqs, log_path=tmp_path_factory.mktemp("vllm") / "server.log")
+    except BackendUnavailable as e:
+        if os.environ.get("BUNSHIN_REQUIRE_VLLM") == "1":
+            pytest.fail(str(e))
+        pytest.skip(str(e))
+    with srv:
+        yield srv
+    # The engine core runs as a child process: nothing of the server may outlive it.
+    assert srv.proc is None and not srv.running()

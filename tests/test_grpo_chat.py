@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from bunshinrl import Step, ToolCall
-from bunshinrl.grpo import INVALID_TOOL, suite
-from bunshinrl.grpo.chat import candidate_replies, messages, parse_message, parse_reply, render_call
+from bunshinrl import INVALID_TOOL, Step, ToolCall, parse_message, parse_reply, render_call
+from bunshinrl.grpo import suite
+from bunshinrl.grpo.chat import candidate_replies, messages
 from bunshinrl.policy import FinalAnswer
 
 pytest.importorskip("torch")
@@ -55,17 +55,16 @@ def test_test_model_is_a_standard_qwen2_checkpoint(model_dir: Path, tmp_path: Pa
 def test_chat_template_renders_tools_and_the_trajectory(model_dir: Path) -> None:
     from transformers import AutoTokenizer
 
-    from bunshinrl.adapters.openai_tools import tool_schemas
     from bunshinrl.grpo.chat import template_messages
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     task = TASKS["service-pong"]
     call = ToolCall("write_file", {"path": "/root/svc/config.json", "content": '{"body": "pong"}'})
-    history = [Step(call, "wrote 16 bytes to /root/svc/config.json"),
+    history = [Step(call, "wrote 16 bytes to /root/svc/config.json", 0),
                Step(ToolCall(INVALID_TOOL, {"error": "unterminated <tool_call>", "text": "<tool_call>{"}),
-                    "invalid tool call: unterminated <tool_call>")]
+                    "invalid tool call: unterminated <tool_call>", 1)]
     msgs = template_messages(messages(task.prompt, history))
-    text = tok.apply_chat_template(msgs, tools=tool_schemas(task.agent_tools), add_generation_prompt=True,
+    text = tok.apply_chat_template(msgs, tools=task.agent_tools.schemas(), add_generation_prompt=True,
                                    tokenize=False)
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
     tools_block = text[text.index("<tools>"):text.index("</tools>")]
@@ -86,9 +85,14 @@ def test_tool_call_parsing() -> None:
     assert parse_reply("Let me write it.\n" + render_call(call) + "\nthen check.", tools) == call
     assert parse_reply('{"name": "shell", "arguments": {"cmd": "ls"}}', tools) == ToolCall("shell", {"cmd": "ls"})
     assert parse_reply('{"name": "shell", "parameters": {"cmd": "ls"}}', tools) == ToolCall("shell", {"cmd": "ls"})
-    # Parallel calls are off: the first one is the action.
-    two = render_call(call) + render_call(ToolCall("shell", {"cmd": "ls"}))
-    assert parse_reply(two, tools) == call
+    # Parallel calls: every block, in order (or the first one only, as with parallel_tool_calls=false).
+    ls = ToolCall("shell", {"cmd": "ls"})
+    two = render_call(call) + render_call(ls)
+    assert parse_reply(two, tools) == (call, ls)
+    assert parse_reply(two, tools, parallel=False) == call
+    # One bad block voids the whole reply.
+    bad = parse_reply(two + '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', tools)
+    assert isinstance(bad, ToolCall) and bad.name == INVALID_TOOL and "rm_rf" in bad.args["error"]
     assert parse_reply("All files are written.", tools) == FinalAnswer("All files are written.")
 
     def why(text: str) -> str:
@@ -110,13 +114,16 @@ def test_tool_call_parsing() -> None:
     msg = {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "shell", "arguments": '{"cmd": "ls"}'}}]}
     assert parse_message(msg, tools) == ToolCall("shell", {"cmd": "ls"})
+    msg["tool_calls"].append({"id": "c2", "type": "function", "function": {"name": "read_file",
+                                                                          "arguments": '{"path": "/a"}'}})
+    assert parse_message(msg, tools) == (ToolCall("shell", {"cmd": "ls"}), ToolCall("read_file", {"path": "/a"}))
     assert parse_message({"role": "assistant", "content": "done"}, tools) == FinalAnswer("done")
 
 
 def test_the_invalid_call_tool_answers_in_the_engine_without_touching_anything() -> None:
     import asyncio
 
-    tool = TASKS["files-ab"].environment.tools[INVALID_TOOL]
+    tool = TASKS["files-ab"].engine_tools[INVALID_TOOL]
     obs = asyncio.run(tool.run(None, {"error": "unterminated <tool_call>", "text": "x"}))  # type: ignore[arg-type]
     assert obs == "invalid tool call: unterminated <tool_call>"
 

@@ -4,36 +4,29 @@ partial work partial credit, and the reward is read from the workspace, not the 
 from __future__ import annotations
 
 from bunshinfork import Workspace
-from bunshinrl import FinalAnswer, ToolCall
-from bunshinrl.adapters import validate_args
-from bunshinrl.grpo.actions import FINAL, call, parse_action
-from bunshinrl.grpo.tasks import REWARD_TOOL, VerifiableTask, parse_reward, suite
+from bunshinrl import FinalAnswer, Task, ToolCall
+from bunshinrl.grpo.actions import FINAL, call, from_text
+from bunshinrl.grpo.tasks import REWARD_TOOL, parse_reward, suite
 
 
-def _initialized(task: VerifiableTask) -> Workspace:
-    ws = Workspace.create(**task.spec)
-    try:
-        task.setup(ws)
-    except BaseException:
-        ws.destroy()
-        raise
-    return ws
+def _initialized(task: Task) -> Workspace:
+    return task.create()
 
 
-def _run(task: VerifiableTask, ws: Workspace, actions: list[str]) -> list[str]:
+def _run(task: Task, ws: Workspace, actions: list[str]) -> list[str]:
     """Execute action texts the way the engine would (tools are synchronous here)."""
     out = []
     for a in actions:
         if a == FINAL:
             break
-        c = parse_action(a)
+        c = from_text(a)
         assert isinstance(c, ToolCall)
-        out.append(task.environment.tools[c.name].execute(ws, c.args))
+        out.append(task.call(ws, c.name, **c.args))
     return out
 
 
-def _reward(task: VerifiableTask, ws: Workspace) -> float:
-    return parse_reward(task.environment.tools[REWARD_TOOL].execute(ws, {}))  # type: ignore[arg-type]
+def _reward(task: Task, ws: Workspace) -> float:
+    return parse_reward(task.call(ws, REWARD_TOOL))
 
 
 def test_solutions_score_one_and_initial_states_zero() -> None:
@@ -118,22 +111,18 @@ def test_candidate_actions_are_valid_calls_and_the_verifier_is_hidden() -> None:
     assert len({t.id for t in tasks}) == len(tasks) == 6
     assert {t.family for t in tasks} == {"files", "service", "fix"}
     for t in tasks:
-        assert REWARD_TOOL not in t.agent_tools and REWARD_TOOL in t.environment.tools
+        assert REWARD_TOOL not in t.agent_tools and REWARD_TOOL in t.engine_tools
         assert t.solution[-1] == FINAL and set(t.solution) <= set(t.actions)
         assert len(set(t.actions)) == len(t.actions)
         for a in t.actions:
             if a == FINAL:
                 continue
-            c = parse_action(a)
+            c = from_text(a)
             assert isinstance(c, ToolCall) and c.key == a
-            assert validate_args(t.agent_tools[c.name], c.args) is None
+            assert t.agent_tools[c.name].check(c.args) is None
 
 
-def test_parse_action_accepts_every_model_format() -> None:
+def test_action_texts_are_call_keys_or_final() -> None:
     key = call("write_file", path="/root/x", content="hi\n")
-    assert parse_action(key) == ToolCall("write_file", {"path": "/root/x", "content": "hi\n"})
-    tagged = 'Let me write it.\n<tool_call>{"name": "shell", "arguments": {"cmd": "ls"}}</tool_call>'
-    assert parse_action(tagged) == ToolCall("shell", {"cmd": "ls"})
-    assert parse_action('{"name": "shell", "arguments": "{\\"cmd\\": \\"ls\\"}"}') == ToolCall("shell", {"cmd": "ls"})
-    assert parse_action(FINAL) == FinalAnswer("")
-    assert parse_action("The file is written.") == FinalAnswer("The file is written.")
+    assert from_text(key) == ToolCall("write_file", {"path": "/root/x", "content": "hi\n"})
+    assert from_text(FINAL) == FinalAnswer("")

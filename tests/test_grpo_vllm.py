@@ -8,7 +8,6 @@ under BUNSHIN_REQUIRE_VLLM=1 (make test), where a missing server is a failure.""
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import time
 from collections.abc import Iterator
@@ -17,10 +16,11 @@ from typing import Any
 
 import pytest
 from openai import AsyncOpenAI
+from rl_support import serve_vllm
 
-from bunshinrl import SampleContext, Step, ToolCall
-from bunshinrl.grpo import BackendUnavailable, OpenAIPolicy, VLLMServer, VLLMServerSync, WeightSyncError, suite
-from bunshinrl.grpo.chat import candidate_replies, parse_reply
+from bunshinrl import SampleContext, Step, ToolCall, parse_reply
+from bunshinrl.grpo import OpenAIPolicy, VLLMServer, VLLMServerSync, WeightSyncError, suite
+from bunshinrl.grpo.chat import candidate_replies
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -40,16 +40,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    try:
-        srv = VLLMServer(model_dir, max_num_seqs=4, log_path=tmp_path_factory.mktemp("vllm") / "server.log")
-    except BackendUnavailable as e:
-        if os.environ.get("BUNSHIN_REQUIRE_VLLM") == "1":
-            pytest.fail(str(e))
-        pytest.skip(str(e))
-    with srv:
-        yield srv
-    # The engine core runs as a child process: nothing of the server may outlive it.
-    assert srv.proc is None and not srv.running()
+    yield from serve_vllm(model_dir, tmp_path_factory, max_num_seqs=4)
 
 
 def _policy(server: VLLMServer, **kw: Any) -> OpenAIPolicy:
@@ -101,7 +92,10 @@ def test_round_trip_with_structured_outputs_and_tools(server: VLLMServer, model_
         # The request is what current vLLM accepts (no guided_choice, which vLLM ignores now).
         req = policy.request(SampleContext(task.id, 0, 0, task.prompt), [])
         assert req["extra_body"]["structured_outputs"] == {"choice": list(candidate_replies(task))}
-        assert "guided_choice" not in req["extra_body"] and req["parallel_tool_calls"] is False
+        # Parallel tool calls are on by default (the calls of one reply run in order).
+        assert "guided_choice" not in req["extra_body"] and req["parallel_tool_calls"] is True
+        assert _policy(server, parallel_tool_calls=False).request(SampleContext(task.id, 0, 0, task.prompt),
+                                                                  [])["parallel_tool_calls"] is False
         assert req["max_completion_tokens"] > 0 and req["tool_choice"] == "auto"
 
     asyncio.run(main())

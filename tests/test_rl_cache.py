@@ -7,7 +7,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from rl_support import environment, my_snapshots, no_own_leaks  # noqa: F401 (fixture, used by name)
+from rl_support import counter_task, my_snapshots, no_own_leaks  # noqa: F401 (fixture, used by name)
 
 from bunshinfork import Workspace
 from bunshinrl import DeterminismGuard, SharedSnapshot, SnapshotBackend, ToolCall, ToolPrefixCache
@@ -30,7 +30,7 @@ async def _run(cache: ToolPrefixCache, tools, parent, call: ToolCall, ws: Worksp
 def test_the_same_budget_holds_more_incremental_states() -> None:
     """A resident state costs its delta against the state it was forked from: the budget that
     holds three complete states holds every state of a ten-call chain."""
-    env = environment()
+    env = counter_task()
     tools = env.tools
 
     async def chain(ws: Workspace, budget: int, incremental: bool) -> tuple[int, int]:
@@ -68,7 +68,7 @@ def test_the_same_budget_holds_more_incremental_states() -> None:
 
 def test_hit_served_from_disk_equals_live(tmp_path: Path) -> None:
     snaps_before = set(my_snapshots())
-    env = environment()
+    env = counter_task()
     tools = env.tools
 
     async def main() -> None:
@@ -117,7 +117,7 @@ def test_hit_served_from_disk_equals_live(tmp_path: Path) -> None:
 
 
 def test_sparse_node_is_rebuilt_by_replay(tmp_path: Path) -> None:
-    env = environment()
+    env = counter_task()
     tools = env.tools
 
     async def main() -> None:
@@ -148,7 +148,7 @@ def test_sparse_node_is_rebuilt_by_replay(tmp_path: Path) -> None:
 
 
 def test_nondeterministic_tools_are_never_served_and_replay_detects_liars() -> None:
-    env = environment()
+    env = counter_task()
     tools = env.tools
     guard = DeterminismGuard()
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from rl_support import environment, my_snapshots, no_own_leaks  # noqa: F401 (fixture, used by name)
+from rl_support import counter_task, my_snapshots, no_own_leaks  # noqa: F401 (fixture, used by name)
 
 from bunshinrl import (
     DeterminismGuard,
@@ -19,7 +19,6 @@ from bunshinrl import (
     Speculator,
     Step,
     TailPolicy,
-    Task,
     ToolCall,
     ToolPrefixCache,
 )
@@ -55,7 +54,7 @@ def _deterministic_observations(result) -> dict[str, list[str]]:  # type: ignore
 
 def test_engine_configurations_observe_identically(tmp_path: Path) -> None:
     snaps_before = set(my_snapshots())
-    tasks = [Task("task", environment())]
+    tasks = [counter_task()]
 
     async def run(engine: RolloutEngine, epochs: int, fit: bool = False) -> list:
         out = []
@@ -106,7 +105,7 @@ def test_engine_configurations_observe_identically(tmp_path: Path) -> None:
 
 
 def test_audit_marks_a_lying_tool_and_serves_fresh_observations() -> None:
-    tasks = [Task("task", environment())]
+    tasks = [counter_task()]
 
     class Liar:
         async def act(self, ctx: SampleContext, history: Sequence[Step]) -> Action:

@@ -6,7 +6,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
-from rl_support import environment, my_snapshots, no_own_leaks  # noqa: F401 (fixture, used by name)
+from rl_support import counter_task, my_snapshots, no_own_leaks  # noqa: F401 (fixture, used by name)
 
 from bunshinfork import Workspace
 from bunshinrl import SharedSnapshot, SpeculationError, Speculator, TailPolicy, ToolCall, ToolSelector
@@ -16,7 +16,7 @@ from bunshinrl.speculator import _check_isolated
 # Host-wide leak checks also see other processes' workspaces; this one checks our own.
 pytestmark = pytest.mark.usefixtures("no_own_leaks")
 
-ENV = environment()
+ENV = counter_task()
 TOOLS = ENV.tools
 
 

@@ -473,12 +473,20 @@ def test_env_factories_validate_and_describe_their_tools() -> None:
     env = shop_env.make_env(items={"TEA-BLK": 3})
     assert "3 \u00d7 Black Tea (100 g)" in env.prompt
     assert set(env.tools) >= {"goto", "click", "fill", "text", "accessibility_tree", "screenshot"}
-    assert all(env.tool_descriptions[n] for n in env.tools)
+    assert all(t.description for t in env.agent_tools.values())
+    # One tool shape: an OpenAI function schema from the function's signature, plus the callable.
+    fill = env.agent_tools["fill"].schema()["function"]
+    assert fill["parameters"]["required"] == ["selector", "value"]
+    assert env.agent_tools["text"].schema()["function"]["parameters"]["required"] == []
+    assert not env.agent_tools["screenshot"].deterministic
     with pytest.raises(ValueError, match="unknown SKUs"):
         shop_env.make_env(items={"NOPE": 1})
     assert shop_env.make_env().fingerprint != env.fingerprint
     g = gui_env.make_env(target="x")
     assert set(g.tools) >= {"screenshot", "click", "type_text", "key", "scroll", "clipboard_get", "list_windows"}
+    click = g.agent_tools["click"]
+    assert click.schema()["function"]["parameters"]["properties"]["x"] == {"type": "integer"}
+    assert "argument x of click must be an integer" in (click.check({"x": "1", "y": 2}) or "")
     with pytest.raises(ValueError, match="single line"):
         gui_env.make_env(target="a\nb")
     assert set(CATALOGUE) >= set(shop_env.DEFAULT_ITEMS)
@@ -486,7 +494,7 @@ def test_env_factories_validate_and_describe_their_tools() -> None:
         gui_workspace(apps=("spreadsheet",))
     # The same task and tools on the Wayland desktop, told apart by name and cache key.
     w = wayland_env.make_env(target="x")
-    assert w.tools.keys() == g.tools.keys() and w.name == "wayland-edit-notes" and g.name == "gui-edit-notes"
+    assert set(w.agent_tools) == set(g.agent_tools) and w.id == "wayland-edit-notes" and g.id == "gui-edit-notes"
     assert w.fingerprint != g.fingerprint and WaylandWorkspace.editor_file in w.prompt
     assert gui_env.make_env(target="x", desktop="wayland").fingerprint == w.fingerprint
     with pytest.raises(ValueError, match="unknown desktop"):

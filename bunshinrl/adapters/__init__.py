@@ -1,20 +1,16 @@
-"""bunshinrl's workspaces and tools behind other RL frameworks' contracts.
+"""bunshinrl inside other RL frameworks, through their own entry points.
 
-- verl: BunshinVerlTool, verl's async BaseTool (create / execute / calc_reward / release),
-  keyed by trajectory so one workspace lives across the per-call create/release verl does.
-- SkyRL-Gym: BunshinTextEnv (init / step / close), a text-in/text-out tool environment.
-- OpenAI function calling: tool_schemas() for any tool set.
+- verl (bunshinrl.adapters.verl): BunshinTool, a verl BaseTool that verl's tool registry loads
+  from a tool-config YAML; BunshinAgentLoop, registered in verl's agent-loop registry as
+  "bunshin_agent"; VLLMServerClient, verl's token-level server interface on a vLLM server.
+- SkyRL (bunshinrl.adapters.skyrl): BunshinEnv, a skyrl_gym BaseTextEnv registered as
+  "bunshin-workspace".
 
-Neither verl nor SkyRL is imported: the classes implement their contracts structurally (the
-same method names, arguments and return shapes), so they plug in where those frameworks are
-installed and are tested here without them.
+Both run every tool call on bunshinrl's rollout core (prefix cache, speculation, memory
+sharing) through one process-wide Runtime. The framework modules import verl or skyrl_gym
+themselves (install them with `pip install -e .[frameworks]`); this package imports neither.
 """
 
-from .openai_tools import SchemaTool, is_hidden, string_params, tool_schema, tool_schemas, validate_args
-from .skyrl import BaseTextEnvStepOutput, BunshinTextEnv
-from .verl import BunshinVerlTool, ToolResponse, TrajectoryWorkspaces
+from .runtime import Runtime, RuntimeConfig, register_task, resolve_task, rollout_metrics
 
-__all__ = [
-    "BaseTextEnvStepOutput", "BunshinTextEnv", "BunshinVerlTool", "SchemaTool", "ToolResponse",
-    "TrajectoryWorkspaces", "is_hidden", "string_params", "tool_schema", "tool_schemas", "validate_args",
-]
+__all__ = ["Runtime", "RuntimeConfig", "register_task", "resolve_task", "rollout_metrics"]

@@ -1,124 +1,147 @@
-"""A SkyRL-Gym text environment (BaseTextEnv's init / step / close) on a bunshinrl workspace.
+"""bunshinrl inside SkyRL: a skyrl_gym text environment whose steps run on bunshinrl's rollout core.
 
-SkyRL constructs one env per trajectory, `env_cls(env_config=..., extras=...)`, calls
-`init(prompt)` once, `step(llm_output)` once per turn until `done`, then `close()`. Here the
-env's trajectory owns a fork of its task's initialized workspace (shared TrajectoryWorkspaces),
-the LLM output is parsed as a tool call (<tool_call>{"name", "arguments"}</tool_call>, a bare
-JSON call, or the action-text form), the tool's observation comes back as a user message, and
-the reward, computed by the task's verifier from the final workspace state, is given on the step
-that ends the episode: an answer without a tool call, or the task's step budget (max_turns).
+    import bunshinrl.adapters.skyrl  # registers "bunshin-workspace" with skyrl_gym
+    env = skyrl_gym.make("bunshin-workspace", env_config={"task": "fix-both"}, extras={"max_turns": 4})
 
-skyrl_gym is not imported: BaseTextEnvStepOutput is the same TypedDict shape.
+SkyRL's generator makes one env per trajectory, calls `init(prompt)`, `step(llm_output)` until
+`done`, `get_metrics()` at the episode's end, then `close()`, and aggregates every episode's
+metrics with the env class's `aggregate_metrics`. Here the trajectory is a Rollout
+(bunshinrl.core): a step parses the model's tool call(s) (Hermes `<tool_call>` blocks or bare
+JSON; several are run in order), serves each from a speculative branch that predicted it, from
+the prefix cache, or runs it for real, and returns the observations. The episode ends when the
+model answers without a tool call or its budget is spent; the task's verifier then scores the
+final workspace state as the step's reward.
+
+step() is synchronous (SkyRL runs it inline or on its env executor): it waits on the runtime's
+one loop thread, where every rollout, capture and speculative chain of the process runs, so a
+predicted call keeps running there while SkyRL's model generates. No thread is spawned per call.
 """
 
 from __future__ import annotations
 
-import asyncio
-import threading
+import json
 import uuid
 from collections.abc import Mapping
-from typing import Any, TypedDict
+from typing import Any
 
-from ..signature import ToolCall
-from .openai_tools import is_hidden, tool_schemas, validate_args
-from .workspaces import TrajectoryWorkspaces
+import skyrl_gym
+from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
+from ..core import Rollout
+from ..policy import FinalAnswer, calls_of
+from ..replies import parse_reply
+from ..task import INVALID_TOOL, Task
+from .runtime import Runtime, plain, resolve_task, rollout_metrics, task_options
 
-class BaseTextEnvStepOutput(TypedDict):
-    observations: list[dict[str, str]]
-    reward: float
-    done: bool
-    metadata: dict[str, Any]
-    postprocessed_action: str | None
+ENV_ID = "bunshin-workspace"
 
-
-def _run_coroutine(coro: Any) -> Any:
-    """Run a coroutine to completion from synchronous code, even on a thread whose event loop
-    is running (SkyRL may call step() from inside one)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = asyncio.run(coro)
-        except BaseException as e:
-            box["error"] = e
-
-    t = threading.Thread(target=target)
-    t.start()
-    t.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+_TOOLS_PROMPT = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
+                 "with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor "
+                 "each function call, return a json object with function name and arguments within "
+                 "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
+                 "<args-json-object>}}\n</tool_call>")
 
 
-class BunshinTextEnv:
-    """env_config / extras: "task" or "task_id" names the task; "max_turns" overrides its budget;
-    "trajectory_id" names the trajectory (default: a fresh id per env)."""
+def tools_prompt(task: Task) -> str:
+    """The task's tools as Hermes/Qwen chat templates present them to a model."""
+    return _TOOLS_PROMPT.format(tools="\n".join(json.dumps(s, ensure_ascii=False) for s in task.agent_tools.schemas()))
 
-    def __init__(self, env_config: Mapping[str, Any] | None = None, extras: Mapping[str, Any] | None = None, *,
-                 pool: TrajectoryWorkspaces | None = None) -> None:
-        cfg = {**dict(env_config or {}), **dict(extras or {})}
-        task_id = cfg.get("task_id") or cfg.get("task")
-        if not task_id:
-            raise ValueError("BunshinTextEnv needs a task id (env_config or extras: 'task_id')")
-        self.pool = pool or TrajectoryWorkspaces.shared()
-        self.task = self.pool.task(str(task_id))
-        self.max_turns = int(cfg.get("max_turns") or self.task.budget)
-        self.trajectory_id = str(cfg.get("trajectory_id") or f"skyrl-{uuid.uuid4().hex}")
-        self.turns = 0
-        self.tools = self.task.agent_tools
-        self._open = False
-        self.last_reward: float | None = None
 
-    def init(self, prompt: list[dict[str, str]]) -> tuple[list[dict[str, str]], dict[str, Any]]:
-        self.pool.acquire_sync(self.trajectory_id, self.task.id)
-        self._open = True
-        return prompt, {"task_id": self.task.id, "trajectory_id": self.trajectory_id,
-                        "tools": tool_schemas(self.tools), "max_turns": self.max_turns}
+class BunshinEnv(BaseTextEnv):
+    """env_config: "task" (a task id or "module:attribute"), "template" (WorkspaceSpec fields),
+    "runtime" (RuntimeConfig fields of the process-wide runtime), "tools_in_prompt" (default
+    True: init() adds the tool schemas to the system message, since SkyRL renders the chat
+    without tools), "observation_role" ("tool" by default). extras (a dataset row's): "task"
+    overrides env_config's; "max_turns" (SkyRL's generator sets it) caps the task's budget;
+    "group" names the GRPO group (its samples fork one snapshot)."""
 
-    def _reward(self) -> tuple[float, str]:
-        ws = self.pool.get(self.trajectory_id)
-        if ws is None:
-            raise RuntimeError("the environment is not initialised (call init) or already closed")
-        score, detail = self.task.verify(ws)
-        self.last_reward = score
-        return score, detail
+    def __init__(self, env_config: Mapping[str, Any] | None = None, extras: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        cfg, ext = plain(env_config), plain(extras)
+        name, template = task_options({**cfg, **{k: ext[k] for k in ("task", "template") if k in ext}})
+        self.task = resolve_task(name, template)
+        self.runtime = Runtime.shared(cfg.get("runtime"))
+        self.max_turns = min(int(ext.get("max_turns") or self.task.budget), self.task.budget)
+        self.group = str(ext["group"]) if ext.get("group") is not None else None
+        self.tools_in_prompt = bool(cfg.get("tools_in_prompt", True))
+        self.observation_role = str(cfg.get("observation_role", "tool"))
+        self.trajectory_id = f"skyrl-{uuid.uuid4().hex}"
+        self.rollout: Rollout | None = None
+        self._ended = False
+
+    def init(self, prompt: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        self.rollout = self.runtime.run(self.runtime.start(self.trajectory_id, self.task, group=self.group))
+        chat = [dict(m) for m in prompt]
+        if self.tools_in_prompt:
+            tools = tools_prompt(self.task)
+            if chat and chat[0].get("role") == "system":
+                chat[0]["content"] = f"{chat[0].get('content') or ''}\n\n{tools}".lstrip()
+            else:
+                chat.insert(0, {"role": "system", "content": tools})
+        return chat, {"task_id": self.task.id, "trajectory_id": self.trajectory_id, "max_turns": self.max_turns,
+                      "tools": self.task.agent_tools.schemas()}
 
     def step(self, action: str) -> BaseTextEnvStepOutput:
-        from ..grpo.actions import parse_action
-
-        if not self._open:
-            raise RuntimeError("step() before init() or after close()")
-        parsed = parse_action(action)
+        r = self.rollout
+        if r is None or self._ended:
+            raise RuntimeError("step() before init() or after the episode ended")
         self.turns += 1
-        if not isinstance(parsed, ToolCall):
-            score, detail = self._reward()
-            return BaseTextEnvStepOutput(observations=[], reward=score, done=True,
-                                         metadata={"turn": self.turns, "verdict": detail, "tool": None},
-                                         postprocessed_action=action)
-        tool = self.tools.get(parsed.name) if not is_hidden(parsed.name) else None
-        if tool is None:
-            obs = f"[error] unknown tool {parsed.name!r}; available: {', '.join(sorted(self.tools))}"
-        elif (problem := validate_args(tool, parsed.args)) is not None:
-            obs = f"[error] {problem}"
-        else:
-            ws = self.pool.get(self.trajectory_id)
-            assert ws is not None
-            obs = _run_coroutine(tool.run(ws, parsed.args))
-        done = self.turns >= self.max_turns
-        meta: dict[str, Any] = {"turn": self.turns, "tool": parsed.name}
-        reward = 0.0
-        if done:
-            reward, meta["verdict"] = self._reward()
-        return BaseTextEnvStepOutput(observations=[{"role": "user", "content": obs}], reward=reward, done=done,
-                                     metadata=meta, postprocessed_action=action)
+        parsed = parse_reply(action, self.task.agent_tools)
+        if isinstance(parsed, FinalAnswer):
+            return self._end([], parsed.text)
+        calls = calls_of(parsed)[:r.calls_left]
+        if not calls:
+            return self._end([], None)
+        observations = self.runtime.run(self._run(r, calls))
+        messages = [{"role": "user" if c.name == INVALID_TOOL else self.observation_role, "content": o}
+                    for c, o in zip(calls, observations, strict=True)]
+        if self.turns >= self.max_turns or r.calls_left == 0:
+            return self._end(messages, None)
+        return BaseTextEnvStepOutput(observations=messages, reward=0.0, done=False,
+                                     metadata={"turn": self.turns, "served": r.served[-len(calls):]},
+                                     postprocessed_action=None)
+
+    @staticmethod
+    async def _run(r: Rollout, calls: tuple[Any, ...]) -> list[str]:
+        decision = len(r.history)
+        return [await r.call(c, decision) for c in calls]
+
+    def _end(self, messages: list[dict[str, Any]], answer: str | None) -> BaseTextEnvStepOutput:
+        self._ended = True
+        r = self.runtime.run(self.runtime.end(self.trajectory_id, answer))
+        reward = float(r.reward) if r is not None and r.reward is not None else 0.0
+        return BaseTextEnvStepOutput(observations=messages, reward=reward, done=True,
+                                     metadata={"turn": self.turns, "verdict": r.verdict if r is not None else None},
+                                     postprocessed_action=None)
+
+    def get_metrics(self) -> dict[str, Any]:
+        if self.rollout is None:
+            return {}
+        m = rollout_metrics(self.rollout)
+        m["reward"] = m["reward"] if m["reward"] is not None else 0.0
+        return m
+
+    @staticmethod
+    def aggregate_metrics(metrics: list[dict[str, Any]]) -> dict[str, Any]:
+        """Totals of the per-path call counts over the episodes, the mean reward, and the share of
+        calls served without running them (cache hits and adopted speculation)."""
+        if not metrics:
+            return {}
+        keys = ("tool_calls", "executed", "cache_hits", "spec_hits", "rejected", "spec_misses", "errors")
+        out: dict[str, Any] = {k: sum(int(m.get(k, 0)) for m in metrics) for k in keys}
+        out["reward"] = sum(float(m.get("reward") or 0.0) for m in metrics) / len(metrics)
+        out["served_without_running"] = (out["cache_hits"] + out["spec_hits"]) / out["tool_calls"] \
+            if out["tool_calls"] else 0.0
+        out["episodes"] = len(metrics)
+        return out
 
     def close(self) -> None:
-        if self._open:
-            self._open = False
-            self.pool.release_sync(self.trajectory_id)
-            self.pool.finish_sync(self.trajectory_id)
+        if self.rollout is not None and not self._ended:
+            self._ended = True
+            self.runtime.run(self.runtime.discard(self.trajectory_id))
+
+
+if ENV_ID not in skyrl_gym.registry:
+    skyrl_gym.register(id=ENV_ID, entry_point=f"{__name__}:BunshinEnv")
+
+__all__ = ["ENV_ID", "BunshinEnv", "tools_prompt"]

@@ -1,160 +1,222 @@
-"""verl's async BaseTool contract on bunshinrl workspaces.
+"""bunshinrl inside verl (0.9): a BaseTool its tool registry loads, an agent loop its registry
+finds, and a client for its token-level server interface on a vLLM OpenAI-compatible server.
 
-verl builds one tool object per tool name from its YAML config, `cls(config, tool_schema)`, and
-its agent loop calls, for every single tool call:
+    # tool_config.yaml, loaded by verl's initialize_tools_from_config
+    tools:
+      - class_name: bunshinrl.adapters.verl.BunshinTool
+        config: {type: native, task: fix-both, template: {rootfs: host}}
 
-    instance_id, _ = await tool.create(create_kwargs=...)
-    response, step_reward, metrics = await tool.execute(instance_id, args, agent_data=...)
-    await tool.release(instance_id)
+BunshinTool is verl's own BaseTool, built as `BunshinTool(config=..., tool_schema=...)`. Its
+`execute` runs the call on the trajectory's Rollout (bunshinrl.core): the prefix cache may skip
+it, a speculative branch may already have run it. The trajectory is `agent_data.request_id`,
+one per sample (never a dataset-level field), so each sample has its own workspace.
 
-(older rollouts call create once per request with instance_id=request_id and release at the
-end). An agent's workspace must outlive all of that: files written by write_file must be there
-for the next shell call. So instances are only handles; the workspace belongs to the trajectory,
-keyed by, in order: an explicit `trajectory_id` (execute kwargs, then create_kwargs), the agent
-loop's `agent_data.request_id`, `request_id` / `session_id` in create_kwargs, the instance id
-given to create(). Each trajectory's workspace is a fork of its task's initialized workspace
-(TrajectoryWorkspaces), held while any instance is open and destroyed once none has been open
-for linger_seconds, or at once by finish(trajectory_id) / calc_reward(..., finish=True).
-
-verl is not imported: ToolResponse below has the attributes verl reads (text, image, video),
-and the schema is the plain OpenAI function dict verl's OpenAIFunctionToolSchema validates.
+BunshinAgentLoop (`@register("bunshin_agent")`) is verl's ToolAgentLoop with bunshinrl's rollout
+around it: it starts the sample's Rollout in its GRPO group (the samples sharing verl's `uid`
+fork one snapshot of the task's initialized workspace; with the prefix cache they stand on its
+root state), its turns' tool calls go through BunshinTool (parallel calls run in order), the
+calls it predicts run while the server generates, and when the episode ends the task's
+verifier scores the final state into `AgentLoopOutput.reward_score`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
-import threading
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from .._async import run_blocking
-from .openai_tools import is_hidden, tool_schema, validate_args
-from .workspaces import TrajectoryWorkspaces
+from omegaconf import DictConfig
+from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, register
+from verl.experimental.agent_loop.tool_agent_loop import AgentData, AgentState, ToolAgentLoop
+from verl.tools.base_tool import BaseTool
+from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
+from verl.workers.rollout.llm_server import LLMServerClient
+from verl.workers.rollout.replica import TokenOutput
+
+from ..signature import ToolCall
+from ..task import Task
+from ..tools import is_hidden
+from .runtime import Runtime, plain, resolve_task, rollout_metrics, task_options
 
 log = logging.getLogger(__name__)
 
-_KEY_FIELDS = ("trajectory_id", "request_id", "session_id")
 
+class BunshinTool(BaseTool):
+    """One tool of a bunshinrl task, as verl's BaseTool.
 
-@dataclass
-class ToolResponse:
-    text: str | None = None
-    image: list[Any] | None = None
-    video: list[Any] | None = None
-
-
-@dataclass
-class _Instance:
-    task_id: str
-    key: str | None  # bound at create when known, else at the first execute
-    explicit: bool  # created with instance_id=...: that id names the trajectory
-    held: bool = False
-
-
-class BunshinVerlTool:
-    """One tool of a bunshinrl task, as a verl BaseTool.
-
-    config: {"task": task id (the built-in suite's, or one registered with the pool),
-             "tool": tool name (default: tool_schema's function name)}.
+    config: {"type": "native", "task": a task id or "module:attribute", "template": WorkspaceSpec
+    fields for its workspaces (optional), "tool": the tool's name (default: the schema's)}.
+    Without tool_schema the schema is the task tool's own.
     """
 
-    def __init__(self, config: Mapping[str, Any], tool_schema_: Mapping[str, Any] | None = None, *,
-                 pool: TrajectoryWorkspaces | None = None) -> None:
-        self.config = dict(config)
-        self.pool = pool or TrajectoryWorkspaces.shared()
-        task_id = self.config.get("task")
-        if not task_id:
-            raise ValueError("config needs 'task': the id of the task whose tools this is")
-        self.task_id = str(task_id)
-        task = self.pool.task(self.task_id)
-        name = self.config.get("tool") or ((tool_schema_ or {}).get("function") or {}).get("name")
-        if not name:
+    def __init__(self, config: dict[str, Any], tool_schema: OpenAIFunctionToolSchema | None = None) -> None:
+        name, template = task_options(config)
+        self.task: Task = resolve_task(name, template)
+        tool = config.get("tool") or (tool_schema.function.name if tool_schema is not None else None)
+        if not tool:
             raise ValueError("config needs 'tool' (or a tool_schema naming the function)")
-        if is_hidden(str(name)):
-            raise ValueError(f"{name!r} is the harness's own tool and is never offered to a model")
-        self.tool = task.agent_tools[str(name)]
-        self.name = self.tool.name
-        self.tool_schema = dict(tool_schema_) if tool_schema_ else tool_schema(self.tool)
-        self._instances: dict[str, _Instance] = {}
-        self._lock = threading.Lock()
+        if is_hidden(str(tool)):
+            raise ValueError(f"{tool!r} is the harness's own tool and is never offered to a model")
+        self.tool = self.task.agent_tools[str(tool)]
+        super().__init__(config, tool_schema or OpenAIFunctionToolSchema.model_validate(self.tool.schema()))
         self._warned = False
 
-    def get_openai_tool_schema(self) -> dict[str, Any]:
-        return self.tool_schema
+    @property
+    def runtime(self) -> Runtime:
+        return Runtime.shared()
+
+    def _trajectory(self, instance_id: str, kwargs: Mapping[str, Any]) -> str:
+        explicit = kwargs.get("trajectory_id")
+        if explicit:
+            return str(explicit)
+        agent_data = kwargs.get("agent_data")
+        request_id = getattr(agent_data, "request_id", None)
+        if request_id:
+            return str(request_id)
+        if not self._warned:
+            log.warning("no trajectory for tool %s (pass agent_data or trajectory_id): its workspace lasts one call",
+                        self.name)
+            self._warned = True
+        return instance_id
 
     async def create(self, instance_id: str | None = None, **kwargs: Any) -> tuple[str, ToolResponse]:
-        create_kwargs = dict(kwargs.pop("create_kwargs", None) or {})
-        create_kwargs.update(kwargs)
-        task_id = str(create_kwargs.get("task_id") or create_kwargs.get("task") or self.task_id)
-        explicit = instance_id is not None
-        key = next((str(create_kwargs[f]) for f in _KEY_FIELDS if create_kwargs.get(f)), None)
-        if key is None and explicit:
-            key = instance_id
-        iid = instance_id or f"inst-{uuid.uuid4().hex}"
-        with self._lock:
-            self._instances[iid] = _Instance(task_id, key, explicit)
-        return iid, ToolResponse()
+        # create_kwargs are dataset-level (shared by a GRPO group): they never name a trajectory.
+        return instance_id or f"bunshin-{uuid.uuid4().hex}", ToolResponse()
 
-    def _bind(self, instance_id: str, kwargs: Mapping[str, Any]) -> _Instance:
-        with self._lock:
-            inst = self._instances.get(instance_id)
-        if inst is None:
-            raise KeyError(f"unknown instance {instance_id!r}: create() it first")
-        explicit = kwargs.get("trajectory_id")
-        agent_data = kwargs.get("agent_data")
-        from_agent = getattr(agent_data, "request_id", None) if agent_data is not None else None
-        key = str(explicit) if explicit else inst.key or (str(from_agent) if from_agent else None)
-        if key is None:
-            if not self._warned:
-                log.warning("no trajectory id for tool %s: its workspace lasts one call (pass trajectory_id "
-                            "or agent_data)", self.name)
-                self._warned = True
-            key = instance_id
-        if inst.key is not None and inst.key != key:
-            raise ValueError(f"instance {instance_id!r} belongs to trajectory {inst.key!r}, not {key!r}")
-        inst.key = key
-        return inst
-
-    async def execute(self, instance_id: str, parameters: Mapping[str, Any],
+    async def execute(self, instance_id: str, parameters: dict[str, Any],
                       **kwargs: Any) -> tuple[ToolResponse, float, dict[str, Any]]:
-        inst = self._bind(instance_id, kwargs)
-        assert inst.key is not None
-        if not inst.held:
-            await self.pool.acquire(inst.key, inst.task_id)
-            inst.held = True
-        ws = self.pool.get(inst.key)
-        assert ws is not None
-        problem = validate_args(self.tool, parameters)
-        if problem is not None:
-            return ToolResponse(text=f"[error] {problem}"), 0.0, {"trajectory_id": inst.key, "valid": False}
-        text = await self.tool.run(ws, parameters)
-        return ToolResponse(text=text), 0.0, {"trajectory_id": inst.key, "valid": True}
+        key = self._trajectory(instance_id, kwargs)
+        rollout = self.runtime.get(key) or await self.runtime.start(key, self.task)
+        obs = await rollout.call(ToolCall(self.name, parameters))
+        return ToolResponse(text=obs), 0.0, {"trajectory_id": key, "served": rollout.served[-1]}
 
     async def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
-        """The task's verifier on the trajectory's current workspace; finish=True then ends the
-        trajectory (its workspace is destroyed)."""
-        inst = self._bind(instance_id, kwargs)
-        assert inst.key is not None
-        ws = self.pool.get(inst.key)
-        if ws is None:
-            ws = await self.pool.acquire(inst.key, inst.task_id)
-            inst.held = True
-        score, _detail = await run_blocking(self.pool.task(inst.task_id).verify, ws)
-        if kwargs.get("finish"):
-            await self.finish(inst.key)
-        return float(score)
+        """The task's verifier on the trajectory's final state; the trajectory ends here."""
+        r = await self.runtime.end(self._trajectory(instance_id, kwargs))
+        return float(r.reward) if r is not None and r.reward is not None else 0.0
 
     async def release(self, instance_id: str, **kwargs: Any) -> None:
-        with self._lock:
-            inst = self._instances.pop(instance_id, None)
-        if inst is None or inst.key is None or not inst.held:
-            return
-        await self.pool.release(inst.key)
-        if inst.key == instance_id and not inst.explicit:
-            # Nothing named a trajectory: this instance was its only user.
-            await self.pool.finish(inst.key)
+        # verl releases after every call; the trajectory outlives that. A call that named no
+        # trajectory was its own.
+        if self.runtime.get(instance_id) is not None:
+            await self.runtime.discard(instance_id)
 
-    async def finish(self, trajectory_id: str) -> None:
-        await self.pool.finish(trajectory_id)
+
+@register("bunshin_agent")
+class BunshinAgentLoop(ToolAgentLoop):
+    """verl's tool agent loop with bunshinrl's rollout around each sample (see the module doc).
+
+    runtime: bunshinrl.adapters.runtime.RuntimeConfig fields (from verl's agent_loop_config_path
+    entry). constrain: decode only the task's candidate replies (vLLM's structured outputs), for
+    a model too small to call tools unaided. The sample's task is `extra_info.bunshin_task`, else
+    the one its BunshinTools name.
+    """
+
+    def __init__(self, *args: Any, runtime: Mapping[str, Any] | None = None, constrain: bool = False,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.runtime = Runtime.shared(plain(runtime) if runtime is not None else None)
+        self.constrain = bool(constrain)
+        ours = [t for t in self.tools.values() if isinstance(t, BunshinTool)]
+        if not ours:
+            raise ValueError("bunshin_agent needs BunshinTools in the tool config (multi_turn.tool_config_path)")
+        self._default_tasks = {t.task.id: t.task for t in ours}
+        self._task: Task | None = None
+        self._group: str | None = None
+        self._agent_data: AgentData | None = None
+
+    def _sample_task(self, kwargs: Mapping[str, Any]) -> Task:
+        name = plain(kwargs.get("extra_info")).get("bunshin_task")
+        if name:
+            return self._default_tasks.get(str(name)) or resolve_task(str(name))
+        if len(self._default_tasks) != 1:
+            raise ValueError(f"the tools name tasks {sorted(self._default_tasks)}: say which one a sample is with "
+                             "extra_info.bunshin_task")
+        return next(iter(self._default_tasks.values()))
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
+        self._task = task = self._sample_task(kwargs)
+        uid = kwargs.get("uid")
+        self._group = str(uid) if uid is not None else None
+        if self.constrain:
+            from ..grpo.chat import candidate_replies
+
+            sampling_params = {**sampling_params, "structured_outputs": {"choice": list(candidate_replies(task))}}
+        try:
+            output = await super().run(sampling_params, **kwargs)
+        except BaseException:
+            if self._agent_data is not None:
+                await self.runtime.discard(self._agent_data.request_id)
+            raise
+        assert self._agent_data is not None
+        last = self._agent_data.messages[-1] if self._agent_data.messages else {}
+        answered = last.get("role") == "assistant" and not last.get("tool_calls")
+        rollout = await self.runtime.end(self._agent_data.request_id, str(last.get("content") or "") if answered
+                                         else None)
+        assert rollout is not None
+        output.reward_score = rollout.reward
+        output.extra_fields["bunshin"] = rollout_metrics(rollout)
+        return output
+
+    async def _handle_pending_state(self, agent_data: AgentData, sampling_params: dict[str, Any]) -> AgentState:
+        assert self._task is not None
+        self._agent_data = agent_data
+        await self.runtime.start(agent_data.request_id, self._task, group=self._group)
+        return await super()._handle_pending_state(agent_data, sampling_params)
+
+
+class VLLMServerClient(LLMServerClient):
+    """verl's token-level server interface (`generate(request_id, prompt_ids=, sampling_params=)`
+    -> TokenOutput) on a vLLM OpenAI-compatible server: its completions route with token ids in
+    and out (vLLM's `return_token_ids`), through bunshinrl's openai SDK client. A thin stand-in
+    for verl's Ray-managed replicas where the server runs outside verl (here: VLLMServer).
+
+    Every request is seeded from (request id, prompt length): a sample's turns under
+    full_determinism (request ids `det-N`) sample the same replies on every run.
+    """
+
+    def __init__(self, config: DictConfig, base_url: str, model: str, *, api_key: str = "EMPTY",
+                 timeout: float = 120.0) -> None:
+        super().__init__(config, load_balancer_handle=None)
+        from ..grpo.openai_policy import OpenAIClient
+
+        self.model = model
+        self.client = OpenAIClient(base_url, api_key=api_key, timeout=timeout)
+        self.requests = 0
+
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any],
+                       image_data: Any = None, video_data: Any = None, audio_data: Any = None,
+                       mm_processor_kwargs: Any = None, **kwargs: Any) -> TokenOutput:
+        if image_data or video_data or audio_data:
+            raise NotImplementedError("VLLMServerClient serves text-only prompts")
+        params = dict(sampling_params)
+        logprobs = bool(params.pop("logprobs", False))
+        top_k = int(params.pop("top_k", -1))
+        max_tokens = params.pop("max_tokens", None) or params.pop("max_new_tokens", None) or \
+            int(self.config.actor_rollout_ref.rollout.response_length)
+        seed = params.pop("seed", None)
+        if seed is None:
+            seed = int.from_bytes(hashlib.sha256(f"{request_id}/{len(prompt_ids)}".encode()).digest()[:4],
+                                  "little") & 0x7FFF_FFFF
+        extra = {"top_k": max(top_k, 0), "return_token_ids": True, **params}
+        temperature = float(extra.pop("temperature", 1.0))
+        top_p = float(extra.pop("top_p", 1.0))
+        reply = await self.client().completions.create(
+            model=self.model, prompt=list(prompt_ids), max_tokens=int(max_tokens), temperature=temperature,
+            top_p=top_p, seed=int(seed), logprobs=0 if logprobs else None, extra_body=extra)
+        self.requests += 1
+        choice = reply.choices[0]
+        ids = list(getattr(choice, "token_ids", None) or [])
+        lps = None
+        if logprobs and choice.logprobs is not None and choice.logprobs.token_logprobs is not None:
+            lps = [float(x) for x in choice.logprobs.token_logprobs]
+        return TokenOutput(token_ids=ids, log_probs=lps, stop_reason="completed",
+                           extra_fields={"finish_reason": choice.finish_reason})
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+__all__ = ["BunshinAgentLoop", "BunshinTool", "VLLMServerClient"]

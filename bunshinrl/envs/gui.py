@@ -20,8 +20,9 @@ from typing import Any
 from bunshinfork import BunshinError, Workspace
 from bunshinfork.templates import GuiWorkspace, WaylandWorkspace, attach_desktop, start_gui, start_wayland
 
-from . import TaskEnv
-from ._common import agent_tool
+from ..task import Task
+from ..tools import Tool
+from ._common import agent_tool, tools_of
 
 NOTES = GuiWorkspace.editor_file
 NOTES_ON = {"x11": NOTES, "wayland": WaylandWorkspace.editor_file}  # by desktop
@@ -110,10 +111,8 @@ def activate_window(ws: Workspace, title: str) -> str:
     return f"activated {w.title!r}"
 
 
-TOOLS: dict[str, Callable[..., str]] = {
-    f.__name__: f for f in (screenshot, click, move, drag, type_text, key, scroll, clipboard_get, clipboard_set,
-                            list_windows, activate_window)
-}
+TOOLS: list[Tool] = tools_of((screenshot, click, move, drag, type_text, key, scroll, clipboard_get, clipboard_set,
+                              list_windows, activate_window), nondeterministic=("screenshot",))
 
 
 def reward_for(target: str, desktop: str = "x11") -> Callable[[Workspace], float]:
@@ -141,7 +140,7 @@ def reward(ws: Workspace) -> float:
 
 
 def make_env(target: str = DEFAULT_TARGET, initial_text: str = INITIAL_TEXT, width: int = 1280, height: int = 800,
-             apps: tuple[str, ...] = ("terminal", "editor"), desktop: str = "x11", **spec: Any) -> TaskEnv:
+             apps: tuple[str, ...] = ("terminal", "editor"), desktop: str = "x11", **spec: Any) -> Task:
     """The desktop editing task on the X11 (default) or the Wayland desktop. `spec` holds
     WorkspaceSpec fields for the workspace."""
     if "\n" in target:
@@ -162,6 +161,5 @@ def make_env(target: str = DEFAULT_TARGET, initial_text: str = INITIAL_TEXT, wid
     # The X11 task keeps its name and fingerprint from before the Wayland desktop existed.
     key = ("gui-v1", target, initial_text, width, height, apps) + (() if desktop == "x11" else (desktop,))
     fp = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
-    return TaskEnv(name="gui-edit-notes" if desktop == "x11" else f"{desktop}-edit-notes", prompt=prompt,
-                   setup=setup, tools=dict(TOOLS), reward=reward_for(target, desktop), fingerprint=fp,
-                   spec=dict(spec), tool_descriptions={name: (fn.__doc__ or "").strip() for name, fn in TOOLS.items()})
+    return Task("gui-edit-notes" if desktop == "x11" else f"{desktop}-edit-notes", prompt, TOOLS, setup,
+                reward_for(target, desktop), spec=dict(spec), fingerprint=fp, family="gui")

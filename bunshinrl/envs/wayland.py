@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import TaskEnv
+from ..task import Task
 from .gui import DEFAULT_TARGET, INITIAL_TEXT, NOTES_ON, TOOLS, reward_for
 from .gui import make_env as _make_env
 
@@ -20,7 +20,7 @@ __all__ = ["DEFAULT_TARGET", "NOTES", "TOOLS", "make_env", "reward"]
 
 
 def make_env(target: str = DEFAULT_TARGET, initial_text: str = INITIAL_TEXT, width: int = 1280, height: int = 800,
-             apps: tuple[str, ...] = ("terminal", "editor"), **spec: Any) -> TaskEnv:
+             apps: tuple[str, ...] = ("terminal", "editor"), **spec: Any) -> Task:
     """The desktop editing task on the Wayland desktop. `spec` holds WorkspaceSpec fields."""
     return _make_env(target, initial_text, width, height, apps, desktop="wayland", **spec)
 

@@ -17,8 +17,9 @@ from typing import Any
 from bunshinfork import BunshinError, Workspace
 from bunshinfork.templates import CATALOGUE, Browser, WebShopWorkspace, start_webshop
 
-from . import TaskEnv
-from ._common import agent_tool
+from ..task import Task
+from ..tools import Tool
+from ._common import agent_tool, tools_of
 
 DEFAULT_ITEMS = {"MUG-BLU": 2, "TEA-GRN": 1}
 DEFAULT_NAME = "Ada Lovelace"
@@ -88,9 +89,8 @@ def current_url(ws: Workspace) -> str:
     return _shop(ws).browser.url()
 
 
-TOOLS: dict[str, Callable[..., str]] = {
-    f.__name__: f for f in (goto, click, fill, press, text, accessibility_tree, screenshot, current_url)
-}
+TOOLS: list[Tool] = tools_of((goto, click, fill, press, text, accessibility_tree, screenshot, current_url),
+                             nondeterministic=("screenshot",))
 
 
 def _orders(ws: Workspace) -> list[tuple[str, str, str, dict[str, int]]]:
@@ -131,7 +131,7 @@ def reward(ws: Workspace) -> float:
 
 
 def make_env(items: dict[str, int] | None = None, name: str = DEFAULT_NAME, address: str = DEFAULT_ADDRESS,
-             **spec: Any) -> TaskEnv:
+             **spec: Any) -> Task:
     """The shopping task: order `items` ({sku: quantity}) shipped to name/address."""
     items = dict(items or DEFAULT_ITEMS)
     unknown = sorted(set(items) - set(CATALOGUE))
@@ -146,6 +146,5 @@ def make_env(items: dict[str, int] | None = None, name: str = DEFAULT_NAME, addr
               f"Ship the order to {name}, {address}. Use the browser tools (CSS selectors) to search, add to "
               "the cart, set quantities and place the order.")
     fp = hashlib.sha256(repr(("webshop-v1", sorted(items.items()), name, address)).encode()).hexdigest()[:16]
-    return TaskEnv(name="webshop-buy", prompt=prompt, setup=setup, tools=dict(TOOLS),
-                   reward=reward_for(items, name, address), fingerprint=fp, spec=dict(spec),
-                   tool_descriptions={n: (fn.__doc__ or "").strip() for n, fn in TOOLS.items()})
+    return Task("webshop-buy", prompt, TOOLS, setup, reward_for(items, name, address), spec=dict(spec),
+                fingerprint=fp, family="webshop")

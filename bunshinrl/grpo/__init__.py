@@ -16,14 +16,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .actions import FINAL, action_text, parse_action
-from .chat import INVALID_TOOL, candidate_replies, messages, parse_message, parse_reply, render_call
+from ..replies import parse_message, parse_reply, render_call
+from ..task import INVALID_TOOL, REWARD_TOOL, parse_reward
+from .actions import FINAL, action_text, from_text
+from .chat import candidate_replies, messages
 from .openai_policy import OpenAIPolicy
 from .rollout import (
     CONFIGS,
     EngineBundle,
     Episode,
-    HarnessPolicy,
     RandomPolicy,
     episodes,
     make_engine,
@@ -31,7 +32,7 @@ from .rollout import (
     trajectory_digest,
 )
 from .sync import InProcessSync, VLLMServerSync, WeightSync, WeightSyncError
-from .tasks import REWARD_TOOL, VerifiableTask, files_task, fix_task, parse_reward, service_task, suite
+from .tasks import files_task, fix_task, service_task, suite
 from .turns import Turn
 from .vllm_policy import BackendUnavailable, VLLMPolicy, vllm_available
 from .vllm_server import VLLMServer, VLLMServerError
@@ -57,9 +58,9 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CONFIGS", "FINAL", "INVALID_TOOL", "REWARD_TOOL", "BackendUnavailable", "EngineBundle", "Episode", "GRPOConfig",
-    "GRPOTrainer", "HFPolicy", "HarnessPolicy", "InProcessSync", "OpenAIPolicy", "RandomPolicy", "StepMetrics", "Turn",
-    "VLLMPolicy", "VLLMServer", "VLLMServerError", "VLLMServerSync", "VerifiableTask", "WeightSync", "WeightSyncError",
-    "action_text", "candidate_replies", "episodes", "files_task", "fix_task", "make_engine", "messages",
-    "parse_action", "parse_message", "parse_reply", "parse_reward", "render_call", "sample_seed", "service_task",
+    "GRPOTrainer", "HFPolicy", "InProcessSync", "OpenAIPolicy", "RandomPolicy", "StepMetrics", "Turn",
+    "VLLMPolicy", "VLLMServer", "VLLMServerError", "VLLMServerSync", "WeightSync", "WeightSyncError",
+    "action_text", "candidate_replies", "episodes", "files_task", "fix_task", "from_text", "make_engine", "messages",
+    "parse_message", "parse_reply", "parse_reward", "render_call", "sample_seed", "service_task",
     "suite", "trajectory_digest", "vllm_available",
 ]

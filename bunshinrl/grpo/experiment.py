@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .tasks import VerifiableTask
+from ..task import Task
 
 MiB = 1 << 20
 CONFIG_NAMES = ("Base", "Spec", "Full")
@@ -93,7 +93,7 @@ class Lab:
             self.close()
             self.max_num_seqs = max_num_seqs
 
-    def trainer(self, name: str, tasks: Sequence[VerifiableTask], grpo: Any, seed: int, store: Path | None,
+    def trainer(self, name: str, tasks: Sequence[Task], grpo: Any, seed: int, store: Path | None,
                 **kwargs: Any) -> Any:
         from .hf_policy import HFPolicy
         from .trainer import GRPOTrainer
@@ -124,7 +124,7 @@ def lab(backend: str, *, max_num_seqs: int = 8, log_dir: Path | None = None) -> 
             lb.close()
 
 
-def run(lb: Lab, name: str, tasks: Sequence[VerifiableTask], epochs: int, grpo: Any, seed: int,
+def run(lb: Lab, name: str, tasks: Sequence[Task], epochs: int, grpo: Any, seed: int,
         log: Callable[[str, dict[str, Any]], None] | None = None, **kwargs: Any) -> Run:
     """One training run (or, for "Random", the untrained model rolled out `epochs` times)."""
     out = Run(name, seed)

@@ -35,12 +35,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch
 
 from .._async import run_blocking
-from ..adapters.openai_tools import tool_schemas
 from ..policy import Action, SampleContext, Step
-from .chat import SYSTEM_PROMPT, candidate_replies, messages, parse_reply, template_messages
+from ..replies import parse_reply
+from ..task import Task
+from .chat import SYSTEM_PROMPT, candidate_replies, messages, template_messages
 from .constrain import ChoiceConstraint, Vocabulary
 from .rollout import sample_seed
-from .tasks import VerifiableTask
 from .turns import Turn, TurnKey, TurnLog
 
 
@@ -55,7 +55,7 @@ def is_test_model(path: str | os.PathLike[str]) -> bool:
 class HFPolicy:
     """A causal LM and its tokenizer, for the tasks `tasks`."""
 
-    def __init__(self, model: Any, tokenizer: Any, tasks: Sequence[VerifiableTask] | Mapping[str, VerifiableTask], *,
+    def __init__(self, model: Any, tokenizer: Any, tasks: Sequence[Task] | Mapping[str, Task], *,
                  seed: int = 0, temperature: float = 1.0, max_new_tokens: int = 256, constrain: bool = False,
                  system: str | None = SYSTEM_PROMPT, name: str = "") -> None:
         if temperature <= 0:
@@ -74,7 +74,7 @@ class HFPolicy:
         eos = getattr(gen, "eos_token_id", None) or tokenizer.eos_token_id
         self.eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
         self.vocab = Vocabulary(tokenizer, self.eos_ids, size=model.config.vocab_size)
-        self._schemas = {k: tool_schemas(t.agent_tools) for k, t in self.tasks.items()}
+        self._schemas = {k: t.agent_tools.schemas() for k, t in self.tasks.items()}
         self._constraints: dict[tuple[str, ...], ChoiceConstraint] = {}
         self.turns = TurnLog()
         self._lock = threading.Lock()
@@ -82,7 +82,7 @@ class HFPolicy:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str],
-                        tasks: Sequence[VerifiableTask] | Mapping[str, VerifiableTask],
+                        tasks: Sequence[Task] | Mapping[str, Task],
                         *, constrain: bool | None = None, dtype: torch.dtype = torch.float32,
                         **kwargs: Any) -> HFPolicy:
         """Load a local model directory (or a hub name, which needs network). constrain=None:

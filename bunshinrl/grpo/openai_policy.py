@@ -5,7 +5,8 @@ Every decision is one request, awaited on the engine's event loop, so all of a g
 have requests in flight at once and the server batches them. A request carries:
 - the trajectory as chat messages (chat.messages) and the task's tools as function schemas,
   with `tool_choice="auto"` (vLLM needs --enable-auto-tool-choice and a --tool-call-parser,
-  which VLLMServer passes) and `parallel_tool_calls=false`: one call per turn;
+  which VLLMServer passes) and `parallel_tool_calls` (on by default: the calls of one reply run
+  in order, each answered by its own tool message);
 - the decision's own seed (rollout.sample_seed), so the same weights and history sample the
   same reply however the engine schedules rollouts (on vLLM, bit-identical only with one
   sequence at a time: batch composition changes CPU numerics);
@@ -26,11 +27,11 @@ from typing import Any
 
 from openai import AsyncOpenAI
 
-from ..adapters.openai_tools import tool_schemas
 from ..policy import Action, SampleContext, Step
-from .chat import SYSTEM_PROMPT, candidate_replies, messages, parse_message
+from ..replies import parse_message
+from ..task import Task
+from .chat import SYSTEM_PROMPT, candidate_replies, messages
 from .rollout import sample_seed
-from .tasks import VerifiableTask
 from .turns import Turn, TurnKey, TurnLog
 
 
@@ -38,13 +39,40 @@ class OpenAIPolicyError(RuntimeError):
     pass
 
 
+class OpenAIClient:
+    """The openai SDK's AsyncOpenAI for a server, one per event loop (its connections belong to
+    the loop that opened them). Every bunshinrl caller of an OpenAI-compatible server (this
+    policy, verl's server client in bunshinrl.adapters.verl) goes through it."""
+
+    def __init__(self, base_url: str, *, api_key: str = "EMPTY", timeout: float = 120.0, max_retries: int = 2) -> None:
+        self.base_url = base_url
+        self.api_key = api_key
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self._client: tuple[asyncio.AbstractEventLoop, AsyncOpenAI] | None = None
+
+    def __call__(self) -> AsyncOpenAI:
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._client[0] is not loop:
+            self._client = (loop, AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, timeout=self.timeout,
+                                              max_retries=self.max_retries))
+        return self._client[1]
+
+    async def aclose(self) -> None:
+        """Close the client of the running loop (its connections cannot outlive the loop)."""
+        if self._client is not None and self._client[0] is asyncio.get_running_loop():
+            await self._client[1].close()
+        self._client = None
+
+
 class OpenAIPolicy:
     """Rollouts from `model` on the server at `base_url` (e.g. http://127.0.0.1:8000/v1)."""
 
-    def __init__(self, base_url: str, model: str, tasks: Sequence[VerifiableTask] | Mapping[str, VerifiableTask], *,
+    def __init__(self, base_url: str, model: str, tasks: Sequence[Task] | Mapping[str, Task], *,
                  api_key: str = "EMPTY", seed: int = 0, temperature: float = 1.0, constrain: bool = False,
                  max_completion_tokens: int = 256, system: str | None = SYSTEM_PROMPT, timeout: float = 120.0,
-                 max_retries: int = 2, extra_body: Mapping[str, Any] | None = None) -> None:
+                 max_retries: int = 2, extra_body: Mapping[str, Any] | None = None,
+                 parallel_tool_calls: bool = True) -> None:
         self.base_url = base_url
         self.model = model
         self.tasks = dict(tasks) if isinstance(tasks, Mapping) else {t.id: t for t in tasks}
@@ -57,25 +85,15 @@ class OpenAIPolicy:
         self.timeout = timeout
         self.max_retries = max_retries
         self.extra_body = dict(extra_body or {})
+        self.parallel_tool_calls = parallel_tool_calls
         self.weight_version = ""  # what the server serves, as the last weight sync set it
-        self._schemas = {k: tool_schemas(t.agent_tools) for k, t in self.tasks.items()}
-        self._client: tuple[asyncio.AbstractEventLoop, AsyncOpenAI] | None = None
+        self._schemas = {k: t.agent_tools.schemas() for k, t in self.tasks.items()}
+        self.client = OpenAIClient(base_url, api_key=api_key, timeout=timeout, max_retries=max_retries)
         self.turns = TurnLog()
         self.requests = 0
 
-    def client(self) -> AsyncOpenAI:
-        """The SDK client of the running event loop (its connections belong to that loop)."""
-        loop = asyncio.get_running_loop()
-        if self._client is None or self._client[0] is not loop:
-            self._client = (loop, AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, timeout=self.timeout,
-                                              max_retries=self.max_retries))
-        return self._client[1]
-
     async def aclose(self) -> None:
-        """Close the client of the running loop (its connections cannot outlive the loop)."""
-        if self._client is not None and self._client[0] is asyncio.get_running_loop():
-            await self._client[1].close()
-        self._client = None
+        await self.client.aclose()
 
     def choices(self, task_id: str) -> tuple[str, ...] | None:
         return candidate_replies(self.tasks[task_id]) if self.constrain else None
@@ -92,7 +110,7 @@ class OpenAIPolicy:
             "messages": messages(ctx.prompt or task.prompt, history, self.system),
             "tools": self._schemas[ctx.task_id],
             "tool_choice": "auto",
-            "parallel_tool_calls": False,
+            "parallel_tool_calls": self.parallel_tool_calls,
             "temperature": self.temperature,
             "top_p": 1.0,
             "max_completion_tokens": self.max_completion_tokens,
@@ -112,7 +130,8 @@ class OpenAIPolicy:
         turn = self._turn(reply, choice, kwargs["extra_body"].get("structured_outputs"))
         if turn is not None:
             self.turns.record(ctx.epoch, ctx.task_id, ctx.sample, len(history), turn)
-        return parse_message(choice.message.model_dump(), self.tasks[ctx.task_id].agent_tools)
+        return parse_message(choice.message.model_dump(), self.tasks[ctx.task_id].agent_tools,
+                             parallel=self.parallel_tool_calls)
 
     def _turn(self, reply: Any, choice: Any, structured: Mapping[str, Any] | None) -> Turn | None:
         """The decision as trained on, from vLLM's extensions (None from a server without them)."""
@@ -132,4 +151,4 @@ class OpenAIPolicy:
         return self.turns.take(epoch)
 
 
-__all__ = ["OpenAIPolicy", "OpenAIPolicyError"]
+__all__ = ["OpenAIClient", "OpenAIPolicy", "OpenAIPolicyError"]

@@ -1,11 +1,11 @@
-"""The rollout harness between a policy and RolloutEngine: step budgets, the reward call, episodes.
+"""Between the trainer and RolloutEngine: per-decision seeds, episodes, engine configurations.
 
-HarnessPolicy wraps the agent's policy for the engine. It enforces each task's step budget and,
-once the agent answers (or the budget is spent), makes one last call to the task's hidden
-verifier tool, so the reward is read from the final workspace state inside the engine, whatever
-served the state (a real execution, the prefix cache, a speculative fork). Episodes are then
-rebuilt from the engine's timelines alone: which actions the agent took is fully determined by
-the recorded steps and the budget, so no side channel between policy and trainer is needed.
+The engine itself enforces each task's step budget and, once the agent answers (or the budget is
+spent), calls the task's verifier, so the reward is read from the final workspace state
+whatever served that state (a real execution, the prefix cache, a speculative fork). Episodes
+are then rebuilt from the engine's timelines alone: which actions the agent took is fully
+determined by the recorded steps and the budget, so no side channel between policy and trainer
+is needed.
 """
 
 from __future__ import annotations
@@ -23,13 +23,12 @@ from ..backend import SnapshotBackend
 from ..cache import ToolPrefixCache
 from ..engine import RolloutEngine
 from ..guard import DeterminismGuard
-from ..policy import Action, FinalAnswer, Policy, SampleContext, Step
-from ..signature import ToolCall
+from ..policy import Action, Policy, SampleContext, Step
 from ..speculator import Speculator
 from ..tail import TailPolicy
+from ..task import REWARD_TOOL, Task
 from ..timeline import EpochResult, SampleTimeline
-from .actions import FINAL, action_text, parse_action
-from .tasks import REWARD_TOOL, VerifiableTask, parse_reward
+from .actions import FINAL, action_text, from_text
 
 Config = Literal["Base", "Spec", "Full"]
 CONFIGS: tuple[Config, ...] = ("Base", "Spec", "Full")
@@ -42,32 +41,6 @@ def sample_seed(seed: int, epoch: int, task_id: str, sample: int, step: int) -> 
     backends draw with the very same seed."""
     h = hashlib.sha256(f"{seed}/{epoch}/{task_id}/{sample}/{step}".encode()).digest()
     return int.from_bytes(h[:4], "little") & 0x7FFF_FFFF
-
-
-class HarnessPolicy:
-    """The engine-facing policy: the agent's actions, then the verifier call, then the end.
-
-    think_seconds stands in for an LLM's decoding latency (a tiny CPU model answers in
-    milliseconds, which would leave speculation nothing to overlap with); 0 by default.
-    """
-
-    def __init__(self, agent: Policy, tasks: Mapping[str, VerifiableTask], think_seconds: float = 0.0) -> None:
-        self.agent = agent
-        self.tasks = dict(tasks)
-        self.think_seconds = think_seconds
-
-    async def act(self, ctx: SampleContext, history: Sequence[Step]) -> Action:
-        task = self.tasks[ctx.task_id]
-        if history and history[-1].call.name == REWARD_TOOL:
-            return FinalAnswer("done")
-        if len(history) >= task.budget:
-            return ToolCall(REWARD_TOOL)
-        if self.think_seconds:
-            await asyncio.sleep(self.think_seconds)
-        action = await self.agent.act(ctx, history)
-        if isinstance(action, FinalAnswer):
-            return ToolCall(REWARD_TOOL)
-        return action
 
 
 @dataclass(frozen=True)
@@ -84,6 +57,9 @@ class Episode:
     reward: float
     errors: tuple[str, ...] = ()  # what the engine noted; fatal only when unverified
     verified: bool = True
+    # Per action, the step index at which the agent made the decision behind it (the key of
+    # its recorded Turn); the calls of one decision (parallel tool calls) share one.
+    decisions: tuple[int, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -101,26 +77,23 @@ class Episode:
         return self.task_id, self.sample
 
 
-def episode(tl: SampleTimeline, task: VerifiableTask) -> Episode:
-    steps = list(tl.steps)
+def episode(tl: SampleTimeline, task: Task) -> Episode:
+    steps = [s for s in tl.steps if s.call.name != REWARD_TOOL]
     errors = list(tl.errors)
-    reward, verified = 0.0, False
-    if steps and steps[-1].call.name == REWARD_TOOL:
-        try:
-            reward, verified = parse_reward(steps[-1].observation), True
-        except ValueError as e:
-            errors.append(str(e))  # the verifier itself failed (its tool raised)
-        steps = steps[:-1]
-    else:
+    verified = tl.reward is not None
+    if not verified and not any(s.call.name == REWARD_TOOL for s in tl.steps):
         errors.append("the rollout ended before its reward was computed")
     actions = [s.call.key for s in steps]
-    if len(steps) < task.budget and verified:
+    decisions = [s.decision for s in steps]
+    if verified and tl.answer is not None:
         actions.append(FINAL)  # the agent stopped by itself: that was a decision too
+        decisions.append(len(steps))
     return Episode(tl.task_id, tl.sample, tl.epoch, task.prompt, tuple(actions),
-                   tuple(s.observation for s in steps), reward, tuple(errors), verified)
+                   tuple(s.observation for s in steps), tl.reward or 0.0, tuple(errors), verified,
+                   tuple(sorted(set(decisions))))
 
 
-def episodes(result: EpochResult, tasks: Mapping[str, VerifiableTask]) -> list[Episode]:
+def episodes(result: EpochResult, tasks: Mapping[str, Task]) -> list[Episode]:
     """Every sample of an epoch, ordered by (task, sample) so training never depends on timing."""
     out = [episode(tl, tasks[tl.task_id]) for tl in result.samples]
     return sorted(out, key=Episode.key)
@@ -139,13 +112,13 @@ class RandomPolicy:
     """The baseline: a uniformly random choice among the task's candidate actions, seeded per
     decision like the trained policies."""
 
-    def __init__(self, tasks: Mapping[str, VerifiableTask], seed: int = 0) -> None:
+    def __init__(self, tasks: Mapping[str, Task], seed: int = 0) -> None:
         self.tasks = dict(tasks)
         self.seed = seed
 
     async def act(self, ctx: SampleContext, history: Sequence[Step]) -> Action:
         rng = random.Random(sample_seed(self.seed, ctx.epoch, ctx.task_id, ctx.sample, len(history)))
-        return parse_action(rng.choice(self.tasks[ctx.task_id].actions))
+        return from_text(rng.choice(self.tasks[ctx.task_id].actions))
 
 
 # ---- engine configurations (paper section 5.3) ----
@@ -167,12 +140,7 @@ class EngineBundle:
             self.store = None
 
 
-def max_steps(tasks: Sequence[VerifiableTask]) -> int:
-    # The agent's budget, the verifier call, and the final answer after it.
-    return max(t.budget for t in tasks) + 2
-
-
-def make_engine(config: Config, policy: Policy, tasks: Sequence[VerifiableTask], *, store: Path | None = None,
+def make_engine(config: Config, policy: Policy, tasks: Sequence[Task], *, store: Path | None = None,
                 memory: str = "auto", cache_bytes: int = 1 << 40, spec_depth: int = 2,
                 slow_tool_seconds: float = 0.0, snapshot_every: int = 2, snapshot_slower_than: float | None = 0.1,
                 memory_interval: float = 0.25) -> EngineBundle:
@@ -195,9 +163,9 @@ def make_engine(config: Config, policy: Policy, tasks: Sequence[VerifiableTask],
         spec = Speculator(depth=spec_depth, tail=TailPolicy(slow_tool_seconds=slow_tool_seconds),
                           min_probability=0.3)
     engine = RolloutEngine(policy, cache=cache, speculator=spec, guard=guard, memory=memory,
-                           max_steps=max_steps(tasks), memory_interval=memory_interval)
+                           max_steps=max(t.budget for t in tasks) + 1, memory_interval=memory_interval)
     return EngineBundle(engine, cache, store if cache is not None else None)
 
 
-__all__ = ["CONFIGS", "Config", "EngineBundle", "Episode", "HarnessPolicy", "RandomPolicy", "action_text",
-           "episode", "episodes", "make_engine", "max_steps", "sample_seed", "trajectory_digest"]
+__all__ = ["CONFIGS", "Config", "EngineBundle", "Episode", "RandomPolicy", "action_text", "episode", "episodes",
+           "make_engine", "sample_seed", "trajectory_digest"]

@@ -7,35 +7,26 @@ so deleting the test does not help) passes. Three families, two tasks each, all 
 
 Each task lists the candidate actions a constrained decoder chooses from (correct steps,
 plausible mistakes, harmless probes, FINAL), a step budget, and a known solution for tests.
-The reward itself is a hidden tool (REWARD_TOOL) that the rollout harness calls once the agent
-has finished: it then runs through the rollout engine like any other call, so the verifier sees
-exactly the state the trajectory built, whether that state was executed, served from the prefix
-cache or adopted from a speculative fork.
+The tasks are plain bunshinrl Tasks: the engine calls the verifier once the agent has finished,
+through the same cache and speculation as every other call.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shlex
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from bunshinfork import BunshinError, Workspace
 
-from ..adapters.openai_tools import SchemaTool, string_params
-from ..policy import Environment, Task
-from ..tools import Tool, ToolSet, command_observation
+from ..task import REWARD_TOOL, Task, Verdict, by_id, parse_reward
+from ..tools import Tool, command_observation, string_params
 from .actions import FINAL, call
-from .chat import invalid_tool
 
-REWARD_TOOL = "__reward__"
-_REWARD_LINE = re.compile(r"^reward=([0-9.]+)$", re.M)
-
-Verifier = Callable[[Workspace], tuple[float, str]]
+Verifier = Callable[[Workspace], Verdict]
 
 
 # ---- tools ----
@@ -80,76 +71,26 @@ def _http_get(port: int) -> Callable[[Workspace, dict[str, Any]], str]:
     return execute
 
 
-def shell_tool() -> SchemaTool:
-    return SchemaTool("shell", _shell, description="Run a shell command in the workspace; returns its output.",
+def shell_tool() -> Tool:
+    return Tool("shell", _shell, description="Run a shell command in the workspace; returns its output.",
                       parameters=string_params("cmd"))
 
 
-def file_tools() -> list[SchemaTool]:
+def file_tools() -> list[Tool]:
     return [
-        SchemaTool("read_file", _read_file, description="Read a text file.", parameters=string_params("path")),
-        SchemaTool("write_file", _write_file, description="Write a text file (parents are created).",
-                   parameters=string_params("path", "content")),
+        Tool("read_file", _read_file, description="Read a text file.", parameters=string_params("path")),
+        Tool("write_file", _write_file, description="Write a text file (parents are created).",
+             parameters=string_params("path", "content")),
     ]
 
 
-def http_tool(port: int) -> SchemaTool:
-    return SchemaTool("http_get", _http_get(port),
-                      description=f"GET a path from the workspace's own service on 127.0.0.1:{port}.",
-                      parameters=string_params("path"))
-
-
-def reward_tool(verify: Verifier) -> Tool:
-    def execute(ws: Workspace, args: dict[str, Any]) -> str:
-        score, detail = verify(ws)
-        return f"reward={score:.4f}\n{detail}"
-
-    return Tool(REWARD_TOOL, execute, description="the task's verifier (hidden from the agent)")
-
-
-def parse_reward(observation: str) -> float:
-    m = _REWARD_LINE.search(observation)
-    if m is None:
-        raise ValueError(f"not a reward observation: {observation[:200]!r}")
-    return float(m.group(1))
+def http_tool(port: int) -> Tool:
+    return Tool("http_get", _http_get(port),
+                description=f"GET a path from the workspace's own service on 127.0.0.1:{port}.",
+                parameters=string_params("path"))
 
 
 # ---- tasks ----
-
-@dataclass(eq=False)
-class VerifiableTask:
-    """A task whose reward is a function of the final workspace state."""
-
-    id: str
-    family: str
-    prompt: str
-    tools: Sequence[Tool]
-    setup: Callable[[Workspace], None]
-    verify: Verifier
-    budget: int  # tool calls the agent may make before the harness ends the episode
-    actions: tuple[str, ...]  # candidate action texts (a constrained decoder's vocabulary)
-    solution: tuple[str, ...]  # a known-good action sequence, ending with FINAL
-    setup_files: Mapping[str, str] = field(default_factory=dict)
-    spec: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if FINAL not in self.actions:
-            raise ValueError(f"task {self.id}: the actions must include FINAL")
-        digest = hashlib.sha256(json.dumps([self.id, self.prompt, sorted(self.setup_files.items())],
-                                           sort_keys=True).encode()).hexdigest()[:16]
-        # One Environment for the task's lifetime: the engine keys cached prefixes by its
-        # fingerprint, which covers everything setup writes.
-        self.environment = Environment(ToolSet([*self.tools, reward_tool(self.verify), invalid_tool()]), self.setup,
-                                       fingerprint=f"grpo-{self.id}-{digest}", spec=self.spec)
-
-    @property
-    def agent_tools(self) -> ToolSet:
-        """The tools a model is offered (everything but the hidden verifier)."""
-        return ToolSet(self.tools)
-
-    def task(self) -> Task:
-        return Task(self.id, self.environment, self.prompt)
-
 
 def _write_setup(files: Mapping[str, str], then: str | None = None) -> Callable[[Workspace], None]:
     def setup(ws: Workspace) -> None:
@@ -182,7 +123,7 @@ def _files_verifier(required: Mapping[str, str]) -> Verifier:
 
 
 def files_task(task_id: str, required: Mapping[str, str], wrong: Mapping[str, str], shell_paths: Sequence[str],
-               readme_dir: str) -> VerifiableTask:
+               readme_dir: str) -> Task:
     """Write each of `required`'s files with its content. Paths in shell_paths are best written
     with the shell (printf), the others with write_file; `wrong` holds a plausible wrong content
     per path."""
@@ -199,7 +140,7 @@ def files_task(task_id: str, required: Mapping[str, str], wrong: Mapping[str, st
               call("shell", cmd=f"cat {readme_dir}/README")]
     spec = ", ".join(f"{p} containing the line {v!r}" for p, v in required.items())
     readme = {f"{readme_dir}/README": f"Put the requested files in {readme_dir}.\n"}
-    return VerifiableTask(
+    return Task(
         id=task_id, family="files", prompt=f"Create {spec}.",
         tools=[shell_tool(), *file_tools()], setup=_write_setup(readme), verify=_files_verifier(required),
         budget=4, actions=(*correct, *mistakes, *probes, FINAL), solution=(*correct, FINAL), setup_files=readme,
@@ -268,7 +209,7 @@ def _service_verifier(port: int, body: str) -> Verifier:
     return verify
 
 
-def service_task(task_id: str, port: int, body: str, wrong: str) -> VerifiableTask:
+def service_task(task_id: str, port: int, body: str, wrong: str) -> Task:
     cfg = "/root/svc/config.json"
     files = {
         "/root/svc/server.py": _SERVER,
@@ -284,7 +225,7 @@ def service_task(task_id: str, port: int, body: str, wrong: str) -> VerifiableTa
         call("http_get", path="/"), call("read_file", path="/root/svc/README"),
         call("shell", cmd="sh /root/svc/stop.sh"), FINAL,
     )
-    return VerifiableTask(
+    return Task(
         id=task_id, family="service",
         prompt=f"Configure the service to answer {body!r} and start it on port {port}.",
         tools=[shell_tool(), *file_tools(), http_tool(port)], setup=_write_setup(files),
@@ -341,7 +282,7 @@ def _fix_verifier(functions: Sequence[str]) -> Verifier:
     return verify
 
 
-def fix_task(task_id: str, bugs: Sequence[str]) -> VerifiableTask:
+def fix_task(task_id: str, bugs: Sequence[str]) -> Task:
     """calc.py with a bug in each function of `bugs` (add, mul); the test covers those functions."""
     add_expr = "a - b" if "add" in bugs else "a + b"
     mul_expr = "a * b + 1" if "mul" in bugs else "a * b"
@@ -358,7 +299,7 @@ def fix_task(task_id: str, bugs: Sequence[str]) -> VerifiableTask:
         call("shell", cmd="rm -f /root/proj/test_calc.py"), FINAL,
     )
     what = " and ".join(f"{b}()" for b in bugs)
-    return VerifiableTask(
+    return Task(
         id=task_id, family="fix",
         prompt=f"Fix {what} in /root/proj/calc.py so that python3 /root/proj/test_calc.py passes.",
         tools=[shell_tool(), *file_tools()], setup=_write_setup(files), verify=_fix_verifier(bugs),
@@ -366,7 +307,7 @@ def fix_task(task_id: str, bugs: Sequence[str]) -> VerifiableTask:
     )
 
 
-def suite() -> list[VerifiableTask]:
+def suite() -> list[Task]:
     """The built-in suite: two tasks per family."""
     return [
         files_task("files-ab", {"/root/out/a.txt": "alpha", "/root/out/b.txt": "beta"},
@@ -381,9 +322,9 @@ def suite() -> list[VerifiableTask]:
     ]
 
 
-def by_id(tasks: Sequence[VerifiableTask]) -> dict[str, VerifiableTask]:
-    return {t.id: t for t in tasks}
-
-
-def families(tasks: Sequence[VerifiableTask]) -> list[str]:
+def families(tasks: Sequence[Task]) -> list[str]:
     return sorted({t.family for t in tasks})
+
+
+__all__ = ["FINAL", "REWARD_TOOL", "by_id", "families", "files_task", "fix_task", "parse_reward", "service_task",
+           "suite"]

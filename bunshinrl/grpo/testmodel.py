@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..adapters.openai_tools import tool_schemas
+from ..task import Task
 from .chat import SYSTEM_PROMPT, render_action
-from .tasks import VerifiableTask, suite
+from .tasks import suite
 
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 # Not special: they must survive detokenization, since tool-call parsers (vLLM's hermes, ours)
@@ -74,7 +74,7 @@ _OBSERVATIONS = (
 )
 
 
-def _corpus(tasks: Sequence[VerifiableTask]) -> list[str]:
+def _corpus(tasks: Sequence[Task]) -> list[str]:
     """Text the tokenizer learns its merges from: every task's rendered turns, with each candidate
     reply and typical observations, in the chat layout itself."""
     from jinja2 import Environment
@@ -84,7 +84,7 @@ def _corpus(tasks: Sequence[VerifiableTask]) -> list[str]:
     template = env.from_string(CHAT_TEMPLATE)
     texts = []
     for t in tasks:
-        tools = tool_schemas(t.agent_tools)
+        tools = t.agent_tools.schemas()
         texts.append(template.render(messages=[{"role": "user", "content": t.prompt}], tools=tools,
                                      add_generation_prompt=True))
         for a in t.actions:
@@ -95,7 +95,7 @@ def _corpus(tasks: Sequence[VerifiableTask]) -> list[str]:
     return texts
 
 
-def train_tokenizer(tasks: Sequence[VerifiableTask] | None = None, vocab_size: int = VOCAB_SIZE) -> Any:
+def train_tokenizer(tasks: Sequence[Task] | None = None, vocab_size: int = VOCAB_SIZE) -> Any:
     """A byte-level BPE tokenizer (Qwen2's kind) trained on the suite's text, as a
     transformers fast tokenizer with the chat template."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -124,7 +124,7 @@ def train_tokenizer(tasks: Sequence[VerifiableTask] | None = None, vocab_size: i
     return fast
 
 
-def make(path: str | os.PathLike[str], *, seed: int = 0, tasks: Sequence[VerifiableTask] | None = None,
+def make(path: str | os.PathLike[str], *, seed: int = 0, tasks: Sequence[Task] | None = None,
          **dims: Any) -> Path:
     """Write the test model to `path` (created) and return it. Loads with
     AutoModelForCausalLM.from_pretrained(path) / AutoTokenizer.from_pretrained(path), and serves

@@ -32,12 +32,12 @@ from typing import Any
 import torch
 
 from ..policy import Policy
+from ..task import Task
 from ..timeline import EpochResult
 from .hf_policy import HFPolicy
 from .objective import LOSS_AGG_MODES, group_advantages, grpo_loss
-from .rollout import Config, EngineBundle, Episode, HarnessPolicy, episodes, make_engine, trajectory_digest
+from .rollout import Config, EngineBundle, Episode, episodes, make_engine, trajectory_digest
 from .sync import InProcessSync, WeightSync, WeightSyncError
-from .tasks import VerifiableTask
 from .turns import TokenSequence, Turn, TurnKey, stitch
 
 CHECKPOINT = "checkpoint.pt"
@@ -112,11 +112,11 @@ class GRPOTrainer:
     itself, in process. learn=False rolls out without updating (the untrained baseline).
     """
 
-    def __init__(self, policy: HFPolicy, tasks: Sequence[VerifiableTask], *, config: GRPOConfig | None = None,
+    def __init__(self, policy: HFPolicy, tasks: Sequence[Task], *, config: GRPOConfig | None = None,
                  engine: Config = "Base", rollout_policy: Policy | None = None,
                  weight_sync: WeightSync | None = None, engine_factory: Callable[[Policy], EngineBundle] | None = None,
                  checkpoint_dir: str | os.PathLike[str] | None = None, store_dir: str | os.PathLike[str] | None = None,
-                 think_seconds: float = 0.0, learn: bool = True, keep_episodes: bool = False,
+                 learn: bool = True, keep_episodes: bool = False,
                  torch_threads: int | None = 1, update_threads: int | None = None, **engine_kwargs: Any) -> None:
         if torch_threads is not None:
             # Intra-op threads spinning next to the workspaces take the cores the rollout runs on.
@@ -134,16 +134,18 @@ class GRPOTrainer:
                                  "into it (VLLMServerSync for a vLLM server)")
             weight_sync = InProcessSync(policy)
         self.weight_sync = weight_sync
-        self.harness = HarnessPolicy(self.rollout_policy, self.task_map, think_seconds)
         if engine_factory is not None:
-            self.bundle = engine_factory(self.harness)
+            self.bundle = engine_factory(self.rollout_policy)
         else:
             store = Path(store_dir) if store_dir is not None else None
-            self.bundle = make_engine(engine, self.harness, self.tasks, store=store, **engine_kwargs)
-        need = max(t.budget for t in self.tasks) + 2
+            self.bundle = make_engine(engine, self.rollout_policy, self.tasks, store=store, **engine_kwargs)
+        need = max(t.budget for t in self.tasks) + 1
         if self.bundle.engine.max_steps < need:
             raise ValueError(f"the engine's max_steps={self.bundle.engine.max_steps} cannot fit a budget of "
-                             f"{need - 2} calls plus the reward call and the final answer ({need})")
+                             f"{need - 1} calls plus the final answer ({need})")
+        missing = [t.id for t in self.tasks if t.verify is None]
+        if missing:
+            raise ValueError(f"tasks {missing} have no verifier: GRPO needs a reward")
         self.engine_name = engine
         self.learn = learn
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
@@ -183,7 +185,7 @@ class GRPOTrainer:
             await self.sync()  # the backend starts from the learner's weights, whatever it loaded
         served = await self._check_served()
         t0 = time.monotonic()
-        result = await self.bundle.engine.run_epoch([t.task() for t in self.tasks], self.config.group_size, epoch)
+        result = await self.bundle.engine.run_epoch(self.tasks, self.config.group_size, epoch)
         rollout_wall = time.monotonic() - t0
         eps = episodes(result, self.task_map)
         turns = self._take_turns(epoch)
@@ -265,10 +267,10 @@ class GRPOTrainer:
         rows: list[TokenSequence] = []
         row_adv: list[float] = []
         for i, e in enumerate(train):
-            missing = [s for s in range(len(e.actions)) if (e.task_id, e.sample, s) not in turns]
+            missing = [s for s in e.decisions if (e.task_id, e.sample, s) not in turns]
             if missing:
                 raise RuntimeError(f"{e.task_id}/{e.sample}: no turn recorded for decision(s) {missing}")
-            for row in stitch((turns[(e.task_id, e.sample, s)] for s in range(len(e.actions))), owner=i):
+            for row in stitch((turns[(e.task_id, e.sample, s)] for s in e.decisions), owner=i):
                 rows.append(row)
                 row_adv.append(adv[i])
         constrained = []

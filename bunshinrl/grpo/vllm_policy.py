@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from .._async import run_blocking
-from ..adapters.openai_tools import tool_schemas
 from ..policy import Action, SampleContext, Step
-from .chat import SYSTEM_PROMPT, candidate_replies, messages, parse_reply
+from ..replies import parse_reply
+from ..task import Task
+from .chat import SYSTEM_PROMPT, candidate_replies, messages
 from .rollout import sample_seed
-from .tasks import VerifiableTask
 from .turns import Turn, TurnKey, TurnLog
 
 
@@ -51,7 +51,7 @@ def vllm_available() -> tuple[bool, str]:
 class VLLMPolicy:
     """A bunshinrl Policy sampling from vllm.LLM(model) (or `llm`, an engine built by the caller)."""
 
-    def __init__(self, model: str, tasks: Sequence[VerifiableTask] | Mapping[str, VerifiableTask], *,
+    def __init__(self, model: str, tasks: Sequence[Task] | Mapping[str, Task], *,
                  seed: int = 0, temperature: float = 1.0, max_tokens: int = 256, constrain: bool = False,
                  system: str | None = SYSTEM_PROMPT, llm: Any | None = None, **llm_kwargs: Any) -> None:
         if llm is None:
@@ -70,7 +70,7 @@ class VLLMPolicy:
         self.constrain = constrain
         self.system = system
         self.weight_version = "0"
-        self._schemas = {k: tool_schemas(t.agent_tools) for k, t in self.tasks.items()}
+        self._schemas = {k: t.agent_tools.schemas() for k, t in self.tasks.items()}
         self._lock = threading.Lock()
         self._dir = Path(tempfile.mkdtemp(prefix="bunshin-vllm-weights-"))
         self.turns = TurnLog()

@@ -1,0 +1,697 @@
+"""The rollout core: one sample's tool calls, one at a time, over the prefix cache and speculation.
+
+Every driver shares it: RolloutEngine (our own GRPO loop), verl's agent loop and SkyRL's env.
+A driver starts a Rollout for a sample, calls `await rollout.call(tool_call)` for each tool call
+its model makes, `await rollout.finish(answer)` when the model is done (the task's verifier then
+runs on the state the trajectory built) and `await rollout.close()`.
+
+Where a sample's state lives is explicit (Rollout.state):
+
+    Idle         no workspace of its own: its state is the prefix-cache node it stands on
+                 (a shadow may be rebuilding that state ahead of an expected miss)
+    Live         a workspace in the state after the last call
+    Settling     that workspace is being captured for the cache and/or handed to a speculative
+                 branch, while the policy reasons; the next call waits for it
+    Speculating  a speculative branch owns the workspace and runs predicted calls
+    Closed
+
+and `Rollout.node` is its position in the prefix tree (None once it has left the tree). A call
+is served, in order, by a speculative branch that predicted exactly it (adopted), by the prefix
+cache (skipped: the recorded observation, the sample moves to the child node and drops its
+workspace), or run for real from the state of the last call served (a miss: the branch is rolled
+back, or the cached state is materialised by a fork, a disk load or a replay).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from bunshinfork import Workspace, rootfs_digest
+
+from ._async import run_blocking
+from .backend import SharedSnapshot
+from .cache import ReplayDiverged, ToolPrefixCache
+from .guard import DeterminismGuard
+from .metrics import WorkspaceRegistry
+from .policy import SampleContext, Step
+from .selector import SelectorReport, Trajectory, train_selector
+from .signature import ToolCall, template_digest
+from .speculator import SpecHit, SpeculativeBranch, Speculator
+from .tail import TailPolicy
+from .task import REWARD_TOOL, Task, parse_reward
+from .timeline import SampleTimeline
+from .tools import Tool, ToolSet
+from .tree import Node
+
+# ---- where a sample's state lives ----
+
+
+@dataclass
+class Idle:
+    shadow: asyncio.Task[Workspace] | None = None
+
+
+@dataclass
+class Live:
+    ws: Workspace
+
+
+@dataclass
+class Settling:
+    ws: Workspace
+    task: asyncio.Future[Live | Speculating]
+
+
+@dataclass
+class Speculating:
+    branch: SpeculativeBranch
+
+
+@dataclass
+class Closed:
+    pass
+
+
+State = Idle | Live | Settling | Speculating | Closed
+
+
+@dataclass
+class _Group:
+    """Base (no cache): the samples of a group fork one snapshot of the task's initialized workspace."""
+
+    snapshot: Future[SharedSnapshot] = field(default_factory=Future)
+    members: int = 0
+
+
+class RolloutCore:
+    """What every rollout driver shares: the prefix cache, the speculator, the determinism guard,
+    the tail policy and the memory engine; the workspaces alive right now (memory sampling),
+    background work, and every finished trajectory (the selector's training data).
+
+    cache=None and speculator=None is plain memory sharing (Base).
+    """
+
+    def __init__(self, *, cache: ToolPrefixCache | None = None, speculator: Speculator | None = None,
+                 guard: DeterminismGuard | None = None, tail: TailPolicy | None = None, memory: str = "auto",
+                 prefetch: bool = True) -> None:
+        self.cache = cache
+        self.speculator = speculator
+        self.guard = guard or (cache.guard if cache is not None else None) or DeterminismGuard()
+        if cache is not None and cache.guard is not self.guard:
+            raise ValueError("the cache and the core must share one DeterminismGuard")
+        if speculator is not None:
+            speculator.guard = self.guard
+            if tail is None:
+                tail = speculator.tail
+            speculator.tail = tail
+        self.tail = tail or TailPolicy()
+        self.memory = memory
+        self.prefetch = prefetch
+        self.history: list[Trajectory] = []
+        self.workspaces = WorkspaceRegistry()
+        self._lock = threading.Lock()
+        self._bg: set[asyncio.Future[Any]] = set()
+        self._digests: dict[str, Future[str]] = {}
+        self._roots: dict[tuple[str, str], Future[Node]] = {}
+        self._groups: dict[tuple[str, str], _Group] = {}
+        self._counters = {"rollouts": 0, "forks": 0}
+
+    # ---- starting samples ----
+
+    async def digest(self, task: Task) -> str:
+        """The template digest of the task's initialized workspace (rootfs digest + fingerprint)."""
+        rootfs = str(task.spec.get("rootfs", "host"))
+        with self._lock:
+            fut = self._digests.get(rootfs)
+            mine = fut is None
+            if mine:
+                fut = self._digests[rootfs] = Future()
+        assert fut is not None
+        if mine:
+            try:
+                fut.set_result(await run_blocking(rootfs_digest, rootfs))
+            except BaseException as e:
+                with self._lock:
+                    self._digests.pop(rootfs, None)
+                fut.set_exception(e)
+        return template_digest(await asyncio.wrap_future(fut), task.fingerprint)
+
+    async def _initial_snapshot(self, task: Task) -> SharedSnapshot:
+        ws = self.workspaces.add(await run_blocking(Workspace.create, **task.spec))
+        try:
+            await run_blocking(task.setup, ws)
+            return await run_blocking(SharedSnapshot.take, ws, self.memory)
+        finally:
+            await self._destroy(ws)
+
+    async def _root(self, task: Task) -> Node:
+        """The cache's root for the task's initialized workspace, made once however many samples
+        ask at the same time."""
+        assert self.cache is not None
+        digest = await self.digest(task)
+        root = self.cache.root(task.id, digest)
+        if root is not None:
+            return root
+        key = (task.id, digest)
+        with self._lock:
+            fut = self._roots.get(key)
+            mine = fut is None
+            if mine:
+                fut = self._roots[key] = Future()
+        assert fut is not None
+        if mine:
+            try:
+                fut.set_result(self.cache.add_root(task.id, digest, await self._initial_snapshot(task)))
+            except BaseException as e:
+                fut.set_exception(e)
+            finally:
+                with self._lock:
+                    self._roots.pop(key, None)
+        return await asyncio.wrap_future(fut)
+
+    def _timeline(self, ctx: SampleContext, origin: float) -> SampleTimeline:
+        return SampleTimeline(ctx.task_id, ctx.sample, ctx.epoch, started=time.monotonic() - origin)
+
+    async def start_group(self, task: Task, contexts: Sequence[SampleContext],
+                          origin: float | None = None) -> list[Rollout]:
+        """The rollouts of one GRPO group, all from one initialized workspace: with a cache they
+        stand on its root state and fork only at their first miss; without, they are forked from
+        one snapshot of it, all at once."""
+        origin = time.monotonic() if origin is None else origin
+        timelines = [self._timeline(c, origin) for c in contexts]
+        t0 = time.monotonic() - origin
+        if self.cache is not None:
+            root = await self._root(task)
+            out = [Rollout(self, task, c, tl, origin, root, None) for c, tl in zip(contexts, timelines, strict=True)]
+        else:
+            snap = await self._initial_snapshot(task)
+            try:
+                clones = await run_blocking(snap.snap.fork, len(contexts))
+            finally:
+                await run_blocking(snap.release)
+            if any(isinstance(c, Exception) for c in clones):
+                for c in clones:
+                    if isinstance(c, Workspace):
+                        await run_blocking(c.destroy)
+                raise next(c for c in clones if isinstance(c, Exception))
+            out = [Rollout(self, task, c, tl, origin, None, self.workspaces.add(w))  # type: ignore[arg-type]
+                   for c, tl, w in zip(contexts, timelines, clones, strict=True)]
+        for r in out:
+            if isinstance(r.state, Live):
+                await r._note_fork(r.state.ws)
+            r.timeline.add("setup", t0, r.now())
+        return out
+
+    async def start(self, task: Task, ctx: SampleContext, *, group: str | None = None,
+                    origin: float | None = None) -> Rollout:
+        """One sample's rollout, for drivers that see samples one by one (verl, SkyRL). Samples
+        started with the same `group` key (verl's uid) while another member is still open fork
+        one snapshot of the task's initialized workspace; with a cache every sample of the task
+        stands on the cache's root state."""
+        origin = time.monotonic() if origin is None else origin
+        tl = self._timeline(ctx, origin)
+        t0 = time.monotonic() - origin
+        if self.cache is not None:
+            r = Rollout(self, task, ctx, tl, origin, await self._root(task), None)
+        else:
+            key = (task.id, group if group is not None else f"{ctx.epoch}/{ctx.task_id}/{ctx.sample}")
+            with self._lock:
+                g = self._groups.get(key)
+                mine = g is None
+                if g is None:
+                    g = self._groups[key] = _Group()
+                g.members += 1
+            try:
+                if mine:
+                    try:
+                        g.snapshot.set_result(await self._initial_snapshot(task))
+                    except BaseException as e:
+                        g.snapshot.set_exception(e)
+                snap = await asyncio.wrap_future(g.snapshot)
+                ws = self.workspaces.add(await run_blocking(snap.fork))
+            except BaseException:
+                self._leave(key)
+                raise
+            r = Rollout(self, task, ctx, tl, origin, None, ws, group=key)
+            await r._note_fork(ws)
+        r.timeline.add("setup", t0, r.now())
+        return r
+
+    def _leave(self, key: tuple[str, str]) -> None:
+        with self._lock:
+            g = self._groups.get(key)
+            if g is None:
+                return
+            g.members -= 1
+            if g.members > 0:
+                return
+            del self._groups[key]
+        if g.snapshot.done() and g.snapshot.exception() is None:
+            self._background(run_blocking(g.snapshot.result().release))
+
+    # ---- what every rollout reports back ----
+
+    def _record(self, r: Rollout) -> None:
+        tl = r.timeline
+        with self._lock:
+            self.history.append(Trajectory(tl.epoch, tl.task_id, tl.sample, tuple(s.call for s in tl.steps),
+                                           tl.answer is not None))
+            self._counters["rollouts"] += 1
+        self.tail.record_rollout(tl.task_id, tl.sample, tl.finished - tl.started)
+
+    def fit_selector(self, held_out_epochs: Sequence[int] = ()) -> SelectorReport | None:
+        """Train the speculator's selector on every recorded trajectory."""
+        if self.speculator is None or not self.history:
+            return None
+        with self._lock:
+            history = sorted(self.history, key=lambda t: (t.epoch, t.task_id, t.sample))
+        sel, report = train_selector(history, held_out_epochs=held_out_epochs)
+        self.speculator.selector = sel
+        return report
+
+    def stats(self) -> dict[str, Any]:
+        return {"cache": self.cache.stats() if self.cache is not None else None,
+                "speculation": dict(self.speculator.stats) if self.speculator is not None else None,
+                "guard": self.guard.report()}
+
+    def all_workspaces(self) -> list[Workspace]:
+        """Every workspace the core holds now, speculative forks included (memory sampling)."""
+        return self.workspaces.snapshot() + (self.speculator.workspaces.snapshot() if self.speculator else [])
+
+    # ---- background work ----
+
+    def _background(self, aw: Any) -> asyncio.Future[Any]:
+        fut = asyncio.ensure_future(aw)
+        self._bg.add(fut)
+        fut.add_done_callback(self._bg.discard)
+        return fut
+
+    async def _destroy(self, ws: Workspace) -> None:
+        self.workspaces.discard(ws)
+        await run_blocking(ws.destroy)
+
+    async def drain(self) -> None:
+        """Wait for every background capture, teardown and persist."""
+        while self._bg:
+            await asyncio.gather(*list(self._bg), return_exceptions=True)
+        if self.speculator is not None:
+            await self.speculator.drain()
+        if self.cache is not None:
+            await run_blocking(self.cache.drain)
+
+
+class Rollout:
+    """One sample's rollout on the core, stepped one tool call at a time (see the module doc).
+
+    Calls run in the order they are issued, one at a time, whatever the driver awaits
+    concurrently (verl gathers a turn's parallel tool calls). history: the calls and what they
+    observed; reward: the verifier's score after finish().
+    """
+
+    def __init__(self, core: RolloutCore, task: Task, ctx: SampleContext, timeline: SampleTimeline,
+                 origin: float, node: Node | None, ws: Workspace | None,
+                 group: tuple[str, str] | None = None) -> None:
+        self.core = core
+        self.task = task
+        self.ctx = ctx
+        self.timeline = timeline
+        self.tools: ToolSet = task.engine_tools
+        self.origin = origin
+        self.node = node
+        self.state: State = Live(ws) if ws is not None else Idle()
+        self.history: list[Step] = []
+        # Per step, what served it: "speculation" (adopted), "cache" (skipped), "executed", or
+        # "rejected" (an unknown tool or arguments that do not fit: nothing ran).
+        self.served: list[str] = []
+        self._served = ""
+        self.branches: list[SpeculativeBranch] = []
+        self.reward: float | None = None
+        self.verdict: str | None = None
+        # The workspace the snapshot this sample first forked was taken from (its group's
+        # initialized workspace, or a cached state's source); None until it forks.
+        self.forked_from: str | None = None
+        self._group = group
+        self._lock: asyncio.Lock | None = None
+        if isinstance(self.state, Idle):
+            self._prefetch(None)
+
+    def now(self) -> float:
+        return time.monotonic() - self.origin
+
+    @property
+    def calls_left(self) -> int:
+        """Tool calls the agent may still make within the task's budget."""
+        return max(0, self.task.budget - sum(s.call.name != REWARD_TOOL for s in self.history))
+
+    @property
+    def closed(self) -> bool:
+        return isinstance(self.state, Closed)
+
+    @property
+    def wasted_seconds(self) -> float:
+        """Speculative execution this sample discarded (final once the core has drained)."""
+        return sum(b.wasted_seconds for b in self.branches)
+
+    # ---- the driver's calls ----
+
+    async def call(self, call: ToolCall, decision: int | None = None) -> str:
+        """Run one tool call and return its observation. decision: the history length when the
+        model made the decision issuing it (parallel calls share one); default: now."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self.closed:
+                raise RuntimeError(f"rollout {self.ctx.task_id}/{self.ctx.sample} is closed")
+            self._served = "executed"
+            step = Step(call, await self._step(call), len(self.history) if decision is None else decision)
+            self.history.append(step)
+            self.served.append(self._served)
+            self.timeline.steps.append(step)
+            return step.observation
+
+    async def finish(self, answer: str | None = None) -> float | None:
+        """The agent is done (answer: its final text; None when its budget ended the episode).
+        With a verifier, the task's reward is read from the state the trajectory built."""
+        self.timeline.answer = answer
+        if self.task.verify is None:
+            return None
+        obs = await self.call(ToolCall(REWARD_TOOL))
+        try:
+            self.reward = parse_reward(obs)
+        except ValueError as e:
+            self.timeline.errors.append(str(e))  # the verifier itself failed
+            return None
+        self.verdict = obs.partition("\n")[2]
+        self.timeline.reward = self.reward
+        return self.reward
+
+    async def close(self) -> None:
+        """Release everything the sample holds; the trajectory is recorded."""
+        if self.closed:
+            return
+        self.timeline.finished = self.now()
+        with contextlib.suppress(Exception):
+            await self._settle()
+        st = self.state
+        self.state = Closed()
+        if isinstance(st, Speculating):
+            with contextlib.suppress(Exception):
+                await self.core._destroy(await st.branch.close())
+        elif isinstance(st, Idle):
+            self._discard_shadow(st.shadow)
+        elif isinstance(st, Live):
+            self.core._background(self.core._destroy(st.ws))
+        if self._group is not None:
+            self.core._leave(self._group)
+            self._group = None
+        self.core._record(self)
+
+    async def _note_fork(self, ws: Workspace) -> None:
+        if self.forked_from is None:
+            self.forked_from = (await run_blocking(ws.info)).parent
+
+    # ---- one step ----
+
+    async def _settle(self) -> None:
+        if isinstance(self.state, Settling):
+            t = self.now()
+            self.state = await self.state.task
+            if self.now() - t > 0.001:
+                self.timeline.add("post_wait", t, self.now())
+
+    async def _step(self, call: ToolCall) -> str:
+        tl, core = self.timeline, self.core
+        await self._settle()
+        tool = self.tools.get(call.name)
+        if tool is None:
+            self._served = "rejected"
+            return f"[error] unknown tool {call.name!r}; available: {', '.join(sorted(self.task.agent_tools))}"
+        problem = tool.check(call.args)
+        if problem is not None:
+            self._served = "rejected"
+            return f"[error] {problem}"  # nothing ran: the state is unchanged
+        reusable = core.guard.reusable(tool)
+
+        # 1. A speculative branch that predicted exactly this call.
+        if isinstance(self.state, Speculating) and reusable:
+            t = self.now()
+            hit = await self.state.branch.resolve(call)
+            if hit is not None:
+                tl.add("spec_hit", t, self.now(), call.key)
+                core.tail.record_call(call, hit.exec_seconds)
+                await self._adopt(call, hit)
+                self._served = "speculation"
+                return hit.observation
+
+        # 2. The prefix cache.
+        if core.cache is not None and self.node is not None and reusable:
+            child = core.cache.lookup(self.node, call, tool)
+            if child is not None:
+                served = await self._serve_from_cache(call, tool, child)
+                if served is not None:
+                    return served
+
+        # 3. A miss: run it for real, from the state of the last call served.
+        await self._workspace(call.key)
+        return await self._execute(call, tool, reusable)
+
+    async def _workspace(self, detail: str = "") -> Workspace:
+        """A workspace in the state after the last call: the speculative branch rolled back, or
+        the cached state materialised."""
+        st = self.state
+        if isinstance(st, Speculating):
+            t = self.now()
+            ws = self.core.workspaces.add(await st.branch.close())
+            self.state = Live(ws)
+            self.timeline.add("spec_miss", t, self.now(), detail)
+        elif isinstance(st, Idle):
+            await self._materialize(st)
+        assert isinstance(self.state, Live)
+        return self.state.ws
+
+    def _drop_workspace(self) -> asyncio.Task[Workspace] | None:
+        """The sample is moving to a cached state: whatever it holds goes (in the background);
+        a shadow rebuild is kept for the caller to reuse or drop."""
+        st = self.state
+        if isinstance(st, Speculating):
+            self.core._background(self._close_and_destroy(st.branch))
+        elif isinstance(st, Live):
+            self.core._background(self.core._destroy(st.ws))
+        return st.shadow if isinstance(st, Idle) else None
+
+    async def _serve_from_cache(self, call: ToolCall, tool: Tool, child: Node) -> str | None:
+        t = self.now()
+        try:
+            obs = await asyncio.wrap_future(child.result)  # another sample may still be running it
+        except Exception:
+            return None  # that execution failed; run it ourselves
+        if self.core.guard.should_audit():
+            return await self._audit(call, tool, child, obs)
+        self.timeline.add("cache_hit", t, self.now(), call.key)
+        self._served = "cache"
+        self.state = Idle(self._drop_workspace())
+        parent, self.node = self.node, child
+        self._prefetch(parent)
+        return obs
+
+    async def _audit(self, call: ToolCall, tool: Tool, child: Node, recorded: str) -> str:
+        """Re-execute a hit from its parent state; the policy gets the fresh observation."""
+        t = self.now()
+        ws = await self._workspace(call.key)
+        fresh = await tool.run(ws, call.args)
+        self.timeline.add("audit", t, self.now(), call.key)
+        # Equal: this workspace is now in the child's state. Different: the tool is marked
+        # non-deterministic (the cache drops its subtrees) and this sample leaves the tree.
+        self.node = child if self.core.guard.check(call, recorded, fresh, source="audit") else None
+        self._after_real_call(call, None)
+        return fresh
+
+    async def _materialize(self, st: Idle) -> None:
+        tl, cache = self.timeline, self.core.cache
+        t = self.now()
+        assert cache is not None and self.node is not None
+        ws: Workspace | None = None
+        if st.shadow is not None:
+            try:
+                ws = await st.shadow
+            except ReplayDiverged as e:
+                tl.errors.append(str(e))
+                ws = e.workspace
+                self.node = None
+            except Exception as e:
+                tl.errors.append(f"prefetch failed: {e!r}")
+        if ws is None:
+            try:
+                ws = await cache.materialize(self.node, self.tools)
+            except ReplayDiverged as e:
+                # Replay observed something else than what this sample was served: the tool is now
+                # marked non-deterministic. Continue from the replayed state, off the tree.
+                tl.errors.append(str(e))
+                ws = e.workspace
+                self.node = None
+        self.state = Live(self.core.workspaces.add(ws))
+        await self._note_fork(ws)
+        tl.add("materialize", t, self.now())
+
+    async def _execute(self, call: ToolCall, tool: Tool, reusable: bool) -> str:
+        tl, core = self.timeline, self.core
+        assert isinstance(self.state, Live)
+        node, created = None, False
+        if core.cache is not None and self.node is not None and reusable:
+            # If another sample created this node meanwhile, our resulting state equals its node's.
+            node, created = core.cache.begin(self.node, call)
+        t = self.now()
+        try:
+            obs = await tool.run(self.state.ws, call.args)
+        except Exception as e:
+            if created:
+                core.cache.abandon(node, e)  # type: ignore[union-attr,arg-type]
+            tl.add("tool", t, self.now(), call.key)
+            self.node = None
+            return f"[error] {type(e).__name__}: {e}"
+        took = self.now() - t
+        tl.add("tool", t, t + took, call.key)
+        core.tail.record_call(call, took)
+        capture = created and core.cache.complete(node, obs, took)  # type: ignore[union-attr,arg-type]
+        self.node = node
+        self._after_real_call(call, node if capture else None)
+        return obs
+
+    def _after_real_call(self, call: ToolCall, capture: Node | None) -> None:
+        """Capture the new state for the cache and/or start speculating, while the policy reasons."""
+        core = self.core
+        assert isinstance(self.state, Live)
+        calls = [h.call for h in self.history] + [call]
+        chain = core.speculator.predict(self.task.id, self.ctx.sample, calls, self.tools,
+                                        real_calls=self.timeline.count("tool")) if core.speculator else []
+        if capture is None and not chain:
+            return
+        ws = self.state.ws
+        self.state = Settling(ws, asyncio.ensure_future(self._post_call(ws, capture, chain)))
+
+    async def _post_call(self, ws: Workspace, capture: Node | None, chain: list[ToolCall]) -> Live | Speculating:
+        core = self.core
+        try:
+            snap = await run_blocking(SharedSnapshot.take, ws, core.memory)
+        except Exception as e:
+            self.timeline.errors.append(f"capture failed: {e!r}")
+            if capture is not None and core.cache is not None:
+                core.cache.attach(capture, None)
+            return Live(ws)
+        try:
+            if capture is not None and core.cache is not None:
+                core.cache.attach(capture, snap.acquire())
+            if chain and core.speculator is not None:
+                try:
+                    branch = await core.speculator.launch(ws, chain, self.tools, snapshot=snap)
+                except Exception as e:
+                    self.timeline.errors.append(f"speculation not started: {e!r}")
+                    return Live(ws)
+                self.branches.append(branch)
+                core.workspaces.discard(ws)  # held by the branch now
+                return Speculating(branch)
+            return Live(ws)
+        finally:
+            await run_blocking(snap.release)
+
+    async def _adopt(self, call: ToolCall, hit: SpecHit) -> None:
+        """The sample moves to the speculative state; the cache learns the call like a real one."""
+        core = self.core
+        assert isinstance(self.state, Speculating)
+        branch = self.state.branch
+        capture = None
+        if core.cache is not None and self.node is not None:
+            node, created = core.cache.begin(self.node, call)
+            if created and core.cache.complete(node, hit.observation, hit.exec_seconds):
+                if branch.exhausted:
+                    capture = node  # captured below, from the adopted workspace
+                else:
+                    # The chain runs on; the checkpoint taken after this call is the node's state.
+                    core._background(self._attach_checkpoint(node, branch, hit.index))
+            self.node = node
+        if branch.exhausted:
+            self.state = Live(core.workspaces.add(await branch.close()))
+            self._after_real_call(call, capture)
+
+    async def _attach_checkpoint(self, node: Node, branch: SpeculativeBranch, index: int) -> None:
+        assert self.core.cache is not None
+        self.core.cache.attach(node, await branch.state_after(index))
+
+    async def _close_and_destroy(self, branch: SpeculativeBranch) -> None:
+        await self.core._destroy(await branch.close())
+
+    # ---- rebuilding cached states ahead of a miss ----
+
+    def _prefetch(self, parent: Node | None) -> None:
+        """Start rebuilding the state of the sample's node while its policy reasons, when the next
+        call will probably miss there: the node is a leaf that an earlier batch of rollouts left
+        behind, or a task's root that has no calls below it yet.
+
+        Rebuilding is a fork (plus a disk load or a replay for a state not in memory), so doing it
+        for every hit would waste most of them: a node with children, or one a sibling made in
+        this batch (it is likely just ahead and about to add the next call), is rebuilt only on
+        an actual miss.
+        """
+        cache = self.core.cache
+        assert isinstance(self.state, Idle)
+        if not self.core.prefetch or cache is None or self.node is None:
+            return
+        node = self.node
+        # A fresh root has no children either, and every sample of the group leaves it with a
+        # fork as Base would: start that fork while the first step is being reasoned.
+        likely_miss = not node.children and (node.created < self.origin or node.parent is None)
+        old, self.state.shadow = self.state.shadow, None
+        if not likely_miss:
+            self._discard_shadow(old)
+            return
+        if old is not None and parent is not None and node.parent is parent and not node.resident and \
+                node.exec_seconds <= cache.plan(node).seconds:
+            self.state.shadow = asyncio.ensure_future(self._extend_shadow(old, node))
+            return
+        self._discard_shadow(old)
+        self.state.shadow = asyncio.ensure_future(self._rebuild(node))
+
+    async def _rebuild(self, node: Node) -> Workspace:
+        assert self.core.cache is not None
+        try:
+            return self.core.workspaces.add(await self.core.cache.materialize(node, self.tools))
+        except ReplayDiverged as e:
+            self.core.workspaces.add(e.workspace)
+            raise
+
+    async def _extend_shadow(self, previous: asyncio.Task[Workspace], node: Node) -> Workspace:
+        ws = await previous
+        assert self.core.cache is not None
+        try:
+            await self.core.cache._replay(ws, node, self.tools)
+        except ReplayDiverged:
+            raise
+        except BaseException:
+            await self.core._destroy(ws)
+            raise
+        return ws
+
+    def _discard_shadow(self, shadow: asyncio.Task[Workspace] | None) -> None:
+        if shadow is None:
+            return
+
+        async def discard() -> None:
+            try:
+                ws = await shadow
+            except ReplayDiverged as e:
+                ws = e.workspace
+            except Exception:
+                return
+            await self.core._destroy(ws)
+
+        self.core._background(discard())
+
+
+__all__ = ["Closed", "Idle", "Live", "Rollout", "RolloutCore", "Settling", "Speculating", "State"]
