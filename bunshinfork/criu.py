@@ -27,6 +27,12 @@ except ImportError:  # pragma: no cover - set-up installs pycriu into the venv
 
 CRIU_BIN = os.environ.get("BUNSHIN_CRIU", "criu")
 KSM_EXEC = Path(__file__).resolve().parent / "_bin" / "bunshin-init"
+# Options the RPC has no field for, given to every request as its config file. It sets
+# `file-validation filesize`: CRIU's default (build-id) validation mmaps the first MiB of every
+# open regular file and reads its ELF magic, and a read fault on a tmpfs hole allocates a page,
+# so dumping a deleted-but-open sparse file on tmpfs gave the source's file a data page where
+# its head hole was. Restores here use the same immutable lower layers, so the size suffices.
+CONFIG_FILE = Path(__file__).resolve().parent / "criu.conf"
 REQUIRED = (4, 2)
 
 Notify = Callable[[str, int], None]
@@ -43,6 +49,7 @@ def new_opts() -> rpc.criu_opts:
     _require()
     opts = rpc.criu_opts()
     opts.images_dir_fd = -1  # required by the protocol; images_dir (a path) is used instead
+    opts.config_file = str(CONFIG_FILE)
     return opts
 
 

@@ -99,7 +99,7 @@ class Snapshot:
             if script == "post-dump":
                 layer_box.append(storage.snapshot_layer(rec.storage, fs_dest))
 
-        freezer = cg.paths.get("freezer") or cg.paths["unified"]
+        freezer = cg.freezer_dir
         t0 = time.monotonic()
         try:
             cg.freeze()
