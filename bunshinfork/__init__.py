@@ -1,5 +1,6 @@
 """bunshinfork: create, run commands in, and live-fork container workspaces."""
 
+from . import deadlines
 from .commands import CommandHandle, CommandResult
 from .errors import (
     BunshinError,
@@ -7,8 +8,11 @@ from .errors import (
     CommandError,
     CommandTimeout,
     CriuError,
+    CriuTimeout,
+    DeadlineExceeded,
     FileOperationError,
     ForkError,
+    ForkTimeout,
     KernelFeatureError,
     NetworkError,
     PrivilegeError,
@@ -30,8 +34,9 @@ Sandbox = Workspace
 
 __all__ = [
     "BunshinError", "CgroupError", "CommandError", "CommandHandle", "CommandResult", "CommandTimeout",
-    "CriuError", "EntryInfo", "FileOperationError", "ForkError", "KernelFeatureError", "MemoryStats",
+    "CriuError", "CriuTimeout", "DeadlineExceeded", "EntryInfo", "FileOperationError", "ForkError",
+    "ForkTimeout", "KernelFeatureError", "MemoryStats",
     "NetworkError", "PrivilegeError", "RootfsError", "Sandbox", "Snapshot", "SpecError", "Workspace",
     "WorkspaceFileNotFound", "WorkspaceInfo", "WorkspaceNotFound", "WorkspaceSpec", "WorkspaceStateError",
-    "__version__",
+    "__version__", "deadlines",
 ]

@@ -14,11 +14,12 @@ import select
 import shutil
 import socket
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import native
-from .errors import CriuError
+from . import deadlines, native
+from .errors import CriuError, CriuTimeout
 
 try:
     from pycriu import rpc_pb2 as rpc  # type: ignore[import-not-found]
@@ -93,13 +94,19 @@ class Session:
     def pid(self) -> int:
         return self._proc.pid
 
-    def call(self, req: rpc.criu_req, on_notify: Notify | None = None) -> rpc.criu_resp:
+    def call(self, req: rpc.criu_req, on_notify: Notify | None = None,
+             timeout: float | None = None) -> rpc.criu_resp:
+        """Send one request and serve its notifications until the answer. Past `timeout` seconds
+        (default: the `criu` deadline) CRIU is killed and CriuTimeout raised; time spent in
+        on_notify counts, since CRIU waits for it."""
+        timeout = deadlines.current().criu if timeout is None else timeout
+        until = time.monotonic() + timeout
         try:
             self._sk.sendall(req.SerializeToString())
         except OSError as e:
             raise CriuError(f"lost the connection to criu swrk: {e}") from e
         while True:
-            self._wait_answer()
+            self._wait_answer(until, timeout)
             try:
                 size = len(self._sk.recv(1, socket.MSG_TRUNC | socket.MSG_PEEK))
                 buf = self._sk.recv(size)
@@ -121,8 +128,8 @@ class Session:
                     raise
             self._reply_notify(ok)
 
-    def _wait_answer(self) -> None:
-        """Block until criu has something to say, or raise once it has died.
+    def _wait_answer(self, until: float, timeout: float) -> None:
+        """Block until criu has something to say, or raise once it has died or `until` passed.
 
         Tasks criu forks while restoring inherit its end of the socket (and of the stderr pipe),
         so criu dying mid-restore does not make our end see EOF: watch the process itself.
@@ -131,7 +138,16 @@ class Session:
         p.register(self._sk, select.POLLIN)
         p.register(self._pidfd, select.POLLIN)
         while True:
-            ready = {fd for fd, _ in p.poll()}
+            left = until - time.monotonic()
+            if left <= 0:
+                # SIGKILL ends even the killable waits that CRIU's own timeout (SIGALRM) cannot,
+                # such as a PTRACE_SEIZE waiting for a task that never runs.
+                self.kill()
+                self._proc.wait()
+                raise CriuTimeout(f"criu swrk (pid {self._proc.pid}) did not answer within {timeout:.0f}s "
+                                  "(deadline 'criu', see bunshinfork.deadlines) and was killed "
+                                  f"{self._stderr_so_far()}".rstrip())
+            ready = {fd for fd, _ in p.poll(max(1, int(left * 1000)))}
             if self._sk.fileno() in ready:
                 return
             if self._pidfd in ready:
@@ -182,8 +198,9 @@ class Session:
 def request(kind: str, opts: rpc.criu_opts, on_notify: Notify | None = None, keep_fds: tuple[int, ...] = (),
             ksm_merge: bool = False, log: Path | None = None,
             session_hook: Callable[[Session], None] | None = None,
-            env: dict[str, str] | None = None) -> rpc.criu_resp:
-    """Run one DUMP or RESTORE; raise CriuError with the log's error lines on failure."""
+            env: dict[str, str] | None = None, timeout: float | None = None) -> rpc.criu_resp:
+    """Run one DUMP or RESTORE; raise CriuError with the log's error lines on failure, CriuTimeout
+    (CRIU killed) past `timeout` seconds, by default the `criu` deadline."""
     req = rpc.criu_req()
     req.type = {"dump": rpc.DUMP, "restore": rpc.RESTORE}[kind]
     req.opts.MergeFrom(opts)
@@ -191,7 +208,11 @@ def request(kind: str, opts: rpc.criu_opts, on_notify: Notify | None = None, kee
     with Session(keep_fds, ksm_merge, env) as s:
         if session_hook is not None:
             session_hook(s)
-        resp = s.call(req, on_notify)
+        try:
+            resp = s.call(req, on_notify, timeout)
+        except CriuTimeout as e:
+            tail = log_tail(log) if log is not None else ""
+            raise CriuTimeout(f"criu {kind}: {e}\n{tail}".rstrip()) from None
     if not resp.success:
         detail = resp.cr_errmsg or (os.strerror(resp.cr_errno) if resp.cr_errno else "")
         tail = log_tail(log) if log is not None else ""
@@ -201,7 +222,11 @@ def request(kind: str, opts: rpc.criu_opts, on_notify: Notify | None = None, kee
 
 def version() -> str:
     _require()
-    out = subprocess.run([CRIU_BIN, "--version"], capture_output=True, text=True).stdout
+    try:
+        out = subprocess.run([CRIU_BIN, "--version"], capture_output=True, text=True,
+                             timeout=deadlines.current().criu).stdout
+    except subprocess.TimeoutExpired:
+        raise CriuTimeout(f"{CRIU_BIN} --version did not answer within the 'criu' deadline") from None
     for line in out.splitlines():
         if line.startswith("Version:"):
             return line.split(":", 1)[1].strip()

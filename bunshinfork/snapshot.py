@@ -14,16 +14,25 @@ import secrets
 import shutil
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import control, criu, native, process, rootfs, state, storage
+from . import control, criu, deadlines, forkcheck, native, process, rootfs, state, storage, watchdog
 from . import memory as memory_engines
 from .cgroups import Cgroup
-from .errors import BunshinError, CriuError, ForkError, SpecError, WorkspaceStateError
+from .errors import (
+    BunshinError,
+    CgroupError,
+    CriuError,
+    DeadlineExceeded,
+    ForkError,
+    ForkTimeout,
+    SpecError,
+    WorkspaceStateError,
+)
 from .memory import holders, ksm, materialize
 from .reaper import reaper
 
@@ -31,6 +40,9 @@ if TYPE_CHECKING:
     from .workspace import Workspace
 
 MAX_PARALLEL_RESTORES = 8
+# Our own steps inside a freeze end this long before the watchdog's `frozen` deadline, so that
+# the watchdog acts only when we cannot (killed, stuck).
+FREEZE_MARGIN = 1.0
 # criu/patches/0001: a cow dump writes no anonymous private pages; the holders keep them.
 PAGE = os.sysconf("SC_PAGE_SIZE")
 COW_DUMP_ENV = {"CRIU_BUNSHIN_NO_ANON_PAGES": "1"}
@@ -100,23 +112,35 @@ class Snapshot:
                 layer_box.append(storage.snapshot_layer(rec.storage, fs_dest))
 
         freezer = cg.freezer_dir
+        dl = deadlines.current()
+        # A workspace the user paused stays paused, and its freeze is not ours to watch.
+        was_paused = cg.frozen()
         t0 = time.monotonic()
+        until = t0 + dl.frozen - FREEZE_MARGIN  # our own steps end before the watchdog acts
         try:
-            cg.freeze()
-            try:
-                criu.request("dump", process.dump_opts(rec.init_pid, images, freezer), on_notify,
-                             log=images / "dump.log", env=COW_DUMP_ENV if kind == "cow" else None)
-                if kind == "cow":
-                    # Still frozen (CRIU leaves a cgroup frozen that it found frozen): the holders
-                    # image exactly the state the dump describes.
-                    snap._holders = holders.capture_tree(cg.pids(), cg.freeze, cg.thaw)
-            finally:
-                t_dump = time.monotonic()
-                cg.thaw()
+            with _watched(freezer, dl.frozen, rec.id, was_paused) as wd:
+                cg.freeze(dl.freeze)
+                try:
+                    forkcheck.check(cg.pids(), rec.id)
+                    criu.request("dump", process.dump_opts(rec.init_pid, images, freezer), on_notify,
+                                 log=images / "dump.log", env=COW_DUMP_ENV if kind == "cow" else None,
+                                 session_hook=lambda s: wd.register(s.pid) if wd else None,
+                                 timeout=max(0.1, min(dl.criu, until - time.monotonic())))
+                    if kind == "cow":
+                        # Still frozen (CRIU leaves a cgroup frozen that it found frozen): the holders
+                        # image exactly the state the dump describes.
+                        snap._holders = holders.capture_tree(cg.pids(), cg.freeze, cg.thaw, until=until)
+                finally:
+                    t_dump = time.monotonic()
+                    if not was_paused:
+                        cg.thaw(dl.freeze)
         except BaseException as e:
             snap._meta["layer"] = layer_box[0].to_dict() if layer_box else None
             snap.release()
-            if isinstance(e, CriuError):
+            if isinstance(e, DeadlineExceeded):
+                raise ForkTimeout(f"snapshot of {rec.id} ran past its deadline; the workspace was thawed and "
+                                  f"keeps running: {e}") from e
+            if isinstance(e, (CriuError, CgroupError)):
                 raise ForkError(f"snapshot of {rec.id} failed; the workspace keeps running: {e}") from e
             raise
         t_thawed = time.monotonic()
@@ -259,7 +283,8 @@ class Snapshot:
                 raise
             if isinstance(e, ForkError):
                 return e
-            err = ForkError(f"fork of {self.source_id} into {rec.id} failed: {e}")
+            err = (ForkTimeout if isinstance(e, DeadlineExceeded) else ForkError)(
+                f"fork of {self.source_id} into {rec.id} failed: {e}")
             err.__cause__ = e
             return err
 
@@ -393,6 +418,15 @@ class Snapshot:
 
     def __repr__(self) -> str:
         return f"<Snapshot {self.id} of {self.source_id}>"
+
+
+@contextlib.contextmanager
+def _watched(freezer_dir: str, deadline: float, label: str, skip: bool) -> Iterator[watchdog.Watchdog | None]:
+    if skip:
+        yield None
+        return
+    with watchdog.guard(freezer_dir, deadline, label) as wd:
+        yield wd
 
 
 def _share_error(cause: BaseException) -> ForkError:

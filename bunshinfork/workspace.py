@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import control, native, network, rootfs, state, storage
+from . import control, native, network, rootfs, seccomp_profile, state, storage
 from .cgroups import Cgroup
 from .commands import Commands
 from .errors import (
@@ -33,6 +33,7 @@ from .spec import WorkspaceSpec
 INIT_BINARY = Path(__file__).resolve().parent / "_bin" / "bunshin-init"
 NS_FLAGS = (
     native.CLONE_NEWPID | native.CLONE_NEWNS | native.CLONE_NEWNET | native.CLONE_NEWIPC | native.CLONE_NEWUTS
+    | native.CLONE_NEWCGROUP
 )
 READY_TIMEOUT = 15.0
 
@@ -142,6 +143,7 @@ class Workspace:
         sp = native.spawn(native.SpawnConfig(
             ns_flags=NS_FLAGS, root=str(mountpoint), overlay_opts=opts, hostname=rec.hostname,
             mount_sysfs=spec.mount_sysfs, ksm_merge=spec.ksm, privileged=spec.privileged,
+            seccomp_bpf=b"" if spec.privileged else seccomp_profile.bpf(),
         ))
         rec.init_pid = sp.pid
         rec.init_starttime = state.proc_starttime(sp.pid) or 0

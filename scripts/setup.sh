@@ -7,6 +7,10 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cache=${BUNSHIN_CACHE:-/var/cache/bunshin}
 venv=${BUNSHIN_VENV:-$here/.venv}
+# Where CRIU is installed; another prefix (with its own BUNSHIN_CACHE) builds a private CRIU,
+# which BUNSHIN_CRIU=$prefix/sbin/criu then selects.
+criu_prefix=${BUNSHIN_CRIU_PREFIX:-/usr/local}
+criu_bin=$criu_prefix/sbin/criu
 criu_version=4.2.1
 criu_sha256=29ec0ee09e296479fe7048c80980e8ef1d0684d0b0204c2b101dfea19f6725b9
 
@@ -24,6 +28,8 @@ apt_packages=(
   # runtime: file systems, network, rootfs builders
   btrfs-progs libbtrfsutil-dev nftables iproute2 debootstrap util-linux kmod procps psmisc
   python3-venv python3-dev python3-btrfsutil python3-nftables
+  # libseccomp's Python bindings: the workspaces' seccomp filter (bunshinfork/seccomp_profile.py)
+  python3-seccomp
   # GUI stack that runs inside workspaces (fork tests keep an X server running across a fork)
   xvfb x11-utils xauth
   # workspace templates (bunshinfork/templates): desktop apps and computer-use tools, the
@@ -39,8 +45,8 @@ done
 if [ ${#missing[@]} -gt 0 ]; then
   log "apt: installing ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -q >/dev/null
-  apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+  apt-get -o DPkg::Lock::Timeout=600 update -q >/dev/null
+  apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
 # CRIU: bookworm's 3.17 fails on kernels with vvar_vclock, and 4.1.x cannot dump
@@ -48,7 +54,7 @@ fi
 # A deb-src line only: a binary line for sid would upgrade libc.
 # Rebuild whenever the patch set in criu/patches changes.
 patches_sum=$(cat "$here"/criu/patches/*.patch 2>/dev/null | sha256sum | cut -d' ' -f1)
-if ! { command -v criu >/dev/null && criu --version 2>/dev/null | grep -q "Version: $criu_version" \
+if ! { [ -x "$criu_bin" ] && "$criu_bin" --version 2>/dev/null | grep -q "Version: $criu_version" \
        && [ -f "$cache/pycriu/rpc_pb2.py" ] && [ "$(cat "$cache/criu-patches.sha256" 2>/dev/null)" = "$patches_sum" ]; }; then
   src=/etc/apt/sources.list.d/bunshin-sid-src.sources
   if [ ! -f "$src" ]; then
@@ -82,11 +88,11 @@ SRC
     || { tail -40 "$build/build.log" >&2; exit 1; }
   # install-lib would pip-install pycriu into whatever python is first on PATH; the venv
   # gets it below instead, from the generated sources kept in the cache.
-  make -C "$srcdir" install-criu install-compel PREFIX=/usr/local \
+  make -C "$srcdir" install-criu install-compel PREFIX="$criu_prefix" \
     >/dev/null 2>>"$build/build.log" || { tail -40 "$build/build.log" >&2; exit 1; }
-  install -m 644 "$srcdir/lib/c/libcriu.so" /usr/local/lib/ && ldconfig
+  mkdir -p "$criu_prefix/lib" && install -m 644 "$srcdir/lib/c/libcriu.so" "$criu_prefix/lib/" && ldconfig
   rm -rf "$cache/pycriu" && cp -r "$srcdir/lib/pycriu" "$cache/pycriu"
-  criu check >/dev/null 2>&1 || log "warning: criu check did not say 'Looks good'; run 'bunshin doctor'"
+  "$criu_bin" check >/dev/null 2>&1 || log "warning: criu check did not say 'Looks good'; run 'bunshin doctor'"
   echo "$patches_sum" > "$cache/criu-patches.sha256"
 fi
 
@@ -118,4 +124,4 @@ if ! "$venv/bin/python" -c "import torch" >/dev/null 2>&1; then
   "$venv/bin/pip" install -q "torch==$torch_version" 2>&1 | grep -v "^WARNING: Location" || true
   "$venv/bin/python" -c "import torch" || { echo "torch==$torch_version did not install" >&2; exit 1; }
 fi
-log "ready: $("$venv/bin/python" -c 'import bunshinfork,sys; print(bunshinfork.__version__, sys.version.split()[0])') criu $(criu --version | head -1)"
+log "ready: $("$venv/bin/python" -c 'import bunshinfork,sys; print(bunshinfork.__version__, sys.version.split()[0])') criu $("$criu_bin" --version | head -1)"
