@@ -56,8 +56,11 @@ class Files:
         self._ws = ws
 
     def _abs(self, path: str) -> str:
-        if not path:
-            raise FileOperationError(errno.EINVAL, "empty path")
+        if not isinstance(path, str) or not path:
+            raise FileOperationError(errno.EINVAL, f"a path must be a non-empty string, got {path!r}")
+        if "\0" in path:
+            # C would see the path cut at the NUL: another file than the one named.
+            raise FileOperationError(errno.EINVAL, f"path {path!r} contains a NUL byte", path)
         return posixpath.normpath(posixpath.join(HOME, path))
 
     @contextlib.contextmanager
@@ -78,12 +81,20 @@ class Files:
             os.close(fd)
 
     def read(self, path: str, format: Literal["text", "bytes"] = "text") -> str | bytes:
+        """A regular file's content. Devices, fifos and sockets are refused: /dev/zero would
+        never end, and a fifo would wait for a writer that may never come."""
         p = self._abs(path)
         try:
-            with self._root() as root, self._open(root, p, os.O_RDONLY) as fd:
+            with self._root() as root, self._open(root, p, os.O_RDONLY | os.O_NONBLOCK) as fd:
+                mode = os.fstat(fd).st_mode
+                if not stat.S_ISREG(mode):
+                    raise FileOperationError(errno.EINVAL, f"read {p} in workspace: not a regular file", p)
+                os.set_blocking(fd, True)
                 chunks = []
                 while chunk := os.read(fd, 1 << 20):
                     chunks.append(chunk)
+        except FileOperationError:
+            raise
         except OSError as e:
             raise _error(e, "read", p) from e
         data = b"".join(chunks)
@@ -110,7 +121,9 @@ class Files:
         try:
             with self._root() as root:
                 self._make_dirs(root, posixpath.dirname(p))
-                with self._open(root, p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode) as fd:
+                # O_NONBLOCK: a fifo without a reader is an error (ENXIO), not a wait.
+                with self._open(root, p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK, mode) as fd:
+                    os.set_blocking(fd, True)
                     view = memoryview(raw)
                     while view:
                         n = os.write(fd, view)
