@@ -2,10 +2,14 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup setup-vllm demo test lint bench clean
 
 setup:
 	bash scripts/setup.sh
+
+# The vLLM venv too (cached under /var/cache/bunshin, shared by every checkout): the vLLM tests need it.
+setup-vllm:
+	bash scripts/setup.sh --vllm
 
 demo: setup
 	$(PY) -m bunshinfork.demo
@@ -14,8 +18,8 @@ demo: setup
 lint: setup
 	.venv/bin/ruff check bunshinfork bunshinrl tests benchmarks
 
-test: setup lint
-	$(PY) -m pytest -ra $(PYTEST_ARGS)
+test: setup-vllm lint
+	BUNSHIN_REQUIRE_VLLM=1 $(PY) -m pytest -ra $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) benchmarks/fork_memory.py --engines copy,ksm --forks 1,2,4,8,16 --size-mib 1024 --out results

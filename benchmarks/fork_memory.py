@@ -95,7 +95,7 @@ def run_engine(engine: str, forks: list[int], size_mib: int, settle_timeout: flo
             t0 = time.monotonic()
             snap = src.snapshot(engine)
             t_snap = time.monotonic()
-            clones = snap.fork(n, memory=engine)
+            clones = snap.fork(n)
             t_fork = time.monotonic()
             snap_timing = snap.timing
             snap.release()

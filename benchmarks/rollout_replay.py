@@ -66,14 +66,14 @@ async def run_config(name: str, cfg: T.TraceConfig, traces: dict, tasks: list[Ta
     if name == "Full":
         # Sparse snapshots: every second depth, and every call slower than 1 s (replaying those
         # would cost more than keeping them).
-        cache = ToolPrefixCache(SnapshotBackend(memory, store), cache_mib * MiB, guard=guard,
+        cache = ToolPrefixCache(SnapshotBackend(store), cache_mib * MiB, guard=guard,
                                 snapshot_every=2, snapshot_slower_than=slow_seconds)
     if name in ("Spec", "Full"):
         # Tail: samples of historically slow tasks; with the prefix cache also any sample that has
         # already run 2 calls for real (it left the cached paths and will finish last).
         tail = TailPolicy(slow_tool_seconds=slow_seconds, task_quantile=0.5,
                           online_real_calls=2 if name == "Full" else None)
-        spec = Speculator(depth=spec_depth, memory=memory, min_probability=0.5, tail=tail)
+        spec = Speculator(depth=spec_depth, min_probability=0.5, tail=tail)
     engine = RolloutEngine(T.ReplayPolicy(traces), cache=cache, speculator=spec, guard=guard, memory=memory)
     out = []
     try:

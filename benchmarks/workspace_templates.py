@@ -1,12 +1,15 @@
 """Fork cost of the real agent workspaces (bunshinfork.templates), per template and memory engine.
 
-python benchmarks/workspace_templates.py --out DIR [--templates gui,webshop] [--engines copy,ksm] [--clones 8]
+python benchmarks/workspace_templates.py --out DIR [--templates gui,wayland,webshop] [--engines copy,ksm] [--clones 8]
 
 For each template and engine a fresh source is brought up and driven a little (text typed
 into the editor; an item put into the cart), then forked into --clones clones at once.
+gui is the X11 desktop (Xvfb, openbox, xterm, mousepad, Chromium), wayland the Wayland one
+(sway, swaybg, wayvnc, foot, mousepad, Chromium on Ozone/Wayland).
 Written to DIR/workspace_templates.json, one row per template and engine:
   processes             processes in the source workspace
-  fork_ok               clones that came up AND answer a template tool (window list / page text)
+  fork_ok               clones that came up AND answer a template tool (window list / page text;
+                        on a desktop, a keystroke typed into the clone's editor shows in its title)
   source_bytes          the source's summed PSS before the fork
   total_bytes_8_clones  PSS summed over the source and all its clones after the fork (for ksm,
                         once merging has settled or --settle-timeout passed)
@@ -33,10 +36,14 @@ from bunshinfork import BunshinError, Workspace
 from bunshinfork.memory import ksm
 from bunshinfork.templates import (
     GuiWorkspace,
+    WaylandWorkspace,
     WebShopWorkspace,
     gui_workspace,
+    wayland_workspace,
     webshop_workspace,
 )
+
+Template = GuiWorkspace | WaylandWorkspace | WebShopWorkspace
 
 
 def used_bytes() -> int:
@@ -47,28 +54,43 @@ def used_bytes() -> int:
     return m["MemTotal"] - m["MemAvailable"]
 
 
-def make(template: str) -> GuiWorkspace | WebShopWorkspace:
-    if template == "gui":
-        g = gui_workspace()  # Xvfb, openbox, xterm, mousepad, Chromium
+def make(template: str) -> Template:
+    if template in ("gui", "wayland"):
+        g = gui_workspace() if template == "gui" else wayland_workspace()
         g.activate("Mousepad")
         g.type("benchmark source text")
+        g.key("ctrl+s")
         return g
     if template == "webshop":
         s = webshop_workspace()
         s.browser.goto(s.url + "/search?q=tea")
         s.browser.click("button[aria-label='Add Green Tea (100 g) to cart']")
         return s
-    raise SystemExit(f"unknown template {template!r}; use gui or webshop")
+    raise SystemExit(f"unknown template {template!r}; use gui, wayland or webshop")
 
 
-def works(t: GuiWorkspace | WebShopWorkspace) -> bool:
-    """The clone's environment answers, not just its init."""
+def works(t: Template) -> bool:
+    """The clone's environment answers, not just its init: a desktop takes a keystroke into
+    its editor (the unsaved-changes mark appears in the title), the shop shows the cart."""
     try:
-        if isinstance(t, GuiWorkspace):
-            return any("Mousepad" in w.title for w in t.windows())
+        if isinstance(t, (GuiWorkspace, WaylandWorkspace)):
+            t.activate("Mousepad")
+            t.type("!")
+            for _ in range(50):
+                w = t.find_window("Mousepad")
+                if w is not None and w.title.startswith("*"):
+                    return True
+                time.sleep(0.1)
+            return False
         return "Green Tea" in t.browser.text("main") or "Cart (1)" in t.browser.text("header")
     except BunshinError:
         return False
+
+
+def wrap(src: Template, ws: Workspace) -> Template:
+    if isinstance(src, WebShopWorkspace):
+        return WebShopWorkspace(ws)
+    return type(src)(ws, src.config)  # type: ignore[arg-type]
 
 
 def run(template: str, engine: str, clones: int, settle_timeout: float) -> dict[str, Any]:
@@ -80,31 +102,31 @@ def run(template: str, engine: str, clones: int, settle_timeout: float) -> dict[
         mem = src.ws.memory()
         before_used = used_bytes()
         t0 = time.monotonic()
-        snap = src.ws.snapshot()
+        snap = src.ws.snapshot(engine)
         t_snap = time.monotonic()
-        out = snap.fork(clones, memory=engine)
+        out = snap.fork(clones)
         t_fork = time.monotonic()
         timing = snap.timing
         image_bytes = snap.image_bytes()
         snap.release()
         ok = [c for c in out if isinstance(c, Workspace)]
         errors = [str(e)[:400] for e in out if isinstance(e, Exception)]
-        wrapped = [GuiWorkspace(c, src.config) if isinstance(src, GuiWorkspace) else WebShopWorkspace(c)
-                   for c in ok]
+        wrapped = [wrap(src, c) for c in ok]
         settle = None
         if engine == "ksm" and ksm.available():
             ts = time.monotonic()
             ksm.tuner.wait_settled(timeout=settle_timeout)
             settle = time.monotonic() - ts
-        working = sum(works(w) for w in wrapped)
         clones_pss = sum(c.memory().pss for c in ok)
         src_after = src.ws.memory().pss
+        used_delta = used_bytes() - before_used
+        working = sum(works(w) for w in wrapped)  # after measuring: typing un-merges pages
         row = {
             "template": template, "engine": engine, "clones": clones,
             "processes": mem.processes, "fork_ok": working, "clones_restored": len(ok), "errors": errors,
             "source_bytes": mem.pss, "source_rss_bytes": mem.rss,
             "total_bytes_8_clones": src_after + clones_pss, "clones_bytes": clones_pss,
-            "system_used_delta_bytes": used_bytes() - before_used,
+            "system_used_delta_bytes": used_delta,
             "fork_seconds": t_fork - t0, "snapshot_seconds": t_snap - t0, "restore_seconds": t_fork - t_snap,
             "frozen_seconds": timing.frozen_seconds, "image_bytes": image_bytes,
             "ksm_settle_seconds": settle, "setup_seconds": up_seconds,
@@ -119,7 +141,7 @@ def run(template: str, engine: str, clones: int, settle_timeout: float) -> dict[
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--templates", default="gui,webshop")
+    ap.add_argument("--templates", default="gui,wayland,webshop")
     ap.add_argument("--engines", default="copy,ksm")
     ap.add_argument("--clones", type=int, default=8)
     ap.add_argument("--settle-timeout", type=float, default=60.0)

@@ -23,9 +23,9 @@ from .errors import (
     WorkspaceStateError,
 )
 from .files import EntryInfo
-from .snapshot import Snapshot
+from .fs import digest as rootfs_digest
 from .spec import WorkspaceSpec
-from .workspace import MemoryStats, Workspace, WorkspaceInfo
+from .workspace import MemoryStats, Snapshot, Workspace, WorkspaceInfo
 
 __version__ = "0.1.0"
 
@@ -38,5 +38,5 @@ __all__ = [
     "ForkTimeout", "KernelFeatureError", "MemoryStats",
     "NetworkError", "PrivilegeError", "RootfsError", "Sandbox", "Snapshot", "SpecError", "Workspace",
     "WorkspaceFileNotFound", "WorkspaceInfo", "WorkspaceNotFound", "WorkspaceSpec", "WorkspaceStateError",
-    "__version__", "deadlines",
+    "__version__", "deadlines", "rootfs_digest",
 ]

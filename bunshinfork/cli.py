@@ -18,10 +18,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TextIO
 
-from . import __version__, doctor, network, snapshot, spec, workspace
-from .errors import BunshinError, PrivilegeError, SpecError, WorkspaceStateError
-from .snapshot import Snapshot
-from .workspace import MemoryStats, Workspace, WorkspaceInfo
+from . import __version__, doctor, memory, pipeline, spec, state
+from .errors import BunshinError, SpecError, WorkspaceStateError
+from .workspace import MemoryStats, Snapshot, Workspace, WorkspaceInfo
 
 PROG = "bunshin"
 Handler = Callable[[argparse.Namespace], int]
@@ -106,11 +105,6 @@ def _write(stream: TextIO, text: str) -> None:
         enc = stream.encoding or "utf-8"
         stream.write(text.encode(enc, "replace").decode(enc))
     stream.flush()
-
-
-def _require_root() -> None:
-    if os.geteuid() != 0:
-        raise PrivilegeError("bunshin needs root (namespaces, mounts, cgroups); run it as root")
 
 
 def _connect(ws_id: str) -> Workspace:
@@ -302,7 +296,7 @@ def _rm(args: argparse.Namespace) -> int:
         print(ws_id)
     if args.all:
         # Dead workspaces cannot be connected to; gc is what takes them apart.
-        for ws_id in workspace.gc():
+        for ws_id in pipeline.gc()["workspaces"]:
             print(ws_id)
     return 1 if failed else 0
 
@@ -311,17 +305,19 @@ def _gc_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
+# What `gc` prints before each removed item, by kind.
+_GC_KINDS = {"workspaces": "workspace", "snapshots": "snapshot"}
+
+
 def _gc(args: argparse.Namespace) -> int:
-    removed = workspace.gc() + [f"snapshot {name}" for name in snapshot.gc()]
-    net_removed = [str(x) for x in network.gc()]
+    removed = pipeline.gc()
     if args.json:
-        _print_json({"workspaces": removed, "network": net_removed})
+        _print_json(removed)
         return 0
-    for ws_id in removed:
-        print(f"workspace {ws_id}")
-    for item in net_removed:
-        print(f"network {item}")
-    if not removed and not net_removed:
+    for kind, items in removed.items():
+        for item in items:
+            print(f"{_GC_KINDS.get(kind, kind)} {item}")
+    if not any(removed.values()):
         print("nothing to remove")
     return 0
 
@@ -332,7 +328,7 @@ def _gc(args: argparse.Namespace) -> int:
 def _fork_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("id", nargs="?", type=_workspace_id, help="the running workspace to fork")
     p.add_argument("-n", "--count", type=int, default=1, help="number of clones (default 1)")
-    p.add_argument("--memory", default="auto", choices=("auto", "copy", "ksm", "cow"),
+    p.add_argument("--memory", default="auto", choices=("auto", *memory.NAMES),
                    help="memory engine (default auto: cow with /dev/bunshin, else ksm on Linux >= 6.4, else copy)")
     p.add_argument("--snapshot", metavar="PATH", help="fork a snapshot saved by 'bunshin snapshot' instead")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -459,7 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub: Subcommand = args._sub
     try:
         if sub.needs_root:
-            _require_root()
+            state.require_root()
         return sub.run(args)
     except _UsageError as e:
         # The same shape and exit status as argparse's own usage errors.

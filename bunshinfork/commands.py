@@ -14,13 +14,10 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from . import control
 from .errors import CommandError, CommandTimeout, WorkspaceStateError
-
-if TYPE_CHECKING:
-    from .workspace import Workspace
+from .files import Files
+from .process import control
 
 DEFAULT_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -31,6 +28,8 @@ DEFAULT_ENV = {
 }
 
 OutputCallback = Callable[[str], None]
+# The workspace's live init pid; raises WorkspaceStateError once it is gone.
+InitPid = Callable[[], int]
 
 
 @dataclass
@@ -78,9 +77,10 @@ class CommandHandle:
     """A background command. Its output goes to files inside the workspace, so the workspace
     holds no connection to the host while it runs and can be forked meanwhile."""
 
-    def __init__(self, ws: Workspace, cmd_id: str, pid: int, on_stdout: OutputCallback | None = None,
-                 on_stderr: OutputCallback | None = None) -> None:
-        self._ws = ws
+    def __init__(self, init_pid: InitPid, files: Files, cmd_id: str, pid: int,
+                 on_stdout: OutputCallback | None = None, on_stderr: OutputCallback | None = None) -> None:
+        self._init_pid = init_pid
+        self._files = files
         self.cmd_id = cmd_id
         self.pid = pid  # inside the workspace's pid namespace
         self._offsets = [0, 0]
@@ -98,7 +98,7 @@ class CommandHandle:
     def _poll_once(self) -> int | None:
         """Read new output; return the wait status if the command has exited."""
         with self._lock:
-            files = self._ws.files
+            files = self._files
             base = self._dir()
             status_text = None
             if files.exists(f"{base}/exit"):
@@ -141,7 +141,7 @@ class CommandHandle:
         code, sig = _decode_status(status)
         self._result = CommandResult(self._streams[0].text, self._streams[1].text, code, sig)
         with contextlib.suppress(Exception):
-            self._ws.files.remove(self._dir())
+            self._files.remove(self._dir())
         return self._result
 
     @property
@@ -155,19 +155,24 @@ class CommandHandle:
     def kill(self, sig: int = signal.SIGKILL) -> bool:
         """Signal the command's whole process group; False if it had already exited."""
         try:
-            control.simple(self._ws._live_init_pid(), "kill", pid=-self.pid, sig=int(sig))
+            control.simple(self._init_pid(), "kill", pid=-self.pid, sig=int(sig))
             return True
         except CommandError:
             return False
 
 
 class Commands:
-    def __init__(self, ws: Workspace) -> None:
-        self._ws = ws
+    """ws.commands. `env` is the workspace's own environment; `shell` runs string commands."""
+
+    def __init__(self, init_pid: InitPid, files: Files, env: Mapping[str, str], shell: Callable[[], str]) -> None:
+        self._init_pid = init_pid
+        self._files = files
+        self._env = env
+        self._shell = shell
 
     def _argv(self, cmd: str | list[str]) -> list[str]:
         if isinstance(cmd, str):
-            return [self._ws._shell(), "-c", cmd]
+            return [self._shell(), "-c", cmd]
         if not cmd:
             raise CommandError("empty command")
         return list(cmd)
@@ -189,13 +194,13 @@ class Commands:
         Background: returns a CommandHandle with wait() and kill().
         """
         argv = self._argv(cmd)
-        full_env = {**DEFAULT_ENV, **self._ws.spec_env(), **(env or {})}
-        init_pid = self._ws._live_init_pid()
+        full_env = {**DEFAULT_ENV, **self._env, **(env or {})}
+        init_pid = self._init_pid()
         if background:
             cmd_id = secrets.token_hex(8)
             pid = int(control.simple(init_pid, "spawn", argv=argv, env=full_env, cwd=cwd or "/root",
                                      cmd_id=cmd_id))
-            return CommandHandle(self._ws, cmd_id, pid, on_stdout, on_stderr)
+            return CommandHandle(self._init_pid, self._files, cmd_id, pid, on_stdout, on_stderr)
         return self._run_foreground(init_pid, argv, full_env, cwd or "/root", timeout, on_stdout, on_stderr)
 
     def _run_foreground(self, init_pid: int, argv: list[str], env: Mapping[str, str], cwd: str,

@@ -13,15 +13,12 @@ import os
 import posixpath
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from . import native
 from .errors import FileOperationError, WorkspaceFileNotFound
-
-if TYPE_CHECKING:
-    from .workspace import Workspace
 
 HOME = "/root"
 
@@ -52,8 +49,10 @@ def _error(e: OSError, what: str, path: str) -> FileOperationError:
 
 
 class Files:
-    def __init__(self, ws: Workspace) -> None:
-        self._ws = ws
+    """ws.files, resolved against the root of the workspace whose live init `init_pid()` names."""
+
+    def __init__(self, init_pid: Callable[[], int]) -> None:
+        self._init_pid = init_pid
 
     def _abs(self, path: str) -> str:
         if not isinstance(path, str) or not path:
@@ -65,7 +64,7 @@ class Files:
 
     @contextlib.contextmanager
     def _root(self) -> Iterator[int]:
-        pid = self._ws._live_init_pid()
+        pid = self._init_pid()
         fd = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             yield fd

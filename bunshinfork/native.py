@@ -1,34 +1,43 @@
-"""Thin, typed access to the CFFI `_native` module: errno becomes OSError."""
+"""Thin, typed access to the CFFI `_native` module (errno becomes OSError), and where host tools are."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 from dataclasses import dataclass
 
 from ._native import ffi, lib
 
-CLONE_NEWNS = 0x00020000
 CLONE_NEWCGROUP = 0x02000000
+CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
-CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 
-MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
-MS_NOEXEC = 8
-MS_REMOUNT = 32
 MS_NOATIME = 1024
-MS_BIND = 4096
-MS_REC = 16384
-MS_PRIVATE = 1 << 18
 MNT_DETACH = 2
 
-PR_SET_MEMORY_MERGE = 67
 PR_GET_MEMORY_MERGE = 68
-PR_SET_CHILD_SUBREAPER = 36
+
+
+# sudo and cron often drop the sbin directories from PATH, where criu and mkfs.btrfs live.
+SBIN_DIRS = ("/usr/local/sbin", "/usr/sbin", "/sbin")
+
+
+def which(prog: str) -> str | None:
+    """`prog` on PATH, or in an sbin directory PATH left out."""
+    found = shutil.which(prog)
+    if found:
+        return found
+    for d in SBIN_DIRS:
+        p = os.path.join(d, prog)
+        if os.access(p, os.X_OK):
+            return p
+    return None
 
 
 def _check(rc: int, what: str) -> int:
@@ -49,8 +58,16 @@ def umount2(target: str, flags: int = 0) -> None:
     _check(lib.bn_umount2(target.encode(), flags), f"umount {target}")
 
 
-def pivot_root(new_root: str, put_old: str) -> None:
-    _check(lib.bn_pivot_root(new_root.encode(), put_old.encode()), "pivot_root")
+def unmount_below(directory: str | os.PathLike[str]) -> None:
+    """Detach every host mount under `directory`, children before their parents. A restore that
+    failed, or whose creator died, leaves the clone's overlay (CRIU's --root) and CRIU's cgroup
+    yard mounted under the clone's state directory."""
+    prefix = str(directory) + "/"
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4] for line in f]
+    for mp in sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True):
+        with contextlib.suppress(OSError):
+            umount2(mp, MNT_DETACH)
 
 
 RESOLVE_NO_MAGICLINKS = 0x02
@@ -68,24 +85,8 @@ def setns(fd: int, nstype: int = 0) -> None:
     _check(lib.bn_setns(fd, nstype), "setns")
 
 
-def unshare(flags: int) -> None:
-    _check(lib.bn_unshare(flags), "unshare")
-
-
-def pidfd_open(pid: int) -> int:
-    return _check(lib.bn_pidfd_open(pid, 0), f"pidfd_open {pid}")
-
-
-def pidfd_send_signal(pidfd: int, sig: int) -> None:
-    _check(lib.bn_pidfd_send_signal(pidfd, sig, 0), "pidfd_send_signal")
-
-
 def prctl(option: int, a2: int = 0, a3: int = 0, a4: int = 0, a5: int = 0) -> int:
     return _check(lib.bn_prctl(option, a2, a3, a4, a5), f"prctl({option})")
-
-
-def sethostname(name: str) -> None:
-    _check(lib.bn_sethostname(name.encode()), "sethostname")
 
 
 def set_hostname_in(pid: int, name: str) -> None:

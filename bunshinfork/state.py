@@ -1,23 +1,38 @@
-"""Where workspaces live on the host: /run/bunshin/<id>, like runc, so no daemon is needed.
+"""Where workspaces and snapshots live on the host, and the typed state saved there.
 
-A workspace's record (state.json) is the single source of truth that lets a
-second process connect to, or garbage-collect, a workspace another process made.
+/run/bunshin/<id>/state.json is a workspace's Record and /run/bunshin/snapshots/<id>/snapshot.json
+a snapshot's SnapshotMeta. As runc's State, they are the single source of truth that lets a
+second process connect to, or garbage-collect, what another process made; no daemon is needed.
+Each subsystem's share of them is one dataclass below, and save()/load() are the only code
+that turns them into JSON and back.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
 import secrets
+import types
+import typing
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 from . import native
+from .errors import PrivilegeError
+from .spec import WorkspaceSpec
 
 RUN_ROOT = Path(os.environ.get("BUNSHIN_RUN_ROOT", "/run/bunshin"))
+SNAPSHOTS = "snapshots"
+
+
+def require_root() -> None:
+    if os.geteuid() != 0:
+        raise PrivilegeError("bunshin needs root (namespaces, mounts, cgroups); run it as root")
 
 
 def run_root() -> Path:
@@ -52,6 +67,10 @@ def new_id() -> str:
     return "ws-" + secrets.token_hex(6)
 
 
+def new_snapshot_id() -> str:
+    return "snap-" + secrets.token_hex(6)
+
+
 def proc_starttime(pid: int) -> int | None:
     """Field 22 of /proc/PID/stat: tells a live process from a recycled pid."""
     try:
@@ -61,44 +80,189 @@ def proc_starttime(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[19])
 
 
+def all_ids() -> list[str]:
+    if not RUN_ROOT.is_dir():
+        return []
+    return sorted(n for n in os.listdir(RUN_ROOT) if n.startswith("ws-") and (RUN_ROOT / n).is_dir())
+
+
+def snapshots_root() -> Path:
+    return run_root() / SNAPSHOTS
+
+
+def snapshot_ids() -> list[str]:
+    """Every retained snapshot directory under the state root (used by gc and the leak checks)."""
+    root = RUN_ROOT / SNAPSHOTS
+    return sorted(os.listdir(root)) if root.is_dir() else []
+
+
+# ---- each subsystem's state ----
+
+
+@dataclass(frozen=True)
+class Rootfs:
+    """fs: the read-only lower layers a workspace's overlay stacks."""
+
+    kind: str  # host | debian | dir | docker
+    lowerdirs: tuple[str, ...]  # top first, as overlayfs lists them
+    digest: str
+    source: str
+
+
+@dataclass(frozen=True)
+class Layer:
+    """fs: a private layer, a subvolume or directory holding the overlay's upper/ and work/."""
+
+    kind: str  # btrfs | dir
+    path: str
+
+    @property
+    def upper(self) -> str:
+        return os.path.join(self.path, "upper")
+
+    @property
+    def work(self) -> str:
+        return os.path.join(self.path, "work")
+
+
+@dataclass(frozen=True)
+class FsState:
+    rootfs: Rootfs
+    layer: Layer | None = None  # a workspace's writable upper, or a snapshot's frozen copy of one
+
+
+@dataclass(frozen=True)
+class CgroupState:
+    version: str  # v1 | v2
+    paths: dict[str, str]  # controller (or "unified") -> directory
+
+
+@dataclass(frozen=True)
+class InitState:
+    """process: the workspace's PID 1 on the host."""
+
+    pid: int
+    starttime: int
+
+    def alive(self) -> bool:
+        return proc_starttime(self.pid) == self.starttime
+
+
+@dataclass(frozen=True)
+class NetworkState:
+    mode: str = "none"  # none | bridge
+    bridge: str | None = None
+    host_if: str | None = None
+    ip: str | None = None
+    prefixlen: int | None = None
+    gateway: str | None = None
+    nat: bool = False
+
+    def info(self) -> dict[str, Any]:
+        """What WorkspaceInfo.network shows: the fields this mode has."""
+        shown = dataclasses.asdict(self) if self.mode != "none" else {"mode": self.mode}
+        return {k: v for k, v in shown.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class Timing:
+    frozen_seconds: float
+    dump_seconds: float
+
+
 @dataclass
 class Record:
+    """A workspace: its identity, its spec and one state per subsystem, filled in as it is built."""
+
     id: str
     status: str  # creating | running | destroyed
     creator_pid: int
     created_at: float
     hostname: str
-    init_pid: int = 0
-    init_starttime: int = 0
-    rootfs: dict = field(default_factory=dict)
-    storage: dict = field(default_factory=dict)
-    cgroup: dict = field(default_factory=dict)
-    network: dict = field(default_factory=dict)
-    spec: dict = field(default_factory=dict)
+    spec: WorkspaceSpec
     parent: str | None = None
+    fs: FsState | None = None
+    cgroups: CgroupState | None = None
+    process: InitState | None = None
+    network: NetworkState | None = None
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per subsystem while it was built
 
     @property
     def dir(self) -> Path:
         return RUN_ROOT / self.id
 
     def save(self) -> None:
-        tmp = self.dir / "state.json.tmp"
-        tmp.write_text(json.dumps(asdict(self), indent=1, sort_keys=True))
-        os.replace(tmp, self.dir / "state.json")
+        save(self, self.dir / "state.json")
 
     @classmethod
     def load(cls, ws_id: str) -> Record:
-        data = json.loads((RUN_ROOT / ws_id / "state.json").read_text())
-        return cls(**data)
+        return load(cls, RUN_ROOT / ws_id / "state.json")
 
     def init_alive(self) -> bool:
-        return bool(self.init_pid) and proc_starttime(self.init_pid) == self.init_starttime
+        return self.process is not None and self.process.alive()
 
     def creator_alive(self) -> bool:
         return proc_starttime(self.creator_pid) is not None
 
 
-def all_ids() -> list[str]:
-    if not RUN_ROOT.is_dir():
-        return []
-    return sorted(n for n in os.listdir(RUN_ROOT) if n.startswith("ws-") and (RUN_ROOT / n).is_dir())
+@dataclass
+class SnapshotMeta:
+    """A snapshot: what it was taken from and with, and each subsystem's captured state."""
+
+    id: str
+    source: str
+    created_at: float
+    owner_pid: int
+    hostname: str
+    spec: WorkspaceSpec
+    memory: str  # the memory engine it was taken for: clones fork with it
+    cgroup_version: str = ""
+    fs: FsState | None = None
+    timing: Timing | None = None
+
+    FILE = "snapshot.json"
+
+    def save(self, directory: Path) -> None:
+        save(self, directory / self.FILE)
+
+    @classmethod
+    def load(cls, directory: Path) -> SnapshotMeta:
+        return load(cls, directory / cls.FILE)
+
+
+# ---- JSON, in one place ----
+
+T = TypeVar("T")
+
+
+def save(obj: Any, path: Path) -> None:
+    """Write a state dataclass atomically."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(dataclasses.asdict(obj), indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def load(cls: type[T], path: Path) -> T:
+    """Read a state dataclass; raises FileNotFoundError, or ValueError for a record it cannot read."""
+    try:
+        return _decode(cls, json.loads(path.read_text()))
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path} is not a {cls.__name__}: {e}") from e
+
+
+def _decode(tp: Any, value: Any) -> Any:
+    if value is None:
+        return None
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        nested = [a for a in inner if dataclasses.is_dataclass(a)]
+        return _decode(nested[0], value) if nested and isinstance(value, dict) else value
+    if dataclasses.is_dataclass(tp):
+        hints = typing.get_type_hints(tp)
+        # Fields a newer version wrote are ignored, as runc does; missing ones take their defaults.
+        known = {f.name for f in dataclasses.fields(tp) if f.init}
+        return tp(**{k: _decode(hints[k], v) for k, v in value.items() if k in known})
+    if origin is tuple:
+        return tuple(value)
+    return value

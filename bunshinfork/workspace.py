@@ -1,41 +1,31 @@
-"""Workspace lifecycle and the public SDK object (E2B style)."""
+"""The SDK's two objects (E2B style): a running Workspace, and a retained Snapshot of one.
+
+Both are thin: building a workspace is pipeline.create or pipeline.fork, a capture is
+snapshot.take, and destroying is pipeline.release; each state they read is typed (state.py).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import signal
 import threading
-import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import control, native, network, rootfs, seccomp_profile, state, storage
+from . import memory as memory_engines
+from . import pipeline, snapshot, state
 from .cgroups import Cgroup
 from .commands import Commands
-from .errors import (
-    BunshinError,
-    CgroupError,
-    KernelFeatureError,
-    PrivilegeError,
-    SpecError,
-    WorkspaceNotFound,
-    WorkspaceStateError,
-)
+from .contract import Build, Captured
+from .errors import BunshinError, SpecError, WorkspaceNotFound, WorkspaceStateError
 from .files import Files
-from .memory import ksm
-from .reaper import reaper
-from .snapshot import Snapshot
 from .spec import WorkspaceSpec
+from .state import Record, Timing
 
-INIT_BINARY = Path(__file__).resolve().parent / "_bin" / "bunshin-init"
-NS_FLAGS = (
-    native.CLONE_NEWPID | native.CLONE_NEWNS | native.CLONE_NEWNET | native.CLONE_NEWIPC | native.CLONE_NEWUTS
-    | native.CLONE_NEWCGROUP
-)
-READY_TIMEOUT = 15.0
+# Removes what crashed creators left behind (`bunshin gc`).
+gc = pipeline.gc
 
 
 @dataclass(frozen=True)
@@ -68,11 +58,6 @@ class MemoryStats:
     per_process: dict[int, dict[str, int]] = field(default_factory=dict, repr=False)
 
 
-def _require_root() -> None:
-    if os.geteuid() != 0:
-        raise PrivilegeError("bunshinfork needs root (namespaces, mounts, cgroups); run it as root")
-
-
 def _smaps_rollup(pid: int) -> dict[str, int]:
     out: dict[str, int] = {}
     with open(f"/proc/{pid}/smaps_rollup") as f:
@@ -89,13 +74,13 @@ class Workspace:
     Create with Workspace.create(spec); attach from any process with Workspace.connect(id).
     """
 
-    def __init__(self, record: state.Record, pidfd: int | None = None) -> None:
+    def __init__(self, record: Record, pidfd: int | None = None) -> None:
         self._rec = record
         self._pidfd = pidfd
         self._lock = threading.Lock()
         self._shell_path: str | None = None
-        self.commands = Commands(self)
-        self.files = Files(self)
+        self.files = Files(self._live_init_pid)
+        self.commands = Commands(self._live_init_pid, self.files, record.spec.env, self._shell)
 
     # ---- construction ----
 
@@ -108,80 +93,14 @@ class Workspace:
                 base = WorkspaceSpec(**{**base.to_dict(), **overrides})
             except TypeError as e:
                 raise SpecError(str(e)) from e
-        spec = base.validate()
-        _require_root()
-        if not INIT_BINARY.exists():
-            raise KernelFeatureError(f"{INIT_BINARY} is missing; reinstall bunshin (scripts/setup.sh)")
-        root_fs = rootfs.resolve(spec.rootfs)
-        run_root = state.run_root()
-        ws_id = state.new_id()
-        rec = state.Record(
-            id=ws_id, status="creating", creator_pid=os.getpid(), created_at=time.time(),
-            hostname=spec.hostname or ws_id, rootfs=root_fs.to_dict(), spec=spec.to_dict(),
-        )
-        (run_root / ws_id).mkdir(mode=0o700)
-        rec.save()
-        try:
-            return cls._start(rec, spec, root_fs)
-        except BaseException:
-            _cleanup(rec)
-            raise
-
-    @classmethod
-    def _start(cls, rec: state.Record, spec: WorkspaceSpec, root_fs: rootfs.Rootfs) -> Workspace:
-        layer = storage.create_layer(rec.id, spec.storage_dir)
-        rec.storage = layer.to_dict()
-        rec.save()
-        _seed_upper(Path(layer.upper), rec.hostname, root_fs)
-        cg = Cgroup.create(rec.id, memory_limit=spec.memory_limit, pids_limit=spec.pids_limit,
-                           version=spec.cgroup)
-        rec.cgroup = {"version": cg.version, "paths": cg.paths}
-        rec.save()
-        mountpoint = rec.dir / "rootfs"
-        mountpoint.mkdir()
-        opts = f"lowerdir={':'.join(root_fs.lowerdirs)},upperdir={layer.upper},workdir={layer.work}"
-        sp = native.spawn(native.SpawnConfig(
-            ns_flags=NS_FLAGS, root=str(mountpoint), overlay_opts=opts, hostname=rec.hostname,
-            mount_sysfs=spec.mount_sysfs, ksm_merge=spec.ksm, privileged=spec.privileged,
-            seccomp_bpf=b"" if spec.privileged else seccomp_profile.bpf(),
-        ))
-        rec.init_pid = sp.pid
-        rec.init_starttime = state.proc_starttime(sp.pid) or 0
-        rec.save()
-        reaper.watch(sp.pid, sp.pidfd)
-        ws = cls(rec, sp.pidfd)
-        try:
-            cg.add(sp.pid)
-        except CgroupError:
-            os.kill(sp.pid, signal.SIGKILL)
-            os.close(sp.sync_fd)
-            os.close(sp.err_fd)
-            raise
-        failure = native.release(sp)
-        if failure:
-            raise _classify_spawn_failure(failure)
-        ws._wait_ready()
-        rec.network = network.setup(rec.id, sp.pid, spec.network, nat=spec.nat)
-        rec.status = "running"
-        rec.save()
-        return ws
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT
-        delay = 0.001
-        while not control.ping(self._rec.init_pid):
-            if not self._rec.init_alive():
-                raise WorkspaceStateError(f"workspace {self.id}: init exited during start-up")
-            if time.monotonic() > deadline:
-                raise WorkspaceStateError(f"workspace {self.id}: init did not answer within {READY_TIMEOUT}s")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
+        b = pipeline.create(base.validate())
+        return cls(b.rec, b.pidfd)
 
     @classmethod
     def connect(cls, ws_id: str) -> Workspace:
         """Attach to a workspace created by this or another process."""
         try:
-            rec = state.Record.load(ws_id)
+            rec = Record.load(ws_id)
         except FileNotFoundError:
             raise WorkspaceNotFound(f"no workspace {ws_id!r} under {state.RUN_ROOT}; see 'bunshin ls'") from None
         if rec.status != "running" or not rec.init_alive():
@@ -195,8 +114,8 @@ class Workspace:
     def list() -> list[WorkspaceInfo]:
         out = []
         for ws_id in state.all_ids():
-            with contextlib.suppress(FileNotFoundError, ValueError, TypeError, BunshinError):
-                rec = state.Record.load(ws_id)
+            with contextlib.suppress(FileNotFoundError, ValueError, BunshinError):
+                rec = Record.load(ws_id)
                 if rec.status == "running":
                     out.append(Workspace(rec).info())
         return out
@@ -210,39 +129,39 @@ class Workspace:
     @property
     def init_pid(self) -> int:
         """The init's pid on the host."""
-        return self._rec.init_pid
+        return self._rec.process.pid if self._rec.process else 0
 
     def _cgroup(self) -> Cgroup:
-        return Cgroup(version=self._rec.cgroup["version"], paths=self._rec.cgroup["paths"])
+        assert self._rec.cgroups is not None
+        return Cgroup(self._rec.cgroups)
 
     def _live_init_pid(self) -> int:
-        if self._rec.status != "running" or not self._rec.init_alive():
+        if not self.is_running():
             raise WorkspaceStateError(f"workspace {self.id} is not running (destroyed, or its init died)")
-        return self._rec.init_pid
+        return self.init_pid
 
     def _shell(self) -> str:
         if self._shell_path is None:
             self._shell_path = "/bin/bash" if self.files.exists("/bin/bash") else "/bin/sh"
         return self._shell_path
 
-    def spec_env(self) -> dict[str, str]:
-        return dict(self._rec.spec.get("env") or {})
-
     def is_running(self) -> bool:
         return self._rec.status == "running" and self._rec.init_alive()
 
     def info(self) -> WorkspaceInfo:
-        alive = self.is_running()
+        rec = self._rec
         st = "dead"
-        if alive:
+        if self.is_running():
             st = "paused" if self._cgroup().frozen() else "running"
-        spec = self._rec.spec
+        fs = rec.fs
+        limit = rec.spec.memory_limit
         return WorkspaceInfo(
-            id=self.id, hostname=self._rec.hostname, state=st, init_pid=self._rec.init_pid,
-            created_at=self._rec.created_at, rootfs=self._rec.rootfs.get("source", ""),
-            rootfs_digest=self._rec.rootfs.get("digest", ""), storage=self._rec.storage.get("kind", ""),
-            network=dict(self._rec.network), cgroup_version=self._rec.cgroup.get("version", ""),
-            memory_limit=spec.get("memory_limit"), pids_limit=spec.get("pids_limit"), parent=self._rec.parent,
+            id=self.id, hostname=rec.hostname, state=st, init_pid=self.init_pid, created_at=rec.created_at,
+            rootfs=fs.rootfs.source if fs else "", rootfs_digest=fs.rootfs.digest if fs else "",
+            storage=fs.layer.kind if fs and fs.layer else "", network=rec.network.info() if rec.network else {},
+            cgroup_version=rec.cgroups.version if rec.cgroups else "",
+            memory_limit=limit if isinstance(limit, int) else None, pids_limit=rec.spec.pids_limit,
+            parent=rec.parent,
         )
 
     def memory(self) -> MemoryStats:
@@ -280,8 +199,9 @@ class Workspace:
     def snapshot(self, memory: str = "auto") -> Snapshot:
         """Freeze briefly, capture the whole workspace, resume it; the Snapshot can fork many times.
 
-        memory="cow" (the default where /dev/bunshin exists) keeps the anonymous memory in
-        holders shared copy-on-write with the source; otherwise it goes into CRIU images.
+        memory is the engine every fork of the snapshot uses, chosen now: "cow" (the default
+        where /dev/bunshin exists) keeps the anonymous memory in holders shared copy-on-write
+        with the source; "ksm" and "copy" keep it in CRIU images.
         """
         return Snapshot.take(self, memory)
 
@@ -293,7 +213,7 @@ class Workspace:
         or "auto" (cow when /dev/bunshin exists, else ksm on Linux >= 6.4, else copy).
         """
         with self.snapshot(memory) as snap:
-            return snap.fork(count, memory)
+            return snap.fork(count)
 
     def destroy(self) -> None:
         """Kill every process and remove mounts, cgroups, network, layers and state. Idempotent."""
@@ -301,7 +221,7 @@ class Workspace:
         # could hit a descriptor another thread has been handed since.
         with self._lock:
             pidfd, self._pidfd = self._pidfd, None
-            _cleanup(self._rec, pidfd)
+            pipeline.release(Build(self._rec, pidfd=pidfd))
 
     def __enter__(self) -> Workspace:
         return self
@@ -310,115 +230,126 @@ class Workspace:
         self.destroy()
 
     def __repr__(self) -> str:
-        return f"<Workspace {self.id} init={self._rec.init_pid} {self._rec.status}>"
+        return f"<Workspace {self.id} init={self.init_pid} {self._rec.status}>"
 
 
-def _seed_upper(upper: Path, hostname: str, root_fs: rootfs.Rootfs | None = None) -> None:
-    """Files every workspace gets in its private layer: the init binary, its identity, a home."""
-    bdir = upper / ".bunshin"
-    bdir.mkdir(mode=0o700)
-    shutil.copy2(INIT_BINARY, bdir / "init")
-    write_identity(upper, hostname)
-    # Commands start in /root and relative file paths resolve under it, so a directory rootfs
-    # without one would refuse every command; a rootfs that has it keeps its own.
-    if root_fs and not any(os.path.lexists(Path(lower, "root")) for lower in root_fs.lowerdirs):
-        (upper / "root").mkdir(mode=0o700)
+class Snapshot:
+    """The frozen, retained state of a workspace. fork() may be called any number of times."""
 
+    # What a saved snapshot's directory holds (save()).
+    layout = snapshot.LAYOUT
 
-def write_identity(upper: Path, hostname: str) -> None:
-    """/etc/hostname and /etc/hosts naming this workspace (a clone gets its own)."""
-    etc = upper / "etc"
-    etc.mkdir(exist_ok=True)
-    (etc / "hostname").write_text(hostname + "\n")
-    (etc / "hosts").write_text(
-        f"127.0.0.1\tlocalhost\n127.0.1.1\t{hostname}\n::1\tlocalhost ip6-localhost ip6-loopback\n"
-    )
+    def __init__(self, captured: Captured) -> None:
+        self._snap = captured
+        self._released = False
+        self._fixed_bytes: int | None = None
 
+    @classmethod
+    def take(cls, ws: Workspace, memory: str = "auto") -> Snapshot:
+        """Capture `ws` for the memory engine `memory` (see Workspace.snapshot)."""
+        engine = memory_engines.resolve(memory)  # an engine this host lacks fails before any freeze
+        ws._live_init_pid()
+        return cls(snapshot.take(ws._rec, engine))
 
-def _classify_spawn_failure(msg: str) -> BunshinError:
-    if "Operation not permitted" in msg:
-        return PrivilegeError(f"workspace set-up failed at {msg}; run as root with CAP_SYS_ADMIN")
-    if "mount overlay" in msg:
-        return KernelFeatureError(f"workspace set-up failed at {msg}; is overlayfs available? see 'bunshin doctor'")
-    return WorkspaceStateError(f"workspace set-up failed at {msg}")
+    # ---- properties ----
 
+    @property
+    def id(self) -> str:
+        return self._snap.meta.id
 
-def _kill_tree(rec: state.Record, pidfd: int | None) -> None:
-    cg = Cgroup(version=rec.cgroup["version"], paths=rec.cgroup["paths"]) if rec.cgroup else None
-    if cg is not None and cg.exists():
-        # v1 freezer: a frozen task cannot act on SIGKILL until thawed.
-        with contextlib.suppress(CgroupError, OSError):
-            if cg.frozen():
-                cg.thaw()
-    if rec.init_pid and rec.init_alive():
-        # Killing a pid namespace's init kills every process in it.
-        with contextlib.suppress(ProcessLookupError):
-            if pidfd is not None:
-                native.pidfd_send_signal(pidfd, signal.SIGKILL)
-            else:
-                os.kill(rec.init_pid, signal.SIGKILL)
-    if rec.init_pid:
-        deadline = time.monotonic() + 10
-        while rec.init_alive() and time.monotonic() < deadline:
-            if rec.creator_pid == os.getpid():
-                reaper.reap_now(rec.init_pid)
-            time.sleep(0.002)
-    if cg is not None and cg.exists():
-        deadline = time.monotonic() + 10
-        while cg.pids() and time.monotonic() < deadline:
-            for pid in cg.pids():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.005)
+    @property
+    def source_id(self) -> str:
+        return self._snap.meta.source
 
+    @property
+    def dir(self) -> Path:
+        return self._snap.dir
 
-def _cleanup(rec: state.Record, pidfd: int | None = None) -> None:
-    """Remove everything a (possibly half-created, possibly crashed) workspace holds."""
-    if rec.status == "destroyed":
-        return
-    errors: list[str] = []
-    _kill_tree(rec, pidfd)
-    if pidfd is not None:
-        with contextlib.suppress(OSError):
-            os.close(pidfd)
-    steps = [
-        ("network", lambda: network.teardown(rec.id, rec.network)),
-        ("cgroup", lambda: rec.cgroup and Cgroup(rec.cgroup["version"], rec.cgroup["paths"]).remove()),
-        # A mount left under the state dir may still use the layer as its upper: detach first.
-        ("mounts", lambda: storage.unmount_below(rec.dir)),
-        ("layer", lambda: rec.storage and storage.remove_layer(rec.storage)),
-        ("state", lambda: shutil.rmtree(rec.dir, ignore_errors=False) if rec.dir.exists() else None),
-    ]
-    for name, step in steps:
-        try:
-            step()
-        except Exception as e:
-            errors.append(f"{name}: {e}")
-    rec.status = "destroyed"
-    if errors:
-        raise WorkspaceStateError(f"workspace {rec.id} cleanup incomplete: {'; '.join(errors)}")
+    @property
+    def memory(self) -> str:
+        """The memory engine its clones fork with, chosen when it was taken (or loaded)."""
+        return self._snap.meta.memory
 
+    @property
+    def kind(self) -> str:
+        """"cow" (memory held by holders, forks share it) or "image" (memory in CRIU images)."""
+        return memory_engines.kind(self.memory)
 
-def gc() -> list[str]:
-    """Remove what crashed creators left behind: records whose init is gone, orphan cgroups and layers."""
-    removed = []
-    for ws_id in state.all_ids():
-        try:
-            rec = state.Record.load(ws_id)
-        except (FileNotFoundError, ValueError, TypeError):
-            rec = None
-        if rec is None:
-            # No readable record: a creator died before writing one. Nothing else can be known.
-            shutil.rmtree(state.RUN_ROOT / ws_id, ignore_errors=True)
-            removed.append(ws_id)
-            continue
-        stale = (rec.status == "creating" and not rec.creator_alive()) or (
-            rec.status == "running" and not rec.init_alive()
-        )
-        if stale:
-            with contextlib.suppress(BunshinError):
-                _cleanup(rec)
-            removed.append(ws_id)
-    # A creator killed mid-burst cannot relax ksmd itself.
-    ksm.reconcile()
-    return removed
+    @property
+    def timing(self) -> Timing:
+        return self._snap.meta.timing or Timing(0.0, 0.0)
+
+    @property
+    def images_dir(self) -> Path:
+        return self._snap.images
+
+    @property
+    def rootfs_digest(self) -> str:
+        fs = self._snap.meta.fs
+        return fs.rootfs.digest if fs else ""
+
+    def image_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.images_dir.iterdir() if f.is_file())
+
+    def retained_bytes(self) -> int:
+        """What keeping this snapshot costs now: its images and saved file-system layer, plus,
+        for a cow snapshot, the anonymous pages only its holders still map.
+
+        A cow snapshot shares every page with its source at first, so it starts near its images'
+        size and grows by the pages the source writes afterwards; a cache bounding its memory
+        should measure it again before it decides what to evict.
+        """
+        self._check_live()
+        if self._fixed_bytes is None:
+            self._fixed_bytes = snapshot.file_bytes(self._snap)
+        return self._fixed_bytes + memory_engines.held_bytes(self._snap)
+
+    def _check_live(self) -> None:
+        if self._released:
+            raise WorkspaceStateError(f"snapshot {self.id} was released")
+
+    # ---- forking ----
+
+    def fork(self, count: int = 1, memory: str | None = None) -> list[Workspace | Exception]:
+        """Start `count` running clones with the engine the snapshot was taken for. Each succeeds
+        or fails on its own (E2B semantics): a failed clone is an Exception in the list and leaves
+        nothing behind. memory: None or "auto" (the snapshot's engine), or another engine that
+        restores the same capture ("copy" and "ksm" both restore CRIU images)."""
+        self._check_live()
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise SpecError(f"count must be a positive integer, got {count!r}")
+        engine = memory_engines.for_fork(self.memory, self.id, memory)
+        return [Workspace(r.rec, r.pidfd) if isinstance(r, Build) else r
+                for r in pipeline.fork(self._snap, count, engine)]
+
+    # ---- durability ----
+
+    def save(self, path: str | os.PathLike[str]) -> Future[str]:
+        """Write a durable copy to `path` (a new directory) in the background; the source has
+        long resumed. The future's result is the path. A cow snapshot's holders are read into
+        complete images, so the saved copy loads and forks with the copy or ksm engine."""
+        self._check_live()
+        return snapshot.save(self._snap, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], memory: str | None = None) -> Snapshot:
+        """Open a snapshot written by save(). It is used in place and never deleted by release().
+        memory: the engine its clones fork with (None: the one it was taken with, where its
+        images serve it; else the best this host runs)."""
+        return cls(snapshot.load(path, memory))
+
+    def release(self) -> None:
+        """Drop the retained state (images, file-system snapshot, memory holders). Idempotent."""
+        if self._released:
+            return
+        self._released = True
+        pipeline.release(self._snap)
+
+    def __enter__(self) -> Snapshot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"<Snapshot {self.id} of {self.source_id}>"

@@ -7,12 +7,11 @@ import secrets
 import shutil
 import tempfile
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
-from bunshinfork import ForkError, Snapshot, Workspace
+from bunshinfork import Snapshot, Workspace
 
 from .delta import DeltaStore
 from .store import BlobStore
@@ -70,7 +69,14 @@ class SharedSnapshot:
             if self._owned_dir is not None:
                 shutil.rmtree(self._owned_dir, ignore_errors=True)
 
-    def fork(self, memory: str) -> Workspace:
+    @property
+    def memory(self) -> str:
+        """The memory engine it was captured for; every fork of it uses that engine."""
+        return self.snap.memory
+
+    def fork(self, memory: str | None = None) -> Workspace:
+        """A clone, with the engine the state was captured for (or one that restores the same
+        capture: see Snapshot.fork)."""
         out = self.snap.fork(1, memory)[0]
         if isinstance(out, Exception):
             raise out
@@ -78,36 +84,17 @@ class SharedSnapshot:
 
     @classmethod
     def take(cls, ws: Workspace, memory: str = "auto") -> SharedSnapshot:
-        """Capture `ws` for forking with `memory` later: a cow engine needs a cow snapshot."""
-        return cls(take_snapshot(ws, memory))
-
-
-SNAPSHOT_ATTEMPTS = 4
-
-
-def take_snapshot(ws: Workspace, memory: str = "auto") -> Snapshot:
-    """ws.snapshot(memory), retried on a transient failure.
-
-    A foreground command's shim inside the workspace replies before it closes the host's control
-    connection and exits, so a snapshot taken right after a command returns can find that shim
-    still holding a socket whose peer is outside the workspace, which CRIU refuses to dump. The
-    workspace keeps running when a snapshot fails, so a short wait and a retry are safe.
-    """
-    for attempt in range(SNAPSHOT_ATTEMPTS):
-        try:
-            return ws.snapshot(memory)
-        except ForkError:
-            if attempt == SNAPSHOT_ATTEMPTS - 1 or not ws.is_running():
-                raise
-            time.sleep(0.02 * (attempt + 1))
-    raise AssertionError("unreachable")
+        """Capture `ws`; its forks use the memory engine chosen here."""
+        return cls(ws.snapshot(memory))
 
 
 class SnapshotBackend:
-    """Resident states are SharedSnapshots; on-disk states are delta chains in a blob store."""
+    """Resident states are SharedSnapshots; on-disk states are delta chains in a blob store.
 
-    def __init__(self, memory: str = "auto", store_dir: str | os.PathLike[str] | None = None) -> None:
-        self.memory = memory
+    A state forks with the memory engine it was captured with (a state read back from disk:
+    the same engine where its images serve it), so the backend takes no engine of its own."""
+
+    def __init__(self, store_dir: str | os.PathLike[str] | None = None) -> None:
         self.deltas = DeltaStore(BlobStore(Path(store_dir) / "blobs")) if store_dir is not None else None
         self._scratch = Path(store_dir) / "scratch" if store_dir is not None else None
 
@@ -119,7 +106,7 @@ class SnapshotBackend:
         return payload.bytes
 
     def fork(self, payload: SharedSnapshot) -> Workspace:
-        return payload.fork(self.memory)
+        return payload.fork()
 
     def release(self, payload: SharedSnapshot) -> None:
         payload.release()

@@ -1,9 +1,9 @@
 """Directory trees as deduplicated deltas: a saved snapshot stored as what changed since its parent.
 
 A manifest maps every path of a saved snapshot directory to its metadata and content digests.
-CRIU page images (images/pages-*.img) are split into 4 KiB blocks, so a child whose tool call
-dirtied a few pages stores only those pages even though CRIU rewrote the whole image; every
-other file is one blob. A node's delta records only the entries that differ from its parent's
+CRIU's page images (Snapshot.layout names them) are split into 4 KiB blocks, so a child whose
+tool call dirtied a few pages stores only those pages even though CRIU rewrote the whole image;
+every other file is one blob. A node's delta records only the entries that differ from its parent's
 manifest (for page images, only the blocks that differ) plus the digest of the parent's delta,
 so the delta chain from the root rebuilds any node's directory.
 """
@@ -18,21 +18,14 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from bunshinfork import Snapshot
+
 from .store import BlobStore
 
 BLOCK = 4096
 Entry = dict[str, Any]
 Manifest = dict[str, Entry]
-
-
-def _is_paged(rel: str) -> bool:
-    name = os.path.basename(rel)
-    return rel.startswith("images/") and name.startswith("pages-") and name.endswith(".img")
-
-
-def _skipped(rel: str) -> bool:
-    # CRIU's dump log is large, differs on every dump and is not read by a restore.
-    return rel.startswith("images/") and rel.endswith(".log")
+LAYOUT = Snapshot.layout
 
 
 def _xattrs(path: str) -> dict[str, str]:
@@ -54,7 +47,7 @@ def scan(directory: str | os.PathLike[str], store: BlobStore) -> Manifest:
         for name in [*dirnames, *sorted(filenames)]:
             full = os.path.join(dirpath, name)
             rel = os.path.relpath(full, root)
-            if _skipped(rel):
+            if LAYOUT.is_log(rel):
                 continue
             st = os.lstat(full)
             e: Entry = {"m": stat.S_IMODE(st.st_mode), "u": st.st_uid, "g": st.st_gid, "mt": st.st_mtime_ns}
@@ -73,7 +66,7 @@ def scan(directory: str | os.PathLike[str], store: BlobStore) -> Manifest:
                     inodes[(st.st_dev, st.st_ino)] = rel
                     data = Path(full).read_bytes()
                     e["n"] = len(data)
-                    if _is_paged(rel):
+                    if LAYOUT.is_page_image(rel):
                         e["t"] = "k"
                         e["c"] = [store.put(data[i:i + BLOCK]) for i in range(0, len(data), BLOCK)]
                     else:

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bunshinfork import Workspace
+from bunshinfork import Workspace, rootfs_digest
 
 from ._async import run_blocking
 from .backend import SharedSnapshot
@@ -140,16 +139,12 @@ class RolloutEngine:
 
     async def _digest(self, task: Task) -> str:
         env = task.environment
-        key = json.dumps(env.spec, sort_keys=True, default=str)
+        rootfs = str(env.spec.get("rootfs", "host"))
         assert self._digest_lock is not None
-        async with self._digest_lock:  # groups start together; one probe workspace is enough
-            if key not in self._digests:
-                probe = await run_blocking(Workspace.create, **env.spec)
-                try:
-                    self._digests[key] = probe.info().rootfs_digest
-                finally:
-                    await run_blocking(probe.destroy)
-        return template_digest(self._digests[key], env.fingerprint)
+        async with self._digest_lock:  # groups start together; a rootfs is resolved once
+            if rootfs not in self._digests:
+                self._digests[rootfs] = await run_blocking(rootfs_digest, rootfs)
+        return template_digest(self._digests[rootfs], env.fingerprint)
 
     async def _initialized(self, task: Task) -> Workspace:
         ws = self._live.add(await run_blocking(Workspace.create, **task.environment.spec))
@@ -184,7 +179,7 @@ class RolloutEngine:
             finally:
                 await self._destroy(ws0)
             try:
-                clones = await run_blocking(snap.snap.fork, group_size, self.memory)
+                clones = await run_blocking(snap.snap.fork, group_size)
             finally:
                 await run_blocking(snap.release)
             for s, c in zip(samples, clones, strict=True):

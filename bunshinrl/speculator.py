@@ -69,6 +69,7 @@ class SpeculativeBranch:
         self.calls = list(calls)
         self._live: Workspace | None = ws  # runs the chain
         self._snap: SharedSnapshot | None = snapshot  # the pre-speculation state, until call 0 resolves
+        self._memory = snapshot.memory  # checkpoints fork like the state they branch from
         self._tools = tools
         self._results: list[asyncio.Future[tuple[str, float]]] = [loop.create_future() for _ in self.calls]
         self._checkpoints: list[asyncio.Future[SharedSnapshot]] = [loop.create_future() for _ in self.calls[1:]]
@@ -104,7 +105,7 @@ class SpeculativeBranch:
             if j < len(self._checkpoints) and not self._aborted:
                 # The rollback point should the policy take this call and then deviate.
                 try:
-                    cp = await run_blocking(SharedSnapshot.take, ws, self._owner.memory)
+                    cp = await run_blocking(SharedSnapshot.take, ws, self._memory)
                 except BaseException as e:
                     self._fail_from(j, e)
                     if isinstance(e, asyncio.CancelledError):
@@ -207,11 +208,11 @@ class SpeculativeBranch:
                 return self._take_live()
             raise
         self._kill_live()
-        return await run_blocking(cp.fork, self._owner.memory)
+        return await run_blocking(cp.fork)
 
     async def _take_rollback(self) -> Workspace:
         assert self._snap is not None
-        return await run_blocking(self._snap.fork, self._owner.memory)
+        return await run_blocking(self._snap.fork)
 
     async def _release_snapshot(self) -> None:
         snap, self._snap = self._snap, None
@@ -265,8 +266,9 @@ class SpeculativeBranch:
 class Speculator:
     """Predicts K-call chains with a ToolSelector and runs them in forks, for tail samples only.
 
-    memory: the fork engine for speculative forks. min_probability: shorter chains rather than
-    guesses the selector itself doubts.
+    memory: the memory engine of the snapshot launch() takes when it is given none (a branch's
+    checkpoints use the engine of the state it started from). min_probability: shorter chains
+    rather than guesses the selector itself doubts.
     """
 
     def __init__(self, selector: ToolSelector | None = None, *, depth: int = 2, memory: str = "auto",

@@ -18,6 +18,11 @@
  *   'X' wait status (decimal)   'F' failure message (errno text)
  * A client that disconnects during `run` kills the command's process group:
  * that is how a timeout is enforced.
+ *
+ * A shim closes its connection before anything the client waits for can end (the
+ * last frame of a reply, or the client's hang-up), so once the client has seen EOF
+ * no process of the workspace holds a socket whose peer is outside it, and a
+ * snapshot taken right after any call finds none.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -318,7 +323,11 @@ static int op_run(int conn, struct request *rq)
 		if (idx_conn >= 0 && (pf[idx_conn].revents & (POLLIN | POLLHUP | POLLRDHUP | POLLERR))) {
 			char c;
 			if (recv(conn, &c, 1, MSG_DONTWAIT) <= 0) {
-				/* Client gone (timeout or crash): the foreground job dies with it. */
+				/* Client gone (timeout or crash): the foreground job dies with it. The
+				 * connection goes first, so a client waiting for our EOF is released
+				 * before the job has finished dying. */
+				close(conn);
+				conn = -1;
 				kill(-pid, SIGKILL);
 				kill(pid, SIGKILL);
 				client = 0;
@@ -333,6 +342,8 @@ static int op_run(int conn, struct request *rq)
 				close(fds[k]);
 				fds[k] = -1;
 			} else if (client && send_frame(conn, k == 0 ? 'O' : 'E', buf, (uint32_t)n) < 0) {
+				close(conn);
+				conn = -1;
 				client = 0;
 				kill(-pid, SIGKILL);
 			}
@@ -346,7 +357,8 @@ static int op_run(int conn, struct request *rq)
 		waitpid(pid, &status, 0);
 	if (client)
 		send_text(conn, 'X', "%d", status);
-	close(conn);
+	if (conn >= 0)
+		close(conn);
 	if (pidfd >= 0)
 		close(pidfd);
 	/* Keep the read ends open for background processes that inherited the pipes,

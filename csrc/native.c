@@ -33,21 +33,6 @@
 #define PR_SET_MEMORY_MERGE 67
 #endif
 
-int bn_pivot_root(const char *new_root, const char *put_old)
-{
-	return (int)syscall(SYS_pivot_root, new_root, put_old);
-}
-
-int bn_pidfd_open(int pid, unsigned int flags)
-{
-	return (int)syscall(SYS_pidfd_open, pid, flags);
-}
-
-int bn_pidfd_send_signal(int pidfd, int sig, unsigned int flags)
-{
-	return (int)syscall(SYS_pidfd_send_signal, pidfd, sig, NULL, flags);
-}
-
 int bn_openat2(int dirfd, const char *path, int flags, int mode, unsigned long long resolve)
 {
 	struct open_how how = {.flags = (uint64_t)flags, .mode = (uint64_t)mode, .resolve = resolve};
@@ -55,9 +40,7 @@ int bn_openat2(int dirfd, const char *path, int flags, int mode, unsigned long l
 }
 
 int bn_setns(int fd, int nstype) { return setns(fd, nstype); }
-int bn_unshare(int flags) { return unshare(flags); }
 int bn_umount2(const char *target, int flags) { return umount2(target, flags); }
-int bn_sethostname(const char *name) { return sethostname(name, strlen(name)); }
 
 int bn_mount(const char *source, const char *target, const char *fstype, unsigned long flags,
 	     const char *data)

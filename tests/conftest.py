@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from bunshinfork import state, storage
+from bunshinfork import state
 from bunshinfork.cgroups import leftover_cgroups
+from bunshinfork.fs import btrfs as storage
 from bunshinfork.memory import ksm
 from bunshinfork.workspace import Workspace
 

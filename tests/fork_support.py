@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 from helpers import run_ok, wait_for
 
-from bunshinfork import process, state
+from bunshinfork import Snapshot, process, state
 from bunshinfork.commands import CommandHandle
 from bunshinfork.memory import cow
-from bunshinfork.snapshot import Snapshot, leftover_snapshots
+from bunshinfork.state import snapshot_ids as leftover_snapshots
 from bunshinfork.workspace import Workspace
 
 WORKLOADS = Path(__file__).resolve().parent / "workloads"

@@ -75,7 +75,7 @@ def host_proc_state(pid: int) -> str | None:
 
 def init_gone(ws: Workspace) -> bool:
     """The workspace's init has exited and been reaped (a recycled pid does not count as it)."""
-    return state.proc_starttime(ws.init_pid) != ws._rec.init_starttime
+    return state.proc_starttime(ws.init_pid) != ws._rec.process.starttime
 
 
 def free_tcp_port() -> int:

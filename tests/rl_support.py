@@ -100,7 +100,8 @@ def my_snapshots() -> set[str]:
     import json
     import os
 
-    from bunshinfork.snapshot import leftover_snapshots, snapshots_root
+    from bunshinfork.state import snapshot_ids as leftover_snapshots
+    from bunshinfork.state import snapshots_root
 
     mine = set()
     for name in leftover_snapshots():

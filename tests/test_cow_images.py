@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pycriu.images as criu_images
 
-from bunshinfork import Workspace, criu, process, snapshot
-from bunshinfork.memory import holders, materialize
+from bunshinfork import Workspace, process
+from bunshinfork.memory import cow, holders, materialize
+from bunshinfork.process import criu
 
 PATTERN = (
     "python3 -c \"import hashlib, time; b = bytearray(hashlib.shake_256(b'x').digest(16 << 20)); "
@@ -56,7 +57,7 @@ def test_cow_dump_plus_holders_equals_a_plain_dump(tmp_path: Path) -> None:
             # Both dumps and the holders see one frozen instant: CRIU keeps a frozen cgroup frozen.
             criu.request("dump", process.dump_opts(ws.init_pid, plain, freezer), log=plain / "dump.log")
             criu.request("dump", process.dump_opts(ws.init_pid, cow_images, freezer), log=cow_images / "dump.log",
-                         env=snapshot.COW_DUMP_ENV)
+                         env=cow.DUMP_ENV)
             hs = holders.capture_tree(cg.pids(), cg.freeze, cg.thaw)
         finally:
             cg.thaw()

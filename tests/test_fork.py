@@ -39,12 +39,12 @@ from helpers import run_ok, wait_for
 from workloads import agent as workload
 from workloads import xclient
 
-from bunshinfork import criu, native, snapshot
+from bunshinfork import native
 from bunshinfork.commands import CommandHandle
 from bunshinfork.errors import BunshinError, ForkError, WorkspaceStateError
 from bunshinfork.memory import ksm
-from bunshinfork.snapshot import Snapshot
-from bunshinfork.workspace import Workspace
+from bunshinfork.process import criu, restore
+from bunshinfork.workspace import Snapshot, Workspace
 
 # The guest (qemu TCG, 10-30x slower than here) runs the cow parameters on a smaller source.
 BIG_MIB = int(os.environ.get("BUNSHIN_TEST_BIG_MIB", "512"))
@@ -406,11 +406,11 @@ def test_criu_killed_mid_restore(big: tuple[Workspace, dict[str, Any]], memory: 
             killed.append(session.pid)
         threading.Thread(target=kill_when_restoring_memory, args=(session,), daemon=True).start()
 
-    snapshot.RESTORE_HOOK = hook
+    restore.RESTORE_HOOK = hook
     try:
         results = ws.fork(3, memory=memory)
     finally:
-        snapshot.RESTORE_HOOK = None
+        restore.RESTORE_HOOK = None
     try:
         assert seen_marker == [True], "criu was not caught mid-restore"
         failed = [r for r in results if isinstance(r, Exception)]
@@ -514,11 +514,11 @@ def test_fork_on_btrfs(btrfs_dir: str) -> None:
         before = settled_tree(ws)
         with fork_of(ws, 2) as clones:
             for c in clones:
-                layer = c._rec.storage
-                assert layer["kind"] == "btrfs"
-                assert btrfsutil.is_subvolume(layer["path"])
-                assert not btrfsutil.get_subvolume_read_only(layer["path"])
-                assert Path(layer["path"]).parent == Path(btrfs_dir, "bunshin-layers")
+                layer = c._rec.fs.layer
+                assert layer.kind == "btrfs"
+                assert btrfsutil.is_subvolume(layer.path)
+                assert not btrfsutil.get_subvolume_read_only(layer.path)
+                assert Path(layer.path).parent == Path(btrfs_dir, "bunshin-layers")
                 assert settled_tree(c) == before
                 assert c.files.read("/root/base.txt") == "base\n"
             clones[0].files.write("/root/base.txt", "changed in clone 0\n")
@@ -529,5 +529,5 @@ def test_fork_on_btrfs(btrfs_dir: str) -> None:
             assert not clones[0].files.exists("/root/only-1.txt")
             assert not ws.files.exists("/root/only-1.txt")
             assert not any(c.files.exists("/root/after.txt") for c in clones)
-            paths = [c._rec.storage["path"] for c in clones]
+            paths = [c._rec.fs.layer.path for c in clones]
         assert not any(os.path.exists(p) for p in paths), "destroy left a subvolume"

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 from helpers import free_tcp_port, host_fd_targets, host_proc_state, run_ok, wait_for, ws_processes
 
-from bunshinfork import control, native
+from bunshinfork import native
 from bunshinfork.commands import CommandHandle
 from bunshinfork.errors import CommandTimeout
+from bunshinfork.process import control
 from bunshinfork.workspace import Workspace
 
 

@@ -199,8 +199,8 @@ def test_destroy_removes_the_veth_and_is_idempotent() -> None:
     assert net["host_if"] not in network.leftover_interfaces()
     assert not Path(f"/sys/class/net/{net['host_if']}").exists()
     ws.destroy()
-    network.teardown(ws.id, net)
-    network.teardown(ws.id, {})
+    network.teardown(ws.id, ws._rec.network)
+    network.teardown(ws.id, None)
     with pytest.raises(WorkspaceStateError):
         ws.commands.run("true")
 

@@ -34,7 +34,7 @@ def test_hit_served_from_disk_equals_live(tmp_path: Path) -> None:
     async def main() -> None:
         ws = Workspace.create()
         env.setup(ws)
-        backend = SnapshotBackend("ksm", tmp_path / "store")
+        backend = SnapshotBackend(tmp_path / "store")
         cache = ToolPrefixCache(backend, capacity_bytes=1 << 40, background=False)
         try:
             root = cache.add_root("task", "tmpl", await asyncio.to_thread(SharedSnapshot.take, ws))
@@ -83,7 +83,7 @@ def test_sparse_node_is_rebuilt_by_replay(tmp_path: Path) -> None:
     async def main() -> None:
         ws = Workspace.create()
         env.setup(ws)
-        cache = ToolPrefixCache(SnapshotBackend("ksm", None), capacity_bytes=1 << 40, snapshot_every=2,
+        cache = ToolPrefixCache(SnapshotBackend(None), capacity_bytes=1 << 40, snapshot_every=2,
                                 background=False)
         try:
             root = cache.add_root("task", "tmpl", await asyncio.to_thread(SharedSnapshot.take, ws))
@@ -114,7 +114,7 @@ def test_nondeterministic_tools_are_never_served_and_replay_detects_liars() -> N
 
     async def main() -> None:
         ws = Workspace.create()
-        cache = ToolPrefixCache(SnapshotBackend("ksm"), 1 << 40, guard=guard, snapshot_every=3, background=False)
+        cache = ToolPrefixCache(SnapshotBackend(), 1 << 40, guard=guard, snapshot_every=3, background=False)
         try:
             root = cache.add_root("task", "tmpl", await asyncio.to_thread(SharedSnapshot.take, ws))
             # A declared non-deterministic tool: recorded, never served.

@@ -68,7 +68,7 @@ def test_engine_configurations_observe_identically(tmp_path: Path) -> None:
     async def main() -> None:
         base = await run(RolloutEngine(ScriptedPolicy(), memory_interval=0.1), 2)
         guard = DeterminismGuard()
-        cache = ToolPrefixCache(SnapshotBackend("ksm", tmp_path / "store"), 1 << 40, guard=guard,
+        cache = ToolPrefixCache(SnapshotBackend(tmp_path / "store"), 1 << 40, guard=guard,
                                 snapshot_every=2, snapshot_slower_than=0.3)
         spec = Speculator(depth=2, tail=TailPolicy(slow_tool_seconds=0.3))
         try:
@@ -116,7 +116,7 @@ def test_audit_marks_a_lying_tool_and_serves_fresh_observations() -> None:
 
     async def main() -> None:
         guard = DeterminismGuard(audit_rate=1.0)
-        cache = ToolPrefixCache(SnapshotBackend("ksm"), 1 << 40, guard=guard)
+        cache = ToolPrefixCache(SnapshotBackend(), 1 << 40, guard=guard)
         engine = RolloutEngine(Liar(), cache=cache, guard=guard)
         try:
             r0 = await engine.run_epoch(tasks, 1, 0)

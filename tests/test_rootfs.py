@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from helpers import run_ok
 
-from bunshinfork import rootfs, state
+from bunshinfork import state
 from bunshinfork.errors import RootfsError
+from bunshinfork.fs import rootfs
 from bunshinfork.workspace import Workspace
 
 
@@ -102,7 +103,7 @@ def test_usr_writes_stay_in_the_workspace(ws: Workspace) -> None:
     assert _sha256(target) == before
     assert os.path.exists("/usr/bin/env")
     # The writes landed in the workspace's private upper layer.
-    upper = Path(ws._rec.storage["path"]) / "upper"
+    upper = Path(ws._rec.fs.layer.path) / "upper"
     assert (upper / "usr/bin" / name).read_text() == "probe\n"
 
 

@@ -18,8 +18,9 @@ import btrfsutil  # type: ignore[import-not-found]
 import pytest
 from helpers import host_proc_state, init_gone, read_counter, run_ok, wait_for, ws_processes
 
-from bunshinfork import cgroups, control, state, storage
+from bunshinfork import state
 from bunshinfork.cgroups import Cgroup
+from bunshinfork.cgroups import cgroup as cgroups
 from bunshinfork.commands import CommandHandle, CommandResult
 from bunshinfork.errors import (
     BunshinError,
@@ -30,6 +31,8 @@ from bunshinfork.errors import (
     WorkspaceNotFound,
     WorkspaceStateError,
 )
+from bunshinfork.fs import layers as storage
+from bunshinfork.process import control
 from bunshinfork.spec import WorkspaceSpec
 from bunshinfork.workspace import Workspace
 
@@ -300,8 +303,8 @@ def test_cgroup_v2_on_a_v1_host() -> None:
 
 
 def test_default_storage_is_a_directory(ws: Workspace) -> None:
-    layer = Path(ws._rec.storage["path"])
-    assert ws.info().storage == "dir" and ws._rec.storage["kind"] == "dir"
+    layer = Path(ws._rec.fs.layer.path)
+    assert ws.info().storage == "dir" and ws._rec.fs.layer.kind == "dir"
     assert layer.parent == storage.storage_root(None)
     assert layer.is_dir() and not storage.is_btrfs(layer)
     run_ok(ws, "echo data > /root/file")
@@ -312,7 +315,7 @@ def test_default_storage_is_a_directory(ws: Workspace) -> None:
 
 def test_btrfs_storage_is_a_subvolume(btrfs_dir: str) -> None:
     with Workspace.create(storage_dir=btrfs_dir) as a, Workspace.create(storage_dir=btrfs_dir) as b:
-        paths = [Path(w._rec.storage["path"]) for w in (a, b)]
+        paths = [Path(w._rec.fs.layer.path) for w in (a, b)]
         assert a.info().storage == "btrfs"
         assert paths[0] != paths[1]
         for p in paths:
@@ -335,7 +338,7 @@ needs_unified = pytest.mark.skipif(not cgroups._is_cgroup2(UNIFIED), reason=f"no
 def test_workspace_on_cgroup_v2(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cgroups, "CGROUP_ROOT", UNIFIED)
     with Workspace.create(cgroup="v2") as w:
-        cg_dir = Path(w._rec.cgroup["paths"]["unified"])
+        cg_dir = Path(w._rec.cgroups.paths["unified"])
         assert w.info().cgroup_version == "v2"
         assert cg_dir == UNIFIED / cgroups.PARENT / w.id
         assert str(w.init_pid) in (cg_dir / "cgroup.procs").read_text().split()

@@ -1,12 +1,18 @@
-"""The copy-on-write engine: availability and the ioctls of /dev/bunshin (module in kernel/)."""
+"""The copy-on-write engine: availability and the ioctls of /dev/bunshin (module in kernel/).
+
+Request numbers and layouts come from kernel/bunshin_uapi.h through the CFFI build.
+"""
 
 from __future__ import annotations
 
 import fcntl
 import os
-import struct
+
+from .._native import ffi, lib
 
 DEVICE = "/dev/bunshin"
+# criu/patches/0001: a dump with this set writes no anonymous private pages; the holders keep them.
+DUMP_ENV = {"CRIU_BUNSHIN_NO_ANON_PAGES": "1"}
 
 
 def available() -> bool:
@@ -21,33 +27,23 @@ def unavailable_reason() -> str:
     )
 
 
-# The ioctls of kernel/bunshin_uapi.h: _IOW/_IOWR(0xB5, nr, struct).
-IOC_SNAPSHOT = (1 << 30) | (8 << 16) | (0xB5 << 8) | 1  # struct bunshin_snapshot_req{s32 pid; u32 flags}
-IOC_SHARE = (3 << 30) | (48 << 16) | (0xB5 << 8) | 2  # struct bunshin_share_req, 48 bytes
-IOC_STATS = (3 << 30) | (24 << 16) | (0xB5 << 8) | 3  # struct bunshin_stats_req{s32 fd; u32; u64; u64}
-_SHARE_FMT = "=iiiIQQQQ"
-_STATS_FMT = "=iIQQ"
-SHARE_RESET = 1  # BUNSHIN_SHARE_RESET: the target's existing content is disposable
-SHARE_FILES = 2  # BUNSHIN_SHARE_FILES: also private file mappings of the same inode
-
-
-def _ioctl(request: int, buf: bytearray) -> int:
-    # With a mutable buffer fcntl.ioctl returns the ioctl's own result and fills `buf` in.
+def _ioctl(request: int, req: object) -> int:
+    # With a writable buffer fcntl.ioctl returns the ioctl's own result and fills the struct in.
     with open(DEVICE, "rb", buffering=0) as dev:
-        return fcntl.ioctl(dev.fileno(), request, buf, True)
+        return fcntl.ioctl(dev.fileno(), request, ffi.buffer(req), True)
 
 
 def snapshot_fd(holder_pid: int) -> int:
     """The mm of a stopped holder as a snapshot descriptor (pread reads its memory)."""
-    return _ioctl(IOC_SNAPSHOT, bytearray(struct.pack("=iI", holder_pid, 0)))
+    req = ffi.new("struct bunshin_snapshot_req *", {"pid": holder_pid})
+    return _ioctl(lib.BUNSHIN_IOC_SNAPSHOT, req)
 
 
 def stats(snap_fd: int) -> tuple[int, int]:
     """(pages the snapshot maps, pages only it maps): what keeping it costs."""
-    buf = bytearray(struct.pack(_STATS_FMT, snap_fd, 0, 0, 0))
-    _ioctl(IOC_STATS, buf)
-    _, _, pages, private = struct.unpack(_STATS_FMT, buf)
-    return pages, private
+    req = ffi.new("struct bunshin_stats_req *", {"snap_fd": snap_fd})
+    _ioctl(lib.BUNSHIN_IOC_STATS, req)
+    return int(req.pages), int(req.private_pages)
 
 
 def share(snap_fd: int, target_pid: int, start: int, end: int, holder_pid: int = 0,
@@ -57,8 +53,9 @@ def share(snap_fd: int, target_pid: int, start: int, end: int, holder_pid: int =
     reset: discard what the target's VMAs already hold instead of refusing with EBUSY.
     files: also the written pages of private file mappings, where the target maps the same
     inode at the same offset (a file the target sees as another inode is skipped)."""
-    flags = (SHARE_RESET if reset else 0) | (SHARE_FILES if files else 0)
-    buf = bytearray(struct.pack(_SHARE_FMT, snap_fd, holder_pid, target_pid, flags, start, end, 0, 0))
-    _ioctl(IOC_SHARE, buf)
-    *_, vmas, skipped = struct.unpack(_SHARE_FMT, buf)
-    return vmas, skipped
+    flags = (lib.BUNSHIN_SHARE_RESET if reset else 0) | (lib.BUNSHIN_SHARE_FILES if files else 0)
+    req = ffi.new("struct bunshin_share_req *", {"snap_fd": snap_fd, "holder_pid": holder_pid,
+                                                 "target_pid": target_pid, "flags": flags,
+                                                 "start": start, "end": end})
+    _ioctl(lib.BUNSHIN_IOC_SHARE, req)
+    return int(req.vmas), int(req.skipped)

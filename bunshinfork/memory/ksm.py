@@ -196,15 +196,19 @@ class _Tuner:
         return self._registered
 
 
-def reconcile() -> bool:
-    """Drop holders that died without leaving; restore the knobs when none is left.
-
-    Returns whether ksmd is still boosted by a live process.
-    """
+def prune() -> list[int]:
+    """Drop holders that died without leaving, restoring the knobs when none is left; returns their pids."""
     if not available() or not (state.RUN_ROOT / BOOST_FILE).exists():
-        return False
+        return []
     with _shared() as record:
-        return bool(record["holders"])
+        listed = set(record["holders"])
+    return sorted(int(pid) for pid in listed - set(record["holders"]))
+
+
+def reconcile() -> bool:
+    """prune(); returns whether ksmd is still boosted by a live process."""
+    prune()
+    return (state.RUN_ROOT / BOOST_FILE).exists()
 
 
 @contextlib.contextmanager

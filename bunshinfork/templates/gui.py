@@ -16,61 +16,30 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shlex
-import socket
-import threading
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from .. import native
 from ..errors import BunshinError
 from ..workspace import Workspace
-from ._common import TemplateError, fork_hint, run, start_daemon, wait_until
+from ._common import TemplateError, run, start_daemon, wait_until
+from ._desktop import (
+    CHROMIUM,
+    CHROMIUM_FLAGS,
+    GSETTINGS,
+    GSETTINGS_FILE,
+    LIVE_VIEW_VNC_PORT,
+    Desktop,
+    Window,
+    start_websockify,
+)
 
 CONFIG_PATH = "/opt/bunshin/gui.json"
 APPS = ("terminal", "editor", "browser")
 EDITOR_FILE = "/root/Desktop/notes.txt"
 APP_TITLES = {"terminal": "Terminal", "editor": "Mousepad", "browser": "Chromium"}
-CHROMIUM = "/usr/lib/chromium/chromium"
-# --no-sandbox: Chromium refuses to run as root with its sandbox ("Running as root without
-# --no-sandbox is not supported"), and workspace commands run as root. The rest keep it from
-# phoning out (the workspace has no network) and from putting first-run UI over the page.
-# Crashpad stays on: --disable-crashpad-for-testing makes the network service crash in a loop
-# ("FD ownership violation").
-CHROMIUM_FLAGS = (
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--no-default-browser-check",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--disable-breakpad", "--password-store=basic", "--use-mock-keychain",
-    "--test-type",  # no "unsupported command-line flag: --no-sandbox" bar over every page
-)
-# Read by GLib's keyfile settings backend (XDG_CONFIG_HOME=/root/.config).
-GSETTINGS_KEYFILE = "/root/.config/glib-2.0/settings/keyfile"
-# monitor-changes=false: mousepad would put an inotify watch on the file it edits. CRIU dumps
-# a watch by file handle, overlayfs (mounted without nfs_export) cannot decode handles, and
-# CRIU's fallback, a path search by device and inode, never matches a regular file on
-# overlayfs (stat shows the layer's device, the watch the overlay's), so the dump would fail
-# with "fsnotify: Can't dump that handle". Directory watches resolve fine.
-GSETTINGS = """[org/xfce/mousepad/preferences/file]
-monitor-changes=false
-session-restore='never'
-autosave-timer=uint32 0
-"""
-LIVE_VIEW_VNC_PORT = 5900
-LIVE_VIEW_WEB_PORT = 6080
-
-
-@dataclass(frozen=True)
-class Window:
-    id: str
-    desktop: int
-    pid: int
-    x: int
-    y: int
-    width: int
-    height: int
-    title: str
+GSETTINGS_KEYFILE = f"/root/.config/{GSETTINGS_FILE}"  # XDG_CONFIG_HOME=/root/.config
 
 
 @dataclass(frozen=True)
@@ -97,27 +66,25 @@ def _app_command(app: str, cfg: GuiConfig) -> tuple[str, str]:
     raise TemplateError(f"unknown app {app!r}; use one of {', '.join(APPS)} or launch(command=...)")
 
 
-class GuiWorkspace:
+class GuiWorkspace(Desktop):
     """A Workspace with a running X desktop and computer-use tools.
 
     Wraps a plain Workspace: `GuiWorkspace.attach(ws)` works on any workspace the template
     created, including fork clones returned as plain Workspaces.
     """
 
+    editor_file: ClassVar[str] = EDITOR_FILE  # the file the editor app opens
+    config_path: ClassVar[str] = CONFIG_PATH
+
     def __init__(self, ws: Workspace, config: GuiConfig | None = None) -> None:
-        self.ws = ws
-        self.config = config or GuiConfig()
-        self._forwarders: list[_Forwarder] = []
+        super().__init__(ws, config or GuiConfig())
+        self.config: GuiConfig
 
     @classmethod
     def attach(cls, ws: Workspace) -> GuiWorkspace:
         raw = json.loads(str(ws.files.read(CONFIG_PATH)))
         raw["apps"] = tuple(raw.get("apps", ()))
         return cls(ws, GuiConfig(**raw))
-
-    @property
-    def id(self) -> str:
-        return self.ws.id
 
     @property
     def env(self) -> dict[str, str]:
@@ -193,19 +160,22 @@ class GuiWorkspace:
 
     def windows(self) -> list[Window]:
         """Managed top-level windows, as the window manager lists them."""
-        r = run(self.ws, ["wmctrl", "-lpG"], env=self.env, check=False)
+        r = run(self.ws, "wmctrl -lpGx; echo; xprop -root _NET_ACTIVE_WINDOW", env=self.env, check=False)
         # Before the first window maps, the WM has not set _NET_CLIENT_LIST and wmctrl fails.
         if not r.ok and "client list" not in r.stderr:
-            raise TemplateError(f"wmctrl -lpG failed in {self.ws.id}: {r.stderr.strip()}")
+            raise TemplateError(f"wmctrl -lpGx failed in {self.ws.id}: {r.stderr.strip()}")
+        listing, _, active_line = r.stdout.rpartition("\n_NET_ACTIVE_WINDOW")
+        active = active_line.rsplit(None, 1)[-1] if "0x" in active_line else ""
         out = []
-        for line in r.stdout.splitlines():
-            parts = line.split(None, 8)
-            if len(parts) < 8:
+        for line in listing.splitlines():
+            parts = line.split(None, 9)
+            if len(parts) < 9:
                 continue
-            # id, desktop, pid, x, y, width, height, client host, title (may hold spaces)
-            title = parts[8] if len(parts) > 8 else ""
+            # id, desktop, pid, x, y, width, height, WM_CLASS, client host, title (may hold spaces)
+            title = parts[9] if len(parts) > 9 else ""
             out.append(Window(parts[0], int(parts[1]), int(parts[2]), int(parts[3]), int(parts[4]),
-                              int(parts[5]), int(parts[6]), title))
+                              int(parts[5]), int(parts[6]), title, app_id=parts[7].partition(".")[0],
+                              focused=bool(active) and int(parts[0], 16) == int(active.rstrip(","), 16)))
         return out
 
     def find_window(self, title: str) -> Window | None:
@@ -285,45 +255,7 @@ class GuiWorkspace:
         vnc = (f"x11vnc -display {self.config.display} -localhost -rfbport {LIVE_VIEW_VNC_PORT} "
                "-forever -shared -nopw -noxdamage -quiet")
         start_daemon(self.ws, vnc, "/tmp/x11vnc.log", env=self.env)
-        start_daemon(self.ws, f"websockify --web /usr/share/novnc 127.0.0.1:{LIVE_VIEW_WEB_PORT} "
-                              f"127.0.0.1:{LIVE_VIEW_VNC_PORT}", "/tmp/websockify.log")
-        # Look at the listening sockets rather than connecting: a probe's connection that the
-        # server has not accepted yet would sit in the accept queue, and CRIU refuses to dump
-        # such an in-flight connection ("In-flight connection (l)").
-        def listening() -> bool:
-            out = run(self.ws, "ss -Hltn", check=False).stdout
-            return all(f":{p} " in out for p in (LIVE_VIEW_VNC_PORT, LIVE_VIEW_WEB_PORT))
-
-        wait_until(listening, "x11vnc and websockify to listen", 30)
-        return f"http://127.0.0.1:{LIVE_VIEW_WEB_PORT}/vnc.html?autoconnect=1"
-
-    def forward_live_view(self, host_port: int = 0) -> str:
-        """Serve the live view on the host's 127.0.0.1 (each connection is relayed into this
-        workspace's network namespace); returns the host URL. Closed by close()/destroy()."""
-        fwd = _Forwarder(self.ws, LIVE_VIEW_WEB_PORT, host_port)
-        self._forwarders.append(fwd)
-        return f"http://127.0.0.1:{fwd.port}/vnc.html?autoconnect=1"
-
-    # ---- lifecycle ----
-
-    def fork(self, count: int = 1, memory: str = "auto") -> list[GuiWorkspace | Exception]:
-        return [fork_hint(c) if isinstance(c, Exception) else GuiWorkspace(c, self.config)
-                for c in self.ws.fork(count, memory)]
-
-    def close(self) -> None:
-        for f in self._forwarders:
-            f.close()
-        self._forwarders.clear()
-
-    def destroy(self) -> None:
-        self.close()
-        self.ws.destroy()
-
-    def __enter__(self) -> GuiWorkspace:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.destroy()
+        return start_websockify(self.ws)
 
     def __repr__(self) -> str:
         return f"<GuiWorkspace {self.ws.id} {self.config.display} {self.config.width}x{self.config.height}>"
@@ -354,71 +286,3 @@ def gui_workspace(apps: Iterable[str] = APPS, width: int = 1280, height: int = 8
         with contextlib.suppress(BunshinError):
             ws.destroy()
         raise
-
-
-class _Forwarder:
-    """Relay TCP from the host's 127.0.0.1 to a port on a workspace's own loopback."""
-
-    def __init__(self, ws: Workspace, inner_port: int, host_port: int = 0) -> None:
-        self._netns = f"/proc/{ws.init_pid}/ns/net"
-        self._inner = inner_port
-        self._listener = socket.create_server(("127.0.0.1", host_port))
-        self.port = int(self._listener.getsockname()[1])
-        self._closed = False
-        threading.Thread(target=self._accept, daemon=True, name=f"bunshin-fwd-{self.port}").start()
-
-    def _inner_socket(self) -> socket.socket:
-        box: list[Any] = []
-
-        def enter() -> None:
-            # setns(CLONE_NEWNET) changes only this thread, and a socket keeps the namespace
-            # it was created in; the thread ends right after, so nothing else runs in there.
-            try:
-                fd = os.open(self._netns, os.O_RDONLY)
-                try:
-                    native.setns(fd, 0)
-                finally:
-                    os.close(fd)
-                box.append(socket.create_connection(("127.0.0.1", self._inner), timeout=5))
-            except BaseException as e:
-                box.append(e)
-
-        t = threading.Thread(target=enter)
-        t.start()
-        t.join()
-        if isinstance(box[0], BaseException):
-            raise box[0]
-        return box[0]
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                outer, _ = self._listener.accept()
-            except OSError:
-                return
-            try:
-                inner = self._inner_socket()
-            except OSError:
-                outer.close()
-                continue
-            inner.settimeout(None)
-            for a, b in ((outer, inner), (inner, outer)):
-                threading.Thread(target=_pump, args=(a, b), daemon=True).start()
-
-    def close(self) -> None:
-        self._closed = True
-        with contextlib.suppress(OSError):
-            self._listener.close()
-
-
-def _pump(src: socket.socket, dst: socket.socket) -> None:
-    try:
-        while data := src.recv(65536):
-            dst.sendall(data)
-    except OSError:
-        pass
-    finally:
-        for s in (src, dst):
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-

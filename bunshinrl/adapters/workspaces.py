@@ -106,7 +106,7 @@ class TrajectoryWorkspaces:
             with self._lock:
                 e = self._entries.get(key)
             if e is None:
-                ws = self._template(task_id).fork(self.memory)
+                ws = self._template(task_id).fork()
                 e = _Entry(ws, task_id)
                 with self._lock:
                     self._entries[key] = e

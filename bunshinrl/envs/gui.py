@@ -5,6 +5,9 @@
     for clone in ws.fork(8): ...            # one rollout per clone, tools act on the clone
     env.call(clone, "click", x=900, y=500); env.call(clone, "type_text", text="...")
     env.reward(clone)                       # 1.0 when notes.txt holds exactly the target
+
+make_env(desktop="wayland") (or bunshinrl.envs.wayland.make_env) is the same task with the
+same tools on the Wayland desktop (sway + foot + mousepad), so an evaluation runs on either.
 """
 
 from __future__ import annotations
@@ -15,18 +18,20 @@ from collections.abc import Callable
 from typing import Any
 
 from bunshinfork import BunshinError, Workspace
-from bunshinfork.templates import GuiWorkspace, start_gui
+from bunshinfork.templates import GuiWorkspace, WaylandWorkspace, attach_desktop, start_gui, start_wayland
 
 from . import TaskEnv
 from ._common import agent_tool
 
-NOTES = "/root/Desktop/notes.txt"
+NOTES = GuiWorkspace.editor_file
+NOTES_ON = {"x11": NOTES, "wayland": WaylandWorkspace.editor_file}  # by desktop
+DESKTOPS = tuple(NOTES_ON)
 INITIAL_TEXT = "TODO: replace this line\n"
 DEFAULT_TARGET = "Meeting moved to Friday 10:00"
 
 
-def _gui(ws: Workspace) -> GuiWorkspace:
-    return GuiWorkspace.attach(ws)
+def _gui(ws: Workspace) -> GuiWorkspace | WaylandWorkspace:
+    return attach_desktop(ws)
 
 
 @agent_tool
@@ -94,9 +99,8 @@ def clipboard_set(ws: Workspace, text: str) -> str:
 def list_windows(ws: Workspace) -> str:
     """Top-level windows: id, position, size, title; one a line."""
     g = _gui(ws)
-    active = g.active_window()
     return "\n".join(f"{w.id} at ({w.x}, {w.y}) size {w.width}x{w.height} {w.title!r}"
-                     + ("  [active]" if w.title == active else "") for w in g.windows())
+                     + ("  [active]" if w.focused else "") for w in g.windows())
 
 
 @agent_tool
@@ -112,13 +116,14 @@ TOOLS: dict[str, Callable[..., str]] = {
 }
 
 
-def reward_for(target: str) -> Callable[[Workspace], float]:
+def reward_for(target: str, desktop: str = "x11") -> Callable[[Workspace], float]:
     """1.0: notes.txt holds exactly the target (one trailing newline allowed); 0.5: the target is
     one of its lines but something else is left; 0.0 otherwise (never saved, wrong text)."""
+    notes = NOTES_ON[desktop]
 
     def reward(ws: Workspace) -> float:
         try:
-            text = str(ws.files.read(NOTES))
+            text = str(ws.files.read(notes))
         except BunshinError:
             return 0.0
         if text.rstrip("\n") == target:
@@ -136,20 +141,27 @@ def reward(ws: Workspace) -> float:
 
 
 def make_env(target: str = DEFAULT_TARGET, initial_text: str = INITIAL_TEXT, width: int = 1280, height: int = 800,
-             apps: tuple[str, ...] = ("terminal", "editor"), **spec: Any) -> TaskEnv:
-    """The desktop editing task. `spec` holds WorkspaceSpec fields for the workspace."""
+             apps: tuple[str, ...] = ("terminal", "editor"), desktop: str = "x11", **spec: Any) -> TaskEnv:
+    """The desktop editing task on the X11 (default) or the Wayland desktop. `spec` holds
+    WorkspaceSpec fields for the workspace."""
     if "\n" in target:
         raise ValueError("target must be a single line")
+    if desktop not in NOTES_ON:
+        raise ValueError(f"unknown desktop {desktop!r}; use one of {', '.join(DESKTOPS)}")
+    notes = NOTES_ON[desktop]
+    start = start_gui if desktop == "x11" else start_wayland
 
     def setup(ws: Workspace) -> None:
         # Written before the editor starts, so the editor opens it with this content.
-        ws.files.write(NOTES, initial_text)
-        start_gui(ws, apps=apps, width=width, height=height)
+        ws.files.write(notes, initial_text)
+        start(ws, apps=apps, width=width, height=height)
 
-    prompt = (f"A desktop is open ({width}x{height}). The text editor (Mousepad) shows {NOTES}. "
+    prompt = (f"A desktop is open ({width}x{height}). The text editor (Mousepad) shows {notes}. "
               f"Replace the whole content of that file with exactly this line:\n{target}\n"
               "and save it (Ctrl+S). Use the tools to look at the screen and to click and type.")
-    fp = hashlib.sha256(repr(("gui-v1", target, initial_text, width, height, apps)).encode()).hexdigest()[:16]
-    return TaskEnv(name="gui-edit-notes", prompt=prompt, setup=setup, tools=dict(TOOLS), reward=reward_for(target),
-                   fingerprint=fp, spec=dict(spec),
-                   tool_descriptions={name: (fn.__doc__ or "").strip() for name, fn in TOOLS.items()})
+    # The X11 task keeps its name and fingerprint from before the Wayland desktop existed.
+    key = ("gui-v1", target, initial_text, width, height, apps) + (() if desktop == "x11" else (desktop,))
+    fp = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+    return TaskEnv(name="gui-edit-notes" if desktop == "x11" else f"{desktop}-edit-notes", prompt=prompt,
+                   setup=setup, tools=dict(TOOLS), reward=reward_for(target, desktop), fingerprint=fp,
+                   spec=dict(spec), tool_descriptions={name: (fn.__doc__ or "").strip() for name, fn in TOOLS.items()})

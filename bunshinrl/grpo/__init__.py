@@ -1,13 +1,14 @@
-"""GRPO training on bunshinrl rollouts: a verifiable task suite, policy backends and a trainer.
+"""GRPO training of a real language model on bunshinrl rollouts: a verifiable task suite, rollout
+backends (Hugging Face in process, a vLLM server), token-level GRPO and weight sync.
 
-    from bunshinrl.grpo import GRPOConfig, GRPOTrainer, TorchPolicy, suite
+    from bunshinrl.grpo import GRPOConfig, GRPOTrainer, HFPolicy, suite, testmodel
     tasks = suite()
-    trainer = GRPOTrainer(TorchPolicy.for_tasks(tasks), tasks, engine="Full")
-    history = trainer.run(epochs=6)
+    policy = HFPolicy.from_pretrained(testmodel.make("tiny-model"), tasks)
+    history = GRPOTrainer(policy, tasks, engine="Full").run(epochs=6)
 
-torch is imported only by what needs it (TorchPolicy, GRPOTrainer, the local OpenAI-compatible
-server), on first use, so `import bunshinrl` and the task suite, the adapters and OpenAIPolicy
-work without torch installed.
+torch and transformers are imported only by what needs them (HFPolicy, GRPOTrainer, the test
+model), on first use, so `import bunshinrl`, the task suite, the adapters, OpenAIPolicy and
+VLLMServer work without them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .actions import FINAL, action_text, parse_action
+from .chat import INVALID_TOOL, candidate_replies, messages, parse_message, parse_reply, render_call
 from .openai_policy import OpenAIPolicy
 from .rollout import (
     CONFIGS,
@@ -28,22 +30,25 @@ from .rollout import (
     sample_seed,
     trajectory_digest,
 )
+from .sync import InProcessSync, VLLMServerSync, WeightSync, WeightSyncError
 from .tasks import REWARD_TOOL, VerifiableTask, files_task, fix_task, parse_reward, service_task, suite
+from .turns import Turn
 from .vllm_policy import BackendUnavailable, VLLMPolicy, vllm_available
+from .vllm_server import VLLMServer, VLLMServerError
 
 if TYPE_CHECKING:
-    from .server import OpenAICompatServer
-    from .torch_policy import PolicyConfig, TorchPolicy
+    from .hf_policy import HFPolicy
     from .trainer import GRPOConfig, GRPOTrainer, StepMetrics
 
 _LAZY = {
-    "TorchPolicy": "torch_policy", "PolicyConfig": "torch_policy",
+    "HFPolicy": "hf_policy",
     "GRPOTrainer": "trainer", "GRPOConfig": "trainer", "StepMetrics": "trainer",
-    "OpenAICompatServer": "server",
 }
 
 
 def __getattr__(name: str) -> Any:
+    if name == "testmodel":
+        return importlib.import_module(f".{name}", __name__)
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -51,9 +56,10 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "CONFIGS", "FINAL", "REWARD_TOOL", "BackendUnavailable", "EngineBundle", "Episode", "GRPOConfig", "GRPOTrainer",
-    "HarnessPolicy", "OpenAICompatServer", "OpenAIPolicy", "PolicyConfig", "RandomPolicy", "StepMetrics",
-    "TorchPolicy", "VLLMPolicy", "VerifiableTask", "action_text", "episodes", "files_task", "fix_task",
-    "make_engine", "parse_action", "parse_reward", "sample_seed", "service_task", "suite", "trajectory_digest",
-    "vllm_available",
+    "CONFIGS", "FINAL", "INVALID_TOOL", "REWARD_TOOL", "BackendUnavailable", "EngineBundle", "Episode", "GRPOConfig",
+    "GRPOTrainer", "HFPolicy", "HarnessPolicy", "InProcessSync", "OpenAIPolicy", "RandomPolicy", "StepMetrics", "Turn",
+    "VLLMPolicy", "VLLMServer", "VLLMServerError", "VLLMServerSync", "VerifiableTask", "WeightSync", "WeightSyncError",
+    "action_text", "candidate_replies", "episodes", "files_task", "fix_task", "make_engine", "messages",
+    "parse_action", "parse_message", "parse_reply", "parse_reward", "render_call", "sample_seed", "service_task",
+    "suite", "trajectory_digest", "vllm_available",
 ]

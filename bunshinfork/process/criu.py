@@ -1,9 +1,10 @@
 """CRIU 4.2.1 driven over its RPC protocol (criu swrk + pycriu's protobufs).
 
 pycriu's own client sends one request and reads one response; forking needs CRIU's
-notifications (post-dump runs while the tree is still frozen, which is when the file
-system must be snapshotted), so this module runs the request/notify loop itself.
-Logs are kept next to the images and quoted in errors.
+notifications (setup-namespaces names a clone's init, pre-resume is where the cow engine
+shares memory into the still-stopped tasks), so this module runs the request/notify loop
+itself. Logs are kept next to the images and quoted in errors. VERSION and CHECK are asked
+the same way, for `bunshin doctor`.
 """
 
 from __future__ import annotations
@@ -11,15 +12,16 @@ from __future__ import annotations
 import contextlib
 import os
 import select
-import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import deadlines, native
-from .errors import CriuError, CriuTimeout
+from .. import deadlines, native
+from ..errors import CriuError, CriuTimeout
+from .init import INIT_BINARY
 
 try:
     from pycriu import rpc_pb2 as rpc  # type: ignore[import-not-found]
@@ -27,23 +29,30 @@ except ImportError:  # pragma: no cover - set-up installs pycriu into the venv
     rpc = None
 
 CRIU_BIN = os.environ.get("BUNSHIN_CRIU", "criu")
-KSM_EXEC = Path(__file__).resolve().parent / "_bin" / "bunshin-init"
 # Options the RPC has no field for, given to every request as its config file. It sets
 # `file-validation filesize`: CRIU's default (build-id) validation mmaps the first MiB of every
 # open regular file and reads its ELF magic, and a read fault on a tmpfs hole allocates a page,
 # so dumping a deleted-but-open sparse file on tmpfs gave the source's file a data page where
 # its head hole was. Restores here use the same immutable lower layers, so the size suffices.
 CONFIG_FILE = Path(__file__).resolve().parent / "criu.conf"
+# bookworm's 3.17 fails on this kernel's vDSO (vvar_vclock) and 4.1.x cannot dump TCP sockets
+# on kernels >= 6.16; set-up builds 4.2.1.
 REQUIRED = (4, 2)
 
 Notify = Callable[[str, int], None]
 
 
-def _require() -> None:
+def binary() -> str:
+    found = native.which(CRIU_BIN)
+    if found is None:
+        raise CriuError(f"{CRIU_BIN} not found; run scripts/setup.sh to build CRIU 4.2.1")
+    return found
+
+
+def _require() -> str:
     if rpc is None:
         raise CriuError("pycriu is not importable; run scripts/setup.sh (it installs CRIU 4.2.1 and pycriu)")
-    if shutil.which(CRIU_BIN) is None:
-        raise CriuError(f"{CRIU_BIN} not found; run scripts/setup.sh to build CRIU 4.2.1")
+    return binary()
 
 
 def new_opts() -> rpc.criu_opts:
@@ -69,16 +78,16 @@ class Session:
 
     def __init__(self, keep_fds: tuple[int, ...] = (), ksm_merge: bool = False,
                  env: dict[str, str] | None = None) -> None:
-        _require()
+        criu = _require()
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sk = parent
-        argv = [CRIU_BIN, "swrk", str(child.fileno())]
+        argv = [criu, "swrk", str(child.fileno())]
         if ksm_merge:
             # Restored tasks are forked from this criu process and never exec, so the KSM
             # opt-in it is started with is inherited by every restored process. The init
             # binary's exec helper sets it: a preexec_fn would make subprocess fork() this
             # multi-threaded process and run every library's atfork handlers in it.
-            argv = [str(KSM_EXEC), "--ksm-exec", *argv]
+            argv = [str(INIT_BINARY), "--ksm-exec", *argv]
         try:
             self._proc = subprocess.Popen(
                 argv, pass_fds=(child.fileno(), *keep_fds),
@@ -88,7 +97,7 @@ class Session:
         finally:
             child.close()
         # Our unreaped child, so the pid cannot have been reused yet.
-        self._pidfd = native.pidfd_open(self._proc.pid)
+        self._pidfd = os.pidfd_open(self._proc.pid)
 
     @property
     def pid(self) -> int:
@@ -220,27 +229,40 @@ def request(kind: str, opts: rpc.criu_opts, on_notify: Notify | None = None, kee
     return resp
 
 
-def version() -> str:
-    _require()
-    try:
-        out = subprocess.run([CRIU_BIN, "--version"], capture_output=True, text=True,
-                             timeout=deadlines.current().criu).stdout
-    except subprocess.TimeoutExpired:
-        raise CriuTimeout(f"{CRIU_BIN} --version did not answer within the 'criu' deadline") from None
-    for line in out.splitlines():
-        if line.startswith("Version:"):
-            return line.split(":", 1)[1].strip()
-    return out.strip()
+def version() -> tuple[int, int, int]:
+    """CRIU's version, asked over RPC (VERSION)."""
+    req = rpc.criu_req()
+    req.type = rpc.VERSION
+    with Session() as s:
+        resp = s.call(req)
+    if not resp.success or not resp.HasField("version"):
+        raise CriuError("criu swrk did not answer VERSION")
+    v = resp.version
+    return v.major_number, v.minor_number, v.sublevel if v.HasField("sublevel") else 0
 
 
-def check_version() -> None:
-    v = version()
-    try:
-        parts = tuple(int(x) for x in v.split(".")[:2])
-    except ValueError:
-        raise CriuError(f"cannot parse criu version {v!r}") from None
-    if parts < REQUIRED:
-        raise CriuError(
-            f"criu {v} is too old: bookworm's 3.17 fails on this kernel's vDSO and 4.1.x cannot dump TCP "
-            "sockets on kernels >= 6.16; run scripts/setup.sh to build 4.2.1"
-        )
+def version_problem(v: tuple[int, ...]) -> str | None:
+    """Why this CRIU version cannot serve bunshinfork, or None."""
+    if v[:2] >= REQUIRED:
+        return None
+    if v[0] < 4:
+        why = "bookworm's 3.17 fails on this kernel's vDSO (vvar_vclock)"
+    else:
+        why = "4.1.x cannot dump TCP sockets on kernels >= 6.16"
+    return f"too old: needs {'.'.join(map(str, REQUIRED))}.x; {why}; scripts/setup.sh builds 4.2.1"
+
+
+def check() -> str | None:
+    """`criu check` over RPC (CHECK): None when CRIU finds everything it needs, else why not."""
+    with tempfile.TemporaryDirectory(prefix="bunshin-criu-check-") as d:
+        req = rpc.criu_req()
+        req.type = rpc.CHECK
+        req.opts.MergeFrom(new_opts())
+        req.opts.images_dir = d
+        req.opts.log_file = "check.log"
+        req.opts.log_level = 2
+        with Session() as s:
+            resp = s.call(req)
+        if resp.success:
+            return None
+        return resp.cr_errmsg or log_tail(Path(d) / "check.log", lines=5)

@@ -1,0 +1,110 @@
+"""NAT for bridged workspaces: one nftables masquerade table shared by all of them, through
+nftables' JSON API, and IPv4 forwarding turned on while it exists."""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+from pathlib import Path
+from typing import Any
+
+from ..errors import NetworkError
+
+NAT_FAMILY = "ip"
+NAT_TABLE = "bunshin_nat"
+NAT_CHAIN = "postrouting"
+IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
+# The pre-NAT ip_forward value, so that removing the last NAT table restores it.
+_FORWARD_SAVED = Path("/run/.bunshin-ip_forward.saved")
+
+
+def nft_available() -> bool:
+    try:
+        import nftables  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _nft(commands: list[dict[str, Any]]) -> dict[str, Any]:
+    try:
+        import nftables  # Debian's python3-nftables: only a system-site-packages venv sees it
+    except ImportError:
+        raise NetworkError(
+            "nat=True needs nftables' Python binding: apt-get install python3-nftables and use a venv "
+            "created with --system-site-packages (or create the workspace without nat)"
+        ) from None
+    nft = nftables.Nftables()
+    nft.set_json_output(True)
+    rc, out, err = nft.json_cmd({"nftables": commands})
+    if rc != 0:
+        raise NetworkError(
+            f"nftables refused {json.dumps(commands)[:200]}: {str(err).strip()}; is nf_tables with "
+            "masquerade support (CONFIG_NFT_MASQ, CONFIG_NFT_NAT) in the kernel? see 'bunshin doctor'"
+        )
+    return out if isinstance(out, dict) else {}
+
+
+def _nat_table_exists() -> bool:
+    out = _nft([{"list": {"tables": {"family": NAT_FAMILY}}}])
+    return any(
+        item.get("table", {}).get("name") == NAT_TABLE and item["table"].get("family") == NAT_FAMILY
+        for item in out.get("nftables", [])
+    )
+
+
+def nat_rules() -> list[dict[str, Any]]:
+    """The rules of bunshin's NAT table in nftables JSON form; [] when the table is absent."""
+    if not _nat_table_exists():
+        return []
+    out = _nft([{"list": {"table": {"family": NAT_FAMILY, "name": NAT_TABLE}}}])
+    return [item["rule"] for item in out.get("nftables", []) if "rule" in item]
+
+
+def ensure_nat(net: ipaddress.IPv4Network) -> None:
+    table = {"family": NAT_FAMILY, "name": NAT_TABLE}
+    prefix = {"prefix": {"addr": str(net.network_address), "len": net.prefixlen}}
+    saddr = {"payload": {"protocol": "ip", "field": "saddr"}}
+    daddr = {"payload": {"protocol": "ip", "field": "daddr"}}
+    # add + delete + add in one transaction: atomically replaces whatever an earlier run
+    # (perhaps with another subnet) left, and never shows a moment without the rule.
+    _nft([
+        {"add": {"table": table}},
+        {"delete": {"table": table}},
+        {"add": {"table": table}},
+        {"add": {"chain": {**table, "table": NAT_TABLE, "name": NAT_CHAIN, "type": "nat",
+                           "hook": "postrouting", "prio": 100, "policy": "accept"}}},
+        {"add": {"rule": {"family": NAT_FAMILY, "table": NAT_TABLE, "chain": NAT_CHAIN,
+                          "comment": "bunshin workspaces", "expr": [
+                              {"match": {"op": "==", "left": saddr, "right": prefix}},
+                              {"match": {"op": "!=", "left": daddr, "right": prefix}},
+                              {"masquerade": None},
+                          ]}}},
+    ])
+    try:
+        current = IP_FORWARD.read_text().strip()
+        if current != "1":
+            if not _FORWARD_SAVED.exists():
+                _FORWARD_SAVED.write_text(current)
+            IP_FORWARD.write_text("1")
+    except OSError as e:
+        raise NetworkError(
+            f"cannot enable IPv4 forwarding ({IP_FORWARD}): {e}; run as root in the host's network namespace"
+        ) from e
+
+
+def remove_nat() -> bool:
+    """Drop the NAT table and give ip_forward back its pre-NAT value; False if there was no table."""
+    removed = False
+    if _nat_table_exists():
+        _nft([{"delete": {"table": {"family": NAT_FAMILY, "name": NAT_TABLE}}}])
+        removed = True
+    with contextlib.suppress(FileNotFoundError):
+        value = _FORWARD_SAVED.read_text().strip() or "0"
+        try:
+            IP_FORWARD.write_text(value)
+        except OSError as e:
+            raise NetworkError(f"cannot restore {IP_FORWARD} to {value}: {e}; set it by hand") from e
+        _FORWARD_SAVED.unlink()
+    return removed

@@ -1,0 +1,189 @@
+"""create and fork as one assembly over the subsystem parts; destroy, gc and doctor as loops over them.
+
+A workspace is assembled part by part in PARTS order, each building on what the ones before
+it recorded: its file system (the overlay's layers), its cgroup, its memory engine's share,
+its processes (the init started, or the tree restored by CRIU) and its network. create runs
+every part's prepare(), fork every part's restore() from a snapshot; a failure anywhere
+releases every part in reverse order and leaves nothing behind. A snapshot is taken in
+CAPTURE order while the source is frozen (snapshot.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from . import state
+from .cgroups import CgroupsPart
+from .contract import Build, Captured, Held, Part, Probe
+from .errors import BunshinError, DeadlineExceeded, ForkError, ForkTimeout, WorkspaceStateError
+from .fs import FsPart
+from .memory import MemoryPart
+from .network import NetworkPart
+from .process import ProcessPart
+from .spec import WorkspaceSpec
+from .state import Record, SnapshotMeta
+
+PARTS: tuple[Part, ...] = (FsPart(), CgroupsPart(), MemoryPart(), ProcessPart(), NetworkPart())
+# Capture: refuse what cannot be forked first; the memory engine's share before the dump it
+# shapes; the file system last, still frozen.
+CAPTURE = ("network", "cgroups", "memory", "process", "fs")
+MAX_PARALLEL_RESTORES = 8
+
+
+def part(name: str) -> Part:
+    return next(p for p in PARTS if p.name == name)
+
+
+def capture_order() -> list[Part]:
+    return [part(n) for n in CAPTURE] + [p for p in PARTS if p.name not in CAPTURE]
+
+
+def probes() -> tuple[Probe, ...]:
+    return tuple(probe for p in PARTS for probe in p.probes)
+
+
+# ---- assembly ----
+
+
+def create(spec: WorkspaceSpec) -> Build:
+    """A new workspace from a validated spec, running when this returns."""
+    state.require_root()
+    ws_id = state.new_id()
+    rec = Record(id=ws_id, status="creating", creator_pid=os.getpid(), created_at=time.time(),
+                 hostname=spec.hostname or ws_id, spec=spec)
+    return _assemble(Build(rec))
+
+
+def fork(snap: Captured, count: int, memory: str) -> list[Build | Exception]:
+    """`count` clones of a snapshot, restored with the engine `memory`. Each succeeds or fails on
+    its own: a failed clone is a ForkError in the list and leaves nothing behind."""
+
+    def one(_: int) -> Build | Exception:
+        ws_id = state.new_id()
+        meta = snap.meta
+        rec = Record(id=ws_id, status="creating", creator_pid=os.getpid(), created_at=time.time(),
+                     hostname=ws_id, spec=meta.spec, parent=meta.source)
+        try:
+            return _assemble(Build(rec, source=snap, memory=memory))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except ForkError as e:
+            return e
+        except BaseException as e:
+            kind = ForkTimeout if isinstance(e, DeadlineExceeded) else ForkError
+            err = kind(f"fork of {meta.source} into {ws_id} failed: {e}")
+            err.__cause__ = e
+            return err
+
+    if count == 1:
+        return [one(0)]
+    workers = min(count, MAX_PARALLEL_RESTORES)
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bunshin-restore") as pool:
+        return list(pool.map(one, range(count)))
+
+
+def _assemble(b: Build) -> Build:
+    rec = b.rec
+    state.run_root()
+    rec.dir.mkdir(mode=0o700)
+    rec.save()
+    try:
+        for p in PARTS:
+            t0 = time.monotonic()
+            if b.source is None:
+                p.prepare(b)
+            else:
+                p.restore(b)
+            rec.timings[p.name] = time.monotonic() - t0
+            rec.save()
+        rec.status = "running"
+        rec.save()
+        return b
+    except BaseException:
+        with contextlib.suppress(BunshinError):
+            release(b)
+        raise
+    finally:
+        for step in b.deferred:
+            with contextlib.suppress(Exception):
+                step()
+        b.deferred.clear()
+
+
+# ---- release and gc ----
+
+
+def release(held: Held) -> None:
+    """Give back everything a workspace (or a snapshot) holds, part by part in reverse order.
+    Idempotent; every part is tried even when one fails, and the failures are reported together."""
+    if isinstance(held, Build) and held.rec.status == "destroyed":
+        return
+    errors = []
+    for p in reversed(PARTS):
+        try:
+            p.release(held)
+        except Exception as e:
+            errors.append(f"{p.name}: {e}")
+    directory = held.rec.dir if isinstance(held, Build) else held.dir if held.owned else None
+    if directory is not None and directory.exists():
+        try:
+            shutil.rmtree(directory)
+        except OSError as e:
+            errors.append(f"state: {e}")
+    if isinstance(held, Build):
+        held.rec.status = "destroyed"
+        if errors:
+            raise WorkspaceStateError(f"workspace {held.rec.id} cleanup incomplete: {'; '.join(errors)}")
+
+
+def gc() -> dict[str, list[str]]:
+    """Remove what crashed creators left behind: workspaces whose init is gone, snapshots whose
+    owner is gone, then each part's own leftovers. Returns what was removed, by kind."""
+    removed = {"workspaces": _gc_records(), "snapshots": _gc_snapshots()}
+    for p in PARTS:
+        removed[p.name] = p.gc()
+    return removed
+
+
+def _gc_records() -> list[str]:
+    removed = []
+    for ws_id in state.all_ids():
+        try:
+            rec = Record.load(ws_id)
+        except (FileNotFoundError, ValueError):
+            rec = None
+        if rec is None:
+            # No readable record: a creator died before writing one. Nothing else can be known.
+            shutil.rmtree(state.RUN_ROOT / ws_id, ignore_errors=True)
+            removed.append(ws_id)
+            continue
+        stale = (rec.status == "creating" and not rec.creator_alive()) or (
+            rec.status == "running" and not rec.init_alive()
+        )
+        if stale:
+            with contextlib.suppress(BunshinError):
+                release(Build(rec))
+            removed.append(ws_id)
+    return removed
+
+
+def _gc_snapshots() -> list[str]:
+    removed = []
+    for name in state.snapshot_ids():
+        d = state.RUN_ROOT / state.SNAPSHOTS / name
+        try:
+            meta = SnapshotMeta.load(d)
+        except (FileNotFoundError, ValueError):
+            meta = None
+        if meta is not None and state.proc_starttime(meta.owner_pid) is not None:
+            continue
+        if meta is None:
+            shutil.rmtree(d, ignore_errors=True)
+        else:
+            release(Captured(meta, d))
+        removed.append(name)
+    return removed

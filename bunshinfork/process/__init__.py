@@ -1,0 +1,122 @@
+"""Process subsystem (paper §4.3): capture and rebuild a workspace's whole process tree.
+
+The tree is rooted at the workspace's init (init.py, csrc/init.c), which starts every command
+and answers on a control socket inside the workspace (control.py). CRIU, driven over its RPC
+protocol (criu.py), dumps the tree while the workspace is frozen (dump.py) and restores it
+inside fresh pid, mount, net, ipc and uts namespaces (restore.py), so every pid, parent link,
+session and thread inside the namespace is identical in each clone while host pids differ.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+
+from .. import native
+from ..cgroups import Cgroup
+from ..contract import Build, Capture, Check, Held, Part
+from ..errors import BunshinError, ForkError
+from ..state import InitState, proc_starttime
+from . import control, criu, init
+from .dump import dump_tree
+from .options import dump_opts, restore_opts
+from .reaper import reaper
+from .restore import restore_tree
+from .tree import ProcInfo, tree
+
+__all__ = ["ProcInfo", "ProcessPart", "dump_opts", "restore_opts", "tree"]
+
+NAMESPACES = ("pid", "mnt", "net", "ipc", "uts")
+
+
+def check_namespaces() -> Check:
+    missing = [ns for ns in NAMESPACES if not os.path.exists(f"/proc/self/ns/{ns}")]
+    if missing:
+        return Check("namespaces", False, f"missing {', '.join(missing)} namespace(s); the kernel lacks "
+                     f"CONFIG_{'/'.join(m.upper() for m in missing)}_NS", required=True)
+    return Check("namespaces", True, ", ".join(NAMESPACES), required=True)
+
+
+def check_native() -> Check:
+    try:
+        importlib.import_module("bunshinfork._native")
+    except ImportError as e:
+        return Check("native", False, f"bunshinfork._native does not load ({e}); reinstall bunshin "
+                     "(scripts/setup.sh)", required=True)
+    return Check("native", True, "bunshinfork._native loads", required=True)
+
+
+def check_init_binary() -> Check:
+    if os.access(init.INIT_BINARY, os.X_OK):
+        return Check("bunshin-init", True, str(init.INIT_BINARY), required=True)
+    return Check("bunshin-init", False, f"{init.INIT_BINARY} is missing or not executable; reinstall bunshin "
+                 "(scripts/setup.sh)", required=True)
+
+
+def check_pycriu() -> Check:
+    if criu.rpc is None:
+        return Check("pycriu", False, "pycriu does not import; scripts/setup.sh installs it into the venv",
+                     required=True)
+    return Check("pycriu", True, f"importable ({os.path.dirname(criu.rpc.__file__ or '?')})", required=True)
+
+
+def check_criu_version() -> Check:
+    try:
+        path = criu.binary()
+        v = criu.version()
+    except BunshinError as e:
+        return Check("criu", False, f"{e}; scripts/setup.sh builds 4.2.1", required=True)
+    shown = ".".join(map(str, v))
+    if why := criu.version_problem(v):
+        return Check("criu", False, f"{shown} ({path}) is {why}", required=True)
+    newer = "; newer than the tested 4.2.x" if v[:2] > criu.REQUIRED else ""
+    return Check("criu", True, f"{shown} ({path}){newer}", required=True)
+
+
+def check_criu_check() -> Check:
+    if os.geteuid() != 0:
+        return Check("criu check", False, "criu check needs root", required=True)
+    try:
+        problem = criu.check()
+    except BunshinError as e:
+        return Check("criu check", False, str(e), required=True)
+    if problem is None:
+        return Check("criu check", True, "Looks good.", required=True)
+    return Check("criu check", False, problem, required=True)
+
+
+class ProcessPart(Part):
+    name = "process"
+    probes = (check_namespaces, check_native, check_init_binary, check_pycriu, check_criu_version,
+              check_criu_check)
+
+    def prepare(self, b: Build) -> None:
+        assert b.root is not None and b.rec.fs is not None and b.rec.fs.layer is not None
+        init.require_binary()
+        init.install(Path(b.rec.fs.layer.upper))
+        assert b.rec.cgroups is not None
+        b.rec.process, b.pidfd = init.spawn(b.rec, str(b.root.path), b.root.options, Cgroup(b.rec.cgroups),
+                                            b.ksm_merge)
+
+    def capture(self, c: Capture) -> None:
+        dump_tree(c)
+
+    def restore(self, b: Build) -> None:
+        rec = b.rec
+        pid = restore_tree(b)
+        rec.process = InitState(pid, proc_starttime(pid) or 0)
+        rec.save()
+        b.pidfd = os.pidfd_open(pid)
+        reaper.watch(pid, b.pidfd)
+        native.set_hostname_in(pid, rec.hostname)
+        if not control.ping(pid):
+            raise ForkError(f"clone {rec.id} was restored but its init does not answer")
+
+    def release(self, held: Held) -> None:
+        if not isinstance(held, Build):
+            return
+        init.kill_tree(held.rec, held.pidfd)
+        if held.pidfd is not None:
+            pidfd, held.pidfd = held.pidfd, None
+            os.close(pidfd)

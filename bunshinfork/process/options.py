@@ -1,0 +1,63 @@
+"""CRIU options for dumping a workspace's process tree and restoring it into a clone."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from . import criu
+
+GHOST_LIMIT = 512 << 20  # deleted-but-open files up to this size travel inside the image
+# An inotify watch is dumped by file handle; overlayfs cannot reopen handles of some of its
+# files (a GTK editor watching the file it edits under /root), and CRIU's fallback then
+# looks for the inode only under system paths (/etc, /var/log, ...). These are where a
+# workspace's own files live.
+IRMAP_SCAN_PATHS = ("/root", "/home", "/tmp", "/opt")
+
+
+def _common(opts: criu.rpc.criu_opts) -> None:
+    opts.tcp_established = True
+    opts.file_locks = True
+    opts.network_lock = criu.rpc.NFTABLES
+    opts.manage_cgroups = True
+    opts.manage_cgroups_mode = criu.rpc.SOFT
+    opts.log_level = 4
+
+
+def dump_opts(init_pid: int, images: Path, freezer: str) -> criu.rpc.criu_opts:
+    """Dump the tree rooted at `init_pid`, leaving it running; CRIU seizes it through the
+    (already frozen) freezer cgroup so the tree never runs between freeze and dump."""
+    opts = criu.new_opts()
+    _common(opts)
+    opts.images_dir = str(images)
+    opts.pid = init_pid
+    opts.leave_running = True
+    opts.freeze_cgroup = freezer
+    opts.ghost_limit = GHOST_LIMIT
+    opts.irmap_scan_paths.extend(IRMAP_SCAN_PATHS)
+    opts.log_file = "dump.log"
+    return opts
+
+
+def restore_opts(images: Path, work_dir_fd: int, root: str, cgroup_roots: Iterable[tuple[str, str]]
+                 ) -> criu.rpc.criu_opts:
+    """Restore into new namespaces with `root` as the mount namespace's root. rst_sibling makes
+    the restored init our child rather than criu's, so it is reaped like a created init."""
+    opts = criu.new_opts()
+    _common(opts)
+    opts.images_dir = str(images)
+    opts.work_dir_fd = work_dir_fd
+    opts.root = root
+    opts.rst_sibling = True
+    opts.log_file = "restore.log"
+    roots = dict(cgroup_roots)
+    for ctrl, path in roots.items():
+        cr = opts.cg_root.add()
+        if ctrl != "unified":
+            cr.ctrl = ctrl
+        elif len(roots) > 1:
+            # Beside v1 controllers the cgroup2 hierarchy is named by the empty controller name
+            # (CRIU's cgroup_contains); an unnamed root would move every v1 hierarchy too.
+            cr.ctrl = ""
+        cr.path = path
+    return opts

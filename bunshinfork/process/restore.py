@@ -1,0 +1,115 @@
+"""Restore a snapshot's process tree into a clone: its own namespaces, root, cgroup and memory."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+from .. import native
+from ..cgroups import Cgroup
+from ..contract import Build
+from ..errors import BunshinError
+from . import criu
+from .options import restore_opts
+
+# Called with each restore's live criu.Session right after it starts; failure-injection tests use
+# it to kill a real CRIU mid-restore. None in normal operation.
+RESTORE_HOOK: Callable[[criu.Session], None] | None = None
+
+
+def restore_tree(b: Build) -> int:
+    """Run CRIU's restore into b.root and b.rec's cgroup; returns the restored init's host pid.
+
+    rst_sibling makes the restored init our child rather than criu's, so it is reaped like a
+    created init. b.pre_resume runs while every thread is stopped under CRIU's ptrace at its
+    final sigreturn; should one fail, the clone's tasks are killed before they run again.
+    """
+    assert b.source is not None and b.root is not None and b.rec.cgroups is not None
+    cg = Cgroup(b.rec.cgroups)
+    work = b.rec.dir / "criu"
+    work.mkdir()
+    wfd = os.open(work, os.O_DIRECTORY | os.O_RDONLY)
+    restored_init: list[int] = []
+    failed: list[BaseException] = []
+
+    def on_notify(script: str, pid: int) -> None:
+        # setup-namespaces names the restored init. From here on, if the restore fails (criu
+        # killed, a later step failing) only we can reap it.
+        if script == "setup-namespaces" and pid > 0:
+            restored_init.append(pid)
+        elif script == "pre-resume" and b.pre_resume:
+            pids = cg.pids()
+            try:
+                for step in b.pre_resume:
+                    step(pids)
+            except BaseException as e:
+                # CRIU resumes the tasks whatever this hook says; SIGKILL reaches traced tasks.
+                failed.append(e)
+                for p in cg.pids():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p, signal.SIGKILL)
+
+    try:
+        opts = restore_opts(b.source.images, wfd, str(b.root.path), cg.hierarchy_paths())
+        try:
+            resp = criu.request("restore", opts, on_notify, keep_fds=(wfd,), ksm_merge=b.ksm_merge,
+                                log=work / "restore.log", session_hook=RESTORE_HOOK)
+        except BunshinError as e:
+            # Tasks killed for a failed pre-resume step can fail CRIU's detach: name the first cause.
+            if failed:
+                raise failed[0] from e
+            raise
+        if failed:
+            raise failed[0]
+        return int(resp.restore.pid)
+    except BaseException:
+        _abandon(restored_init, cg, work)
+        raise
+    finally:
+        os.close(wfd)
+
+
+def _abandon(restored_init: list[int], cg: Cgroup, work: Path) -> None:
+    """Undo what a CRIU that died or failed mid-restore could not.
+
+    rst_sibling made its half-restored init our child: unless we kill and reap it, it waits
+    forever for a criu that is gone, or stays a zombie. It is known from setup-namespaces, or
+    before that recognised as our child in the clone's cgroup or holding criu's descriptors
+    into this clone's work directory. Its cgroup yard, mounted in our mount namespace under
+    the work directory, would keep the clone's state directory busy.
+    """
+    in_cgroup = set(cg.pids())
+    orphans = set(restored_init)
+    for pid in _children():
+        if pid in in_cgroup or _holds_fd_under(pid, work):
+            orphans.add(pid)
+    for pid in orphans:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)  # a pid namespace's init: takes every task with it
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    native.unmount_below(work)
+
+
+def _children() -> set[int]:
+    out: set[int] = set()
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):
+            out.update(int(p) for p in (task / "children").read_text().split())
+    return out
+
+
+def _holds_fd_under(pid: int, directory: Path) -> bool:
+    prefix = str(directory) + "/"
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(prefix):
+                return True
+    return False
