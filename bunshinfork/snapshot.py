@@ -13,13 +13,12 @@ import dataclasses
 import os
 import shutil
 import time
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import deadlines, fs, memory, pipeline, state, watchdog
-from .cgroups import Cgroup
+from . import deadlines, fs, memory, pipeline, state
+from .cgroups import Cgroup, watchdog
 from .contract import Capture, Captured
 from .errors import CgroupError, CriuError, DeadlineExceeded, ForkError, ForkTimeout, SpecError
 from .process.images import LOG_SUFFIX, PAGES_PREFIX
@@ -46,7 +45,8 @@ def take(rec: Record, engine: str) -> Captured:
     was_paused = cg.frozen()
     c.until = c.started + dl.frozen - FREEZE_MARGIN
     try:
-        with _watched(cg.freezer_dir, dl.frozen, rec.id, was_paused) as wd:
+        guard = contextlib.nullcontext() if was_paused else watchdog.guard(cg.freezer_dir, dl.frozen, rec.id)
+        with guard as wd:
             if wd is not None:
                 c.watch = wd.register
             cg.freeze(dl.freeze)
@@ -71,15 +71,6 @@ def take(rec: Record, engine: str) -> Captured:
     meta.timing = Timing(frozen_seconds=thawed - c.started, dump_seconds=c.dumped - c.started)
     meta.save(snap.dir)
     return snap
-
-
-@contextlib.contextmanager
-def _watched(freezer_dir: str, deadline: float, label: str, skip: bool) -> Iterator[watchdog.Watchdog | None]:
-    if skip:
-        yield None
-        return
-    with watchdog.guard(freezer_dir, deadline, label) as wd:
-        yield wd
 
 
 def file_bytes(snap: Captured) -> int:

@@ -65,8 +65,9 @@ fi
 # CRIU: bookworm's 3.17 fails on kernels with vvar_vclock, and 4.1.x cannot dump
 # TCP sockets on >= 6.16, so build 4.2.1 from sid's source tarball.
 # A deb-src line only: a binary line for sid would upgrade libc.
-# Rebuild whenever the patch set in criu/patches changes.
-patches_sum=$(cat "$here"/criu/patches/*.patch 2>/dev/null | sha256sum | cut -d' ' -f1)
+# Rebuild whenever the patch set in criu/patches changes: the stamp names the patches' hash
+# and the prefix they were installed to (a CRIU built before patch 0003 is rebuilt).
+patches_sum="$(cat "$here"/criu/patches/*.patch 2>/dev/null | sha256sum | cut -d' ' -f1) $criu_prefix"
 if ! { [ -x "$criu_bin" ] && "$criu_bin" --version 2>/dev/null | grep -q "Version: $criu_version" \
        && [ -f "$cache/pycriu/rpc_pb2.py" ] && [ "$(cat "$cache/criu-patches.sha256" 2>/dev/null)" = "$patches_sum" ]; }; then
   src=/etc/apt/sources.list.d/bunshin-sid-src.sources
@@ -78,7 +79,7 @@ Suites: sid
 Components: main
 Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
 SRC
-    apt-get update -q >/dev/null
+    apt-get -o DPkg::Lock::Timeout=600 update -q >/dev/null
   fi
   tarball=$cache/criu_${criu_version}.orig.tar.xz
   if [ ! -f "$tarball" ]; then

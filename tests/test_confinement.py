@@ -12,7 +12,7 @@ import pytest
 from fork_support import COW, fork_of
 from helpers import run_ok
 
-from bunshinfork import seccomp_profile
+from bunshinfork.process import seccomp_profile
 from bunshinfork.workspace import Workspace
 
 # Each probe is (name, syscall number, arguments); the script prints {name: errno or 0}.

@@ -1,5 +1,6 @@
 """A fork never hangs and never changes its source (issue: stopped, traced and vDSO-less
-processes; sparse deleted files; deadlines on CRIU; the freeze watchdog).
+processes; sparse deleted files; deadlines on CRIU; the freeze watchdog). Each test that
+could hang carries a deadline of its own (pytest-timeout), so a hang fails it in bounded time.
 
 Everything here is real: job-control stops, strace, a process that unmapped its vDSO, CRIU
 stuck in PTRACE_SEIZE on a v1-frozen stopped task, a forking process killed with SIGKILL
@@ -22,11 +23,12 @@ import pytest
 from fork_support import COW, fork_of, own_snapshots, settled_tree
 from helpers import run_ok, wait_for
 
-from bunshinfork import criu, deadlines, native, process, snapshot, storage, watchdog
+from bunshinfork import deadlines, native, pipeline, process, snapshot, state
+from bunshinfork.cgroups import watchdog
 from bunshinfork.errors import CriuTimeout, ForkError
 from bunshinfork.memory import holders
-from bunshinfork.snapshot import Snapshot
-from bunshinfork.workspace import Workspace
+from bunshinfork.process import criu
+from bunshinfork.workspace import Snapshot, Workspace
 
 # ---- stopped processes ----
 
@@ -75,6 +77,7 @@ def _assert_stopped_then_resumes(ws: Workspace, plain: int, job: int) -> None:
     assert "Running" in _jobs(ws)
 
 
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("memory", ["copy", COW])
 def test_fork_keeps_stopped_processes_stopped(memory: str) -> None:
     """`kill -STOP`, and an interactive shell's job suspended by Ctrl-Z on its terminal: the v1
@@ -108,6 +111,7 @@ def test_fork_keeps_stopped_processes_stopped(memory: str) -> None:
 # ---- traced processes ----
 
 
+@pytest.mark.timeout(60)
 def test_fork_refuses_a_traced_process_at_once() -> None:
     with Workspace.create() as ws:
         ws.commands.run("exec strace -f -o /dev/null sleep 1000", background=True)
@@ -175,6 +179,7 @@ def _start_unmapped(ws: Workspace, binary: bytes, prefix: str) -> None:
     wait_for(lambda: ws.files.exists("/root/unmapped"))
 
 
+@pytest.mark.timeout(60)
 def test_fork_of_a_process_without_vdso(no_vdso: bytes) -> None:
     with Workspace.create() as ws:
         _start_unmapped(ws, no_vdso, "[v")
@@ -186,6 +191,7 @@ def test_fork_of_a_process_without_vdso(no_vdso: bytes) -> None:
             assert _state(c, pid) == "S"
 
 
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("gone", ["[vdso]", "[vvar"])
 def test_fork_refuses_a_half_unmapped_vdso_at_once(no_vdso: bytes, gone: str) -> None:
     """CRIU dumps these, then every clone dies in its restorer: refuse before freezing long."""
@@ -259,6 +265,7 @@ def _dense_small(report: dict) -> dict:
     return {p: {k: v for k, v in f.items() if k != "layout" or f["size"] >= 12 << 10} for p, f in report.items()}
 
 
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("storage_kind", ["tmpfs", "btrfs"])
 @pytest.mark.parametrize("memory", ["copy", COW])
 def test_fork_keeps_deleted_sparse_files_exactly(storage_kind: str, memory: str, request: pytest.FixtureRequest
@@ -283,6 +290,7 @@ def test_fork_keeps_deleted_sparse_files_exactly(storage_kind: str, memory: str,
 V1_FREEZER = Path("/sys/fs/cgroup/freezer")
 
 
+@pytest.mark.timeout(60)
 @pytest.mark.skipif(not (V1_FREEZER / "tasks").exists(), reason="needs a cgroup v1 freezer hierarchy")
 def test_criu_deadline_kills_a_criu_stuck_in_ptrace_seize(tmp_path: Path) -> None:
     """The original hang, on purpose: a SIGSTOPped task in a v1-frozen cgroup makes CRIU's
@@ -338,25 +346,29 @@ def _start_ticker(ws: Workspace) -> None:
     wait_for(lambda: ws.files.exists("/tmp/tick"))
 
 
-def _stuck_post_dump(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
-    """Make the step run inside CRIU's post-dump notification (the file-system snapshot) hang,
-    as a stuck storage call would: the source is frozen meanwhile."""
-    real = storage.snapshot_layer
+def _stopping_criu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stop CRIU (SIGSTOP) as soon as the freeze's watchdog is given it: a CRIU stuck mid-dump,
+    the source frozen meanwhile."""
+    real = watchdog.Watchdog.register
 
-    def slow(*a: object, **kw: object) -> storage.Layer:
-        time.sleep(seconds)
-        return real(*a, **kw)  # type: ignore[arg-type]
+    def register(self: watchdog.Watchdog, pid: int) -> None:
+        real(self, pid)
+        os.kill(pid, signal.SIGSTOP)
 
-    monkeypatch.setattr(storage, "snapshot_layer", slow)
+    monkeypatch.setattr(watchdog.Watchdog, "register", register)
 
 
-def test_watchdog_thaws_a_source_whose_fork_overran(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.timeout(60)
+def test_watchdog_kills_a_stuck_criu_and_thaws_at_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Our own deadline on CRIU is put past the watchdog's here, so that the watchdog is what acts:
+    at `frozen` it kills the CRIU it was given and thaws the source."""
     with Workspace.create() as ws:
         _start_ticker(ws)
         before = settled_tree(ws)
         saved = deadlines.current()
         deadlines.configure(frozen=2.0)
-        _stuck_post_dump(monkeypatch, 5)
+        monkeypatch.setattr(snapshot, "FREEZE_MARGIN", -20.0)
+        _stopping_criu(monkeypatch)
         try:
             t0 = time.monotonic()
             with pytest.raises(ForkError):
@@ -375,29 +387,38 @@ def test_watchdog_thaws_a_source_whose_fork_overran(monkeypatch: pytest.MonkeyPa
 
 
 # Forks a workspace it connected to and hangs at one stage: `frozen` (cgroup frozen, CRIU not
-# started yet) or `post-dump` (CRIU holds every task stopped, waiting for our notification).
+# started yet), `criu` (CRIU started, and stopped by SIGSTOP) or `fs` (the dump done, the
+# file-system layer being copied, still frozen).
 FORKER = textwrap.dedent("""
-    import sys, time
-    from bunshinfork import forkcheck, storage
-    from bunshinfork.snapshot import Snapshot
-    from bunshinfork.workspace import Workspace
+    import os, signal, sys, time
+    from bunshinfork.cgroups import watchdog
+    from bunshinfork.fs import layers
+    from bunshinfork.process import forkcheck
+    from bunshinfork.workspace import Snapshot, Workspace
     ws = Workspace.connect(sys.argv[1])
     def stuck(*a, **kw):
         print("stuck", flush=True)
         time.sleep(1000)
     if sys.argv[2] == "frozen":
         forkcheck.check = stuck
+    elif sys.argv[2] == "criu":
+        real = watchdog.Watchdog.register
+        def register(self, pid):
+            real(self, pid)
+            os.kill(pid, signal.SIGSTOP)
+            stuck()
+        watchdog.Watchdog.register = register
     else:
-        storage.snapshot_layer = stuck
+        layers.snapshot_layer = stuck
     Snapshot.take(ws, "copy")
 """)
 
 
 def _snapshots_of(ws_id: str) -> list[str]:
     out = []
-    for name in snapshot.leftover_snapshots():
+    for name in state.snapshot_ids():
         with contextlib.suppress(OSError, ValueError):
-            if json.loads((snapshot.snapshots_root() / name / "snapshot.json").read_text())["source"] == ws_id:
+            if json.loads((state.snapshots_root() / name / "snapshot.json").read_text())["source"] == ws_id:
                 out.append(name)
     return out
 
@@ -406,39 +427,44 @@ def _untraced(ws: Workspace) -> bool:
     return all("TracerPid:\t0\n" in Path(f"/proc/{p}/status").read_text() for p in ws._cgroup().pids())
 
 
-@pytest.mark.parametrize("stage", ["frozen", "post-dump"])
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("stage", ["frozen", "criu", "fs"])
 def test_watchdog_thaws_the_source_when_the_forking_process_is_killed(stage: str) -> None:
+    """The forker dies by SIGKILL mid-freeze: its watchdog thaws the source at once. A CRIU it
+    left behind (stage `criu`) is kept from freezing the source again and killed at `frozen`."""
+    frozen = 4.0
     with Workspace.create() as ws:
         _start_ticker(ws)
         before = settled_tree(ws)
-        forker = subprocess.Popen([sys.executable, "-c", FORKER, ws.id, stage], stdout=subprocess.PIPE, text=True)
+        env = {**os.environ, "BUNSHIN_FROZEN_TIMEOUT": str(frozen)}
+        forker = subprocess.Popen([sys.executable, "-c", FORKER, ws.id, stage], stdout=subprocess.PIPE,
+                                  text=True, env=env)
         try:
             assert forker.stdout is not None and forker.stdout.readline() == "stuck\n"
-            # Frozen by the cgroup, or stopped by CRIU's ptrace (which thawed the cgroup).
-            assert ws._cgroup().frozen() if stage == "frozen" else not _untraced(ws)
+            assert ws._cgroup().frozen()
             forker.kill()
             t_killed = time.monotonic()
             forker.wait()
-            # The watchdog thaws at once; a CRIU that outlives its client lets go of the tasks,
-            # re-freezes the cgroup it found frozen, and is thawed after again.
-            (event,) = wait_for(lambda: watchdog.events(ws.id), timeout=10)
+            (event,) = wait_for(lambda: watchdog.events(ws.id), timeout=frozen + 5)
             wait_for(lambda: _untraced(ws) and not ws._cgroup().frozen(), timeout=10)
-            assert time.monotonic() - t_killed < 10
+            assert time.monotonic() - t_killed < frozen + 5
         finally:
             if forker.poll() is None:
                 forker.kill()
                 forker.wait()
         assert event["reason"] == "owner died"
+        assert event["helpers_killed"] == (1 if stage == "criu" else 0)
         tick = _count(ws, "/tmp/tick")
         wait_for(lambda: _count(ws, "/tmp/tick") > tick)
         assert settled_tree(ws) == before
         assert len(_snapshots_of(ws.id)) == 1, "the killed forker's snapshot is gc's to remove"
-        snapshot.gc()
+        pipeline.gc()
         assert not _snapshots_of(ws.id)
         with fork_of(ws, 1, "copy") as (c,):
             assert settled_tree(c) == before
 
 
+@pytest.mark.timeout(30)
 def test_inject_deadline_restores_the_process() -> None:
     """An injected syscall that blocks (pause) is interrupted at its deadline; the process
     then runs on exactly as before, its code and registers restored."""

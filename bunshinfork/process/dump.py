@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from .. import deadlines, forkcheck
+from .. import deadlines
 from ..cgroups import Cgroup
 from ..contract import Capture
-from . import criu
+from . import criu, forkcheck
 from .images import rearm_expired_timerfds
 from .options import dump_opts
 

@@ -9,11 +9,11 @@ import signal
 import time
 from pathlib import Path
 
-from .. import native, seccomp_profile
+from .. import native
 from ..cgroups import Cgroup
 from ..errors import BunshinError, CgroupError, KernelFeatureError, PrivilegeError, WorkspaceStateError
 from ..state import InitState, Record, proc_starttime
-from . import control
+from . import control, seccomp_profile
 from .reaper import reaper
 
 INIT_BINARY = Path(__file__).resolve().parent.parent / "_bin" / "bunshin-init"

@@ -19,10 +19,10 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-from . import state
-from .errors import KernelFeatureError
+from .. import state
+from ..errors import KernelFeatureError
+from ..process.init import INIT_BINARY as BINARY
 
-BINARY = Path(__file__).resolve().parent / "_bin" / "bunshin-init"
 LOG_NAME = "watchdog.log"
 
 

@@ -27,7 +27,7 @@ try:
 except ImportError:  # pragma: no cover - set-up installs python3-seccomp
     seccomp = None
 
-from .errors import KernelFeatureError
+from ..errors import KernelFeatureError
 
 _ALLOWED = """
 accept accept4 access adjtimex alarm arch_prctl bind brk cachestat capget capset chdir chmod

@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from .errors import ForkError
+from ..errors import ForkError
 
 
 def _status(path: Path) -> dict[str, str]:
