@@ -9,7 +9,7 @@
 
 Past a deadline the call is stopped (CRIU killed, the injected syscall interrupted), the source
 is thawed, and a `DeadlineExceeded` (for a fork, a `ForkTimeout`) is raised. A watchdog process
-started with every freeze (`bunshinfork.watchdog`) enforces `frozen` even when the forking
+started with every freeze (`bunshinfork.cgroups.watchdog`) enforces `frozen` even when the forking
 process is killed mid-freeze. Change them for this process with `configure(criu=120)`.
 """
 

@@ -29,6 +29,7 @@ from bunshinfork.cgroups import leftover_cgroups
 from bunshinfork.cli import main
 from bunshinfork.commands import CommandResult
 from bunshinfork.errors import BunshinError
+from bunshinfork.process.restore import _children
 from bunshinfork.spec import WorkspaceSpec
 from bunshinfork.workspace import Workspace
 
@@ -77,14 +78,6 @@ def _fds() -> dict[str, str]:
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):
             out[fd] = os.readlink(f"/proc/self/fd/{fd}")
-    return out
-
-
-def _children() -> set[int]:
-    out: set[int] = set()
-    for task in Path("/proc/self/task").iterdir():
-        with contextlib.suppress(OSError):
-            out.update(int(p) for p in (task / "children").read_text().split())
     return out
 
 
