@@ -89,6 +89,8 @@ def test_fork_keeps_stopped_processes_stopped(memory: str) -> None:
         ws.commands.run("exec sleep 100000 3>/root/tty.in", background=True)  # keeps the fifo open
         ws.commands.run("exec script -qfc 'bash --norc --noprofile -i' /dev/null < /root/tty.in > /root/tty.out",
                         background=True)
+        # The shell opens the fifo before it execs script: from then on it has a reader.
+        wait_for(lambda: run_ok(ws, "pgrep -x script || true").stdout.strip())
         _tty(ws, "python3 /root/counter.py /tmp/job\n")
         wait_for(lambda: ws.files.exists("/tmp/job") and ws.files.exists("/tmp/plain"))
         _tty(ws, "\x1a")  # Ctrl-Z
