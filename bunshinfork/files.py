@@ -86,6 +86,8 @@ class Files:
         try:
             with self._root() as root, self._open(root, p, os.O_RDONLY | os.O_NONBLOCK) as fd:
                 mode = os.fstat(fd).st_mode
+                if stat.S_ISDIR(mode):
+                    raise FileOperationError(errno.EISDIR, f"read {p} in workspace: is a directory", p)
                 if not stat.S_ISREG(mode):
                     raise FileOperationError(errno.EINVAL, f"read {p} in workspace: not a regular file", p)
                 os.set_blocking(fd, True)
