@@ -14,7 +14,8 @@ def build_init(dest_dir: str) -> None:
     out = os.path.join(dest_dir, "bunshin-init")
     # Static, so it runs in any root file system, whatever its libc.
     subprocess.check_call(
-        ["cc", "-O2", "-static", "-Wall", "-Wextra", "-o", out, os.path.join(HERE, "csrc", "init.c")]
+        ["cc", "-O2", "-static", "-Wall", "-Wextra", "-o", out,
+         os.path.join(HERE, "csrc", "init.c"), os.path.join(HERE, "csrc", "watchdog.c")]
     )
     subprocess.check_call(["strip", out])
 

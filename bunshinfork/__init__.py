@@ -8,6 +8,7 @@ AsyncSandbox).
 
 __version__ = "0.1.0"
 
+from . import deadlines
 from .accounting import HostMemory
 from .aio import AsyncCommandHandle, AsyncSandbox, AsyncWatchHandle, AsyncWorkspace
 from .commands import (
@@ -23,9 +24,12 @@ from .errors import (
     CommandError,
     CommandTimeout,
     CriuError,
+    CriuTimeout,
+    DeadlineExceeded,
     FileNotFoundException,
     FileOperationError,
     ForkError,
+    ForkTimeout,
     InvalidArgumentException,
     KernelFeatureError,
     NetworkError,
@@ -60,11 +64,13 @@ from .workspace import MemoryStats, Snapshot, Workspace, WorkspaceInfo, host_mem
 __all__ = [
     "AsyncCommandHandle", "AsyncSandbox", "AsyncWatchHandle", "AsyncWorkspace", "BunshinError", "CgroupError",
     "CommandError", "CommandExitException", "CommandHandle", "CommandResult", "CommandTimeout", "CriuError",
-    "EntryInfo", "FileNotFoundException", "FileOperationError", "FileType", "FilesystemEvent",
-    "FilesystemEventType", "ForkError", "HostMemory", "InvalidArgumentException", "KernelFeatureError", "MemoryStats",
-    "NetworkError", "NotFoundException", "PrivilegeError", "ProcessInfo", "PtySize", "RootfsError", "Sandbox",
-    "SandboxException", "SandboxInfo", "SandboxMetrics", "SandboxNotFoundException", "SandboxPaginator",
-    "SandboxQuery", "SandboxState", "Snapshot", "SnapshotInfo", "SnapshotPaginator", "SpecError", "StorageWarning",
-    "TimeoutException", "WatchHandle", "Workspace", "WorkspaceFileNotFound", "WorkspaceInfo", "WorkspaceNotFound",
-    "WorkspaceSpec", "WorkspaceStateError", "WriteInfo", "__version__", "host_memory", "rootfs_digest",
+    "CriuTimeout", "DeadlineExceeded", "EntryInfo", "FileNotFoundException", "FileOperationError", "FileType",
+    "FilesystemEvent", "FilesystemEventType", "ForkError", "ForkTimeout", "HostMemory",
+    "InvalidArgumentException", "KernelFeatureError", "MemoryStats", "NetworkError", "NotFoundException",
+    "PrivilegeError", "ProcessInfo", "PtySize", "RootfsError", "Sandbox", "SandboxException", "SandboxInfo",
+    "SandboxMetrics", "SandboxNotFoundException", "SandboxPaginator", "SandboxQuery", "SandboxState",
+    "Snapshot", "SnapshotInfo", "SnapshotPaginator", "SpecError", "StorageWarning", "TimeoutException",
+    "WatchHandle", "Workspace", "WorkspaceFileNotFound", "WorkspaceInfo", "WorkspaceNotFound",
+    "WorkspaceSpec", "WorkspaceStateError", "WriteInfo", "__version__", "deadlines", "host_memory",
+    "rootfs_digest",
 ]

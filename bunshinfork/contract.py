@@ -22,6 +22,7 @@ the fields of Build and Capture below.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -134,6 +135,15 @@ class Capture:
     dumped: float = 0.0  # when the dump and what runs after it ended
     stages: dict[str, float] = field(default_factory=dict)  # seconds per stage (Timing.stages)
     criu: dict[str, int] = field(default_factory=dict)  # CRIU's dump statistics (Timing.criu)
+    # time.monotonic() by which every step inside the freeze must be done (deadlines.frozen,
+    # less a margin so that the freeze's watchdog acts only when we cannot).
+    until: float = math.inf
+    # Hands a helper process (CRIU) to the freeze's watchdog, which kills it past the deadline.
+    watch: Callable[[int], None] = lambda _pid: None
+
+    def left(self) -> float:
+        """Seconds left to `until`, at least a moment, so that a late step fails fast."""
+        return max(0.1, self.until - time.monotonic())
 
     def stage(self, name: str) -> contextlib.AbstractContextManager[None]:
         return timed(self.stages, name)

@@ -44,6 +44,15 @@ class CriuError(BunshinError):
     """CRIU is missing, too old, or failed; the message carries the relevant part of its log."""
 
 
+class DeadlineExceeded(BunshinError, TimeoutError):
+    """An external call (CRIU, an injected syscall, a freeze) ran past its deadline and was stopped;
+    the deadlines and how to change them are in bunshinfork.deadlines."""
+
+
+class CriuTimeout(DeadlineExceeded, CriuError):
+    """CRIU did not answer within the `criu` deadline and was killed."""
+
+
 class WorkspaceNotFound(NotFoundException, LookupError):
     """No workspace with that id exists under the state directory (E2B's SandboxNotFoundException)."""
 
@@ -82,6 +91,10 @@ class CgroupError(BunshinError):
 
 class ForkError(BunshinError):
     """A fork of a workspace failed; the source keeps running unchanged."""
+
+
+class ForkTimeout(ForkError, DeadlineExceeded):
+    """A fork ran past one of its deadlines; the source was thawed and keeps running unchanged."""
 
 
 class WorkspaceFileNotFound(FileOperationError, NotFoundException, FileNotFoundError):

@@ -127,8 +127,11 @@ class Files:
         return self.accounts.resolve(user or self._default_user or "root")
 
     def _abs(self, path: str, who: users.User | None = None) -> str:
-        if not path:
-            raise FileOperationError(errno.EINVAL, "empty path")
+        if not isinstance(path, str) or not path:
+            raise FileOperationError(errno.EINVAL, f"a path must be a non-empty string, got {path!r}")
+        if "\0" in path:
+            # C would see the path cut at the NUL: another file than the one named.
+            raise FileOperationError(errno.EINVAL, f"path {path!r} contains a NUL byte", path)
         return posixpath.normpath(posixpath.join(who.home if who else HOME, path))
 
     @contextlib.contextmanager
@@ -210,7 +213,19 @@ class Files:
         p = self._abs(path, who)
         try:
             with self._root(who) as root:
-                fd = native.openat2(root, p, os.O_RDONLY)
+                # Devices, fifos and sockets are refused: /dev/zero would never end, and a fifo
+                # would wait for a writer that may never come.
+                fd = native.openat2(root, p, os.O_RDONLY | os.O_NONBLOCK)
+                try:
+                    mode = os.fstat(fd).st_mode
+                    if stat.S_ISDIR(mode):
+                        raise FileOperationError(errno.EISDIR, f"read {p} in workspace: is a directory", p)
+                    if not stat.S_ISREG(mode):
+                        raise FileOperationError(errno.EINVAL, f"read {p} in workspace: not a regular file", p)
+                    os.set_blocking(fd, True)
+                except BaseException:
+                    os.close(fd)
+                    raise
                 if format == "stream":
                     return FileStreamReader(fd)
                 try:
@@ -219,6 +234,8 @@ class Files:
                         data += chunk
                 finally:
                     os.close(fd)
+        except FileOperationError:
+            raise
         except OSError as e:
             raise _error(e, "read", p) from e
         return data if format == "bytes" else data.decode()
@@ -241,7 +258,9 @@ class Files:
 
     def _write_one(self, root: int, p: str, data: WriteData, mode: int, metadata: dict[str, str] | None) -> EntryInfo:
         self._make_dirs(root, posixpath.dirname(p))
-        with self._open(root, p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode) as fd:
+        # O_NONBLOCK: a fifo without a reader is an error (ENXIO), not a wait.
+        with self._open(root, p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK, mode) as fd:
+            os.set_blocking(fd, True)
             for chunk in _chunks(data):
                 view = memoryview(chunk)
                 while view:

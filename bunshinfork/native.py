@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from ._native import ffi, lib
 
+CLONE_NEWCGROUP = 0x02000000
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
@@ -104,27 +105,42 @@ def ptrace_seize(pid: int) -> None:
     _neg_errno(lib.bn_ptrace_seize(pid), f"ptrace seize {pid}")
 
 
-def ptrace_wait_stop(pid: int) -> None:
-    _neg_errno(lib.bn_ptrace_wait_stop(pid), f"wait for {pid} to stop")
+def _ms(timeout: float | None) -> int:
+    return 0 if timeout is None else max(1, int(timeout * 1000))
+
+
+def ptrace_wait_stop(pid: int, timeout: float | None = None) -> None:
+    """Collect `pid`'s ptrace stop; TimeoutError (ETIMEDOUT) past `timeout` seconds."""
+    _neg_errno(lib.bn_ptrace_wait_stop(pid, _ms(timeout)), f"wait for {pid} to stop")
 
 
 def ptrace_detach(pid: int) -> None:
     _neg_errno(lib.bn_ptrace_detach(pid), f"ptrace detach {pid}")
 
 
-def inject_fork(pid: int) -> tuple[int, int]:
+def inject_fork(pid: int, timeout: float | None = None) -> tuple[int, int]:
     """Fork a stopped tracee from inside; the child is traced by us and stopped before its first
     instruction, and its parent gets no SIGCHLD for it. Returns (host pid, pid in the tracee's
-    namespace) of the child."""
+    namespace) of the child. Past `timeout` seconds the tracee is interrupted and restored, and
+    TimeoutError (ETIMEDOUT) is raised."""
     ns_child = ffi.new("int *")
-    host = _neg_errno(lib.bn_inject_fork(pid, ns_child), f"inject fork into {pid}")
+    host = _neg_errno(lib.bn_inject_fork(pid, ns_child, _ms(timeout)), f"inject fork into {pid}")
     return host, int(ns_child[0])
 
 
-def inject_reap(parent: int, ns_child: int) -> None:
-    """Reap a killed child inside its stopped, traced parent with an injected wait4(__WALL);
-    `ns_child` is the child's pid as the parent sees it."""
-    _neg_errno(lib.bn_inject_reap(parent, ns_child), f"inject wait4({ns_child}) into {parent}")
+def inject_reap(parent: int, ns_child: int, timeout: float | None = None) -> None:
+    """Reap a killed child inside its stopped, traced parent with an injected wait4(__WALL|WNOHANG);
+    `ns_child` is the child's pid as the parent sees it. BlockingIOError (EAGAIN): not reapable yet."""
+    _neg_errno(lib.bn_inject_reap(parent, ns_child, _ms(timeout)), f"inject wait4({ns_child}) into {parent}")
+
+
+def inject_syscall(pid: int, nr: int, a1: int = 0, a2: int = 0, a3: int = 0, timeout: float | None = None) -> int:
+    """Run syscall `nr` inside the stopped tracee `pid`; returns what it returned (-errno on
+    failure). Past `timeout` seconds it is interrupted, the tracee's code and registers are put
+    back, and TimeoutError is raised."""
+    result = ffi.new("long *")
+    _neg_errno(lib.bn_inject_syscall(pid, nr, a1, a2, a3, _ms(timeout), result), f"inject syscall {nr} into {pid}")
+    return int(result[0])
 
 
 @dataclass
@@ -145,6 +161,7 @@ class SpawnConfig:
     mount_sysfs: bool = True
     ksm_merge: bool = False
     privileged: bool = False
+    seccomp_bpf: bytes = b""  # loaded just before the init is exec'd (empty: none)
 
 
 def spawn(cfg: SpawnConfig) -> Spawned:
@@ -156,6 +173,10 @@ def spawn(cfg: SpawnConfig) -> Spawned:
     c.mount_sysfs = int(cfg.mount_sysfs)
     c.ksm_merge = int(cfg.ksm_merge)
     c.privileged = int(cfg.privileged)
+    bpf = ffi.new("unsigned char[]", cfg.seccomp_bpf) if cfg.seccomp_bpf else ffi.NULL
+    keep.append(bpf)
+    c.seccomp_bpf = bpf
+    c.seccomp_len = len(cfg.seccomp_bpf)
     pidfd = ffi.new("int *")
     sync_fd = ffi.new("int *")
     err_fd = ffi.new("int *")

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from . import state
 from .cgroups import Cgroup, CgroupsPart
 from .contract import Build, Captured, Held, Part, Probe
-from .errors import BunshinError, ForkError, WorkspaceStateError
+from .errors import BunshinError, DeadlineExceeded, ForkError, ForkTimeout, WorkspaceStateError
 from .fs import FsPart
 from .memory import MemoryPart
 from .network import NetworkPart
@@ -79,7 +79,8 @@ def fork(snap: Captured, count: int, memory: str, life: Lifetime | None = None) 
         except ForkError as e:
             return e
         except BaseException as e:
-            err = ForkError(f"fork of {meta.source} into {ws_id} failed: {e}")
+            kind = ForkTimeout if isinstance(e, DeadlineExceeded) else ForkError
+            err = kind(f"fork of {meta.source} into {ws_id} failed: {e}")
             err.__cause__ = e
             return err
 

@@ -20,15 +20,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import fs, memory, pipeline, state
-from .cgroups import Cgroup
+from . import deadlines, fs, memory, pipeline, state
+from .cgroups import Cgroup, watchdog
 from .contract import Capture, Captured
-from .errors import CriuError, ForkError, SpecError
+from .errors import CgroupError, CriuError, DeadlineExceeded, ForkError, ForkTimeout, SpecError
 from .process import chain
 from .process.images import LOG_SUFFIX, PAGES_PREFIX
 from .state import Record, SnapshotMeta, Timing
 
 _saver = ThreadPoolExecutor(max_workers=2, thread_name_prefix="bunshin-save")
+# Our own steps inside a freeze end this long before the watchdog's `frozen` deadline, so that
+# the watchdog acts only when we cannot (killed, stuck).
+FREEZE_MARGIN = 1.0
 
 
 def take(rec: Record, engine: str, *, delta: bool = True, dedupe: bool = True) -> Captured:
@@ -43,25 +46,37 @@ def take(rec: Record, engine: str, *, delta: bool = True, dedupe: bool = True) -
     meta.save(snap.dir)  # owner recorded first, so gc never takes a snapshot still being made
     c = Capture(rec, snap, delta=delta, dedupe=dedupe)
     cg = Cgroup(rec.cgroups)
+    dl = deadlines.current()
+    # A workspace the user paused stays paused, and its freeze is not ours to watch.
+    was_paused = cg.frozen()
     try:
         for part in pipeline.capture_order():
             part.before_freeze(c)
         c.started = time.monotonic()
-        with c.stage("freeze"):
-            cg.freeze()
-        try:
-            for part in pipeline.capture_order():
-                part.capture(c)
-        finally:
-            c.dumped = time.monotonic()
-            with c.stage("thaw"):
-                cg.thaw()
+        c.until = c.started + dl.frozen - FREEZE_MARGIN
+        guard = contextlib.nullcontext() if was_paused else watchdog.guard(cg.freezer_dir, dl.frozen, rec.id)
+        with guard as wd:
+            if wd is not None:
+                c.watch = wd.register
+            with c.stage("freeze"):
+                cg.freeze(dl.freeze)
+            try:
+                for part in pipeline.capture_order():
+                    part.capture(c)
+            finally:
+                c.dumped = time.monotonic()
+                if not was_paused:
+                    with c.stage("thaw"):
+                        cg.thaw(dl.freeze)
         thawed = time.monotonic()
         for step in c.after_thaw:
             step()
     except BaseException as e:
         pipeline.release(snap)
-        if isinstance(e, CriuError):
+        if isinstance(e, DeadlineExceeded):
+            raise ForkTimeout(f"snapshot of {rec.id} ran past its deadline; the workspace was thawed and "
+                              f"keeps running: {e}") from e
+        if isinstance(e, (CriuError, CgroupError)):
             raise ForkError(f"snapshot of {rec.id} failed; the workspace keeps running: {e}") from e
         raise
     meta.timing = Timing(frozen_seconds=thawed - c.started, dump_seconds=c.dumped - c.started,

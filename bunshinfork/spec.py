@@ -66,10 +66,19 @@ class WorkspaceSpec:
 
     def validate(self) -> WorkspaceSpec:
         """Return a normalised copy, or raise SpecError saying what to change."""
-        if not isinstance(self.rootfs, str) or not self.rootfs:
+        if not isinstance(self.rootfs, str) or not self.rootfs or "\0" in self.rootfs:
             raise SpecError("rootfs must be 'host', 'debian', 'docker:IMAGE' or an absolute directory path")
+        for name in ("nat", "ksm", "mount_sysfs", "privileged"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpecError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.storage_dir is not None and (
+            not isinstance(self.storage_dir, str) or not self.storage_dir.startswith("/") or "\0" in self.storage_dir
+        ):
+            raise SpecError(f"storage_dir must be an absolute directory path, got {self.storage_dir!r}")
+        if not isinstance(self.env, dict):
+            raise SpecError(f"env must be a dict of names to values, got {type(self.env).__name__}")
         # fullmatch: `$` alone also matches before a trailing newline, which would reach sethostname.
-        if self.hostname is not None and not _HOSTNAME.fullmatch(self.hostname):
+        if self.hostname is not None and (not isinstance(self.hostname, str) or not _HOSTNAME.fullmatch(self.hostname)):
             raise SpecError(f"hostname {self.hostname!r} is not a valid host name (letters, digits, '-', <= 63)")
         mem = parse_size(self.memory_limit, "memory_limit")
         if mem is not None and mem < MIN_MEMORY:
@@ -78,11 +87,11 @@ class WorkspaceSpec:
             isinstance(self.pids_limit, bool) or not isinstance(self.pids_limit, int) or self.pids_limit < 4
         ):
             raise SpecError(f"pids_limit must be an integer >= 4 (init, shim, shell, command), got {self.pids_limit!r}")
-        if self.network not in NETWORK_MODES:
+        if not isinstance(self.network, str) or self.network not in NETWORK_MODES:
             raise SpecError(f"unknown network mode {self.network!r}; use one of {', '.join(NETWORK_MODES)}")
         if self.nat and self.network != "bridge":
             raise SpecError("nat=True needs network='bridge'")
-        if self.cgroup not in CGROUP_VERSIONS:
+        if not isinstance(self.cgroup, str) or self.cgroup not in CGROUP_VERSIONS:
             raise SpecError(f"unknown cgroup layout {self.cgroup!r}; use one of {', '.join(CGROUP_VERSIONS)}")
         for k, v in self.env.items():
             if not isinstance(k, str) or not k or "=" in k or "\0" in k or not isinstance(v, str) or "\0" in v:

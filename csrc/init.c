@@ -64,6 +64,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "watchdog.h"
+
 #define CTL_DIR "/.bunshin"
 #define CTL_SOCK CTL_DIR "/ctl.sock"
 #define CMD_DIR CTL_DIR "/cmd"
@@ -1010,6 +1012,8 @@ int main(int argc, char **argv)
 {
 	if (argc > 2 && !strcmp(argv[1], "--ksm-exec"))
 		return ksm_exec(argv + 2);
+	if (argc > 1 && !strcmp(argv[1], "--watchdog"))
+		return watchdog_main(argc, argv);
 	setsid();
 	/* Nothing from the creator may stay open inside the workspace. */
 	int devnull = open("/dev/null", O_RDWR);

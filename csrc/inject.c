@@ -16,6 +16,7 @@
 #include <signal.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 #include <sys/ptrace.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
@@ -30,15 +31,41 @@
 #define __WALL 0x40000000
 #endif
 
-static int wait_stop(pid_t pid, int *status)
+static long long now_ns(void)
 {
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/*
+ * Wait for `pid` to report a stop, until `deadline` (CLOCK_MONOTONIC ns; 0: none). A blocking
+ * waitpid cannot time out, so poll with WNOHANG: the stop is usually there at once or within
+ * microseconds, and the sleeps grow from 20 us to 2 ms.
+ */
+static int wait_stop_until(pid_t pid, int *status, long long deadline)
+{
+	long sleep_ns = 20000;
 	for (;;) {
-		pid_t r = waitpid(pid, status, __WALL);
+		pid_t r = waitpid(pid, status, __WALL | WNOHANG);
 		if (r == pid)
 			return WIFSTOPPED(*status) ? 0 : -ESRCH;
 		if (r < 0 && errno != EINTR)
 			return -errno;
+		if (r == 0) {
+			if (deadline && now_ns() >= deadline)
+				return -ETIMEDOUT;
+			struct timespec ts = {0, sleep_ns};
+			nanosleep(&ts, NULL);
+			if (sleep_ns < 2000000)
+				sleep_ns *= 2;
+		}
 	}
+}
+
+static long long deadline_in(int timeout_ms)
+{
+	return timeout_ms > 0 ? now_ns() + (long long)timeout_ms * 1000000LL : 0;
 }
 
 int bn_ptrace_seize(int pid)
@@ -50,10 +77,10 @@ int bn_ptrace_seize(int pid)
 	return 0;
 }
 
-int bn_ptrace_wait_stop(int pid)
+int bn_ptrace_wait_stop(int pid, int timeout_ms)
 {
 	int status;
-	return wait_stop(pid, &status);
+	return wait_stop_until(pid, &status, deadline_in(timeout_ms));
 }
 
 int bn_ptrace_detach(int pid)
@@ -65,13 +92,18 @@ int bn_ptrace_detach(int pid)
  * Run one syscall in a stopped tracee: write `syscall; int3` over the bytes at its
  * instruction pointer, run to the trap, restore code and registers. When the
  * syscall is a clone, the new child's pid is stored in *clone_child.
+ *
+ * Past `timeout_ms` the tracee is interrupted (PTRACE_INTERRUPT ends an interruptible
+ * wait in the kernel; the syscall is not restarted) and its code and registers are put
+ * back as soon as it stops; -ETIMEDOUT is returned either way.
  */
 static long inject_syscall(pid_t pid, long nr, long a1, long a2, long a3, long a4, long a5, long a6,
-			   pid_t *clone_child)
+			   pid_t *clone_child, int timeout_ms)
 {
 	struct user_regs_struct saved, regs;
 	long orig, code, ret;
-	int status;
+	int status, w;
+	long long deadline = deadline_in(timeout_ms);
 
 	if (ptrace(PTRACE_GETREGS, pid, 0, &saved) < 0)
 		return -errno;
@@ -103,7 +135,23 @@ static long inject_syscall(pid_t pid, long nr, long a1, long a2, long a3, long a
 		goto restore;
 	}
 	for (;;) {
-		if (wait_stop(pid, &status) < 0) {
+		w = wait_stop_until(pid, &status, deadline);
+		if (w == -ETIMEDOUT) {
+			ptrace(PTRACE_INTERRUPT, pid, 0, 0);
+			/* A task stuck in an uninterruptible wait cannot be stopped to restore its
+			 * code: give it one more timeout, then report it rather than block. */
+			if (wait_stop_until(pid, &status, deadline_in(timeout_ms)) < 0)
+				return -ETIMEDOUT;
+			if (status >> 8 == (SIGTRAP | (PTRACE_EVENT_CLONE << 8))) {
+				/* The clone completed just now: its child must not run. */
+				unsigned long child = 0;
+				if (ptrace(PTRACE_GETEVENTMSG, pid, 0, &child) == 0 && child > 0)
+					kill((pid_t)child, SIGKILL);
+			}
+			ret = -ETIMEDOUT;
+			goto restore;
+		}
+		if (w < 0) {
 			ret = -ESRCH;
 			goto restore;
 		}
@@ -114,7 +162,10 @@ static long inject_syscall(pid_t pid, long nr, long a1, long a2, long a3, long a
 				int cs;
 				*clone_child = (pid_t)child;
 				/* The auto-attached child reports its initial stop; collect it. */
-				wait_stop((pid_t)child, &cs);
+				wait_stop_until((pid_t)child, &cs, deadline);
+				/* Should we die, the holder must die too: untraced, it would run on from
+				 * the middle of its parent's code as a second copy of that process. */
+				ptrace(PTRACE_SETOPTIONS, (pid_t)child, 0, (void *)(long)PTRACE_O_EXITKILL);
 				/* The child's memory was copied with `syscall; int3` at rip: put the
 				 * original bytes back, or an image of it (a snapshot holder) keeps the
 				 * stub, and a clone sharing that text page traps at the int3. */
@@ -138,11 +189,11 @@ restore:
 	return ret;
 }
 
-int bn_inject_fork(int pid, int *ns_child)
+int bn_inject_fork(int pid, int *ns_child, int timeout_ms)
 {
 	pid_t child = 0;
 	/* clone(flags = exit signal 0, no CLONE_VM): a fork the parent will never hear about. */
-	long r = inject_syscall(pid, SYS_clone, 0, 0, 0, 0, 0, 0, &child);
+	long r = inject_syscall(pid, SYS_clone, 0, 0, 0, 0, 0, 0, &child, timeout_ms);
 	if (r < 0)
 		return (int)r;
 	if (child <= 0 || r <= 0)
@@ -152,8 +203,18 @@ int bn_inject_fork(int pid, int *ns_child)
 	return child;
 }
 
-int bn_inject_reap(int parent, int child)
+int bn_inject_reap(int parent, int child, int timeout_ms)
 {
-	long r = inject_syscall(parent, SYS_wait4, child, 0, __WALL, 0, 0, 0, NULL);
+	/* WNOHANG: a wait4 that blocks would hold the parent in the kernel past any deadline. */
+	long r = inject_syscall(parent, SYS_wait4, child, 0, __WALL | WNOHANG, 0, 0, 0, NULL, timeout_ms);
+	if (r == 0)
+		return -EAGAIN;
 	return r == child ? 0 : (r < 0 ? (int)r : -ECHILD);
+}
+
+int bn_inject_syscall(int pid, long nr, long a1, long a2, long a3, int timeout_ms, long *result)
+{
+	long r = inject_syscall(pid, nr, a1, a2, a3, 0, 0, 0, NULL, timeout_ms);
+	*result = r;
+	return r == -ETIMEDOUT ? -ETIMEDOUT : 0;
 }

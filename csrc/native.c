@@ -6,8 +6,10 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/filter.h>
 #include <linux/openat2.h>
 #include <linux/sched.h>
+#include <linux/seccomp.h>
 #include <net/if.h>
 #include <sched.h>
 #include <signal.h>
@@ -229,6 +231,19 @@ static void child_drop_caps(int efd)
 	}
 }
 
+/* Last step before exec: everything after it, the init included, runs under the filter. The
+ * child still has CAP_SYS_ADMIN in its effective set, so no_new_privs is not needed (Docker
+ * does not set it either: setuid programs keep working). */
+static void child_load_seccomp(int efd, const struct bn_spawn_cfg *cfg)
+{
+	struct sock_fprog prog = {
+		.len = (unsigned short)(cfg->seccomp_len / sizeof(struct sock_filter)),
+		.filter = (struct sock_filter *)cfg->seccomp_bpf,
+	};
+	if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &prog) < 0)
+		report(efd, "load the seccomp filter");
+}
+
 static void child_main(const struct bn_spawn_cfg *cfg, int sync_rd, int efd)
 {
 	char c, path[4096];
@@ -236,6 +251,10 @@ static void child_main(const struct bn_spawn_cfg *cfg, int sync_rd, int efd)
 	if (read(sync_rd, &c, 1) != 1)
 		_exit(126);
 	close(sync_rd);
+	/* Only now: the namespace's root is the cgroup we were just placed in, so the workspace
+	 * sees "/" there and no host cgroup path. */
+	if ((cfg->ns_flags & CLONE_NEWCGROUP) && unshare(CLONE_NEWCGROUP) < 0)
+		report(efd, "unshare the cgroup namespace");
 
 	if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
 		report(efd, "make / rprivate");
@@ -272,6 +291,8 @@ static void child_main(const struct bn_spawn_cfg *cfg, int sync_rd, int efd)
 		report(efd, "prctl(PR_SET_MEMORY_MERGE)");
 	if (!cfg->privileged)
 		child_drop_caps(efd);
+	if (cfg->seccomp_bpf && cfg->seccomp_len > 0)
+		child_load_seccomp(efd, cfg);
 
 	char *argv[] = {"bunshin-init", NULL};
 	char *envp[] = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", NULL};
@@ -291,7 +312,8 @@ int bn_spawn(const struct bn_spawn_cfg *cfg, int *pidfd, int *sync_fd, int *err_
 	}
 	struct clone_args args;
 	memset(&args, 0, sizeof(args));
-	args.flags = (uint64_t)cfg->ns_flags | CLONE_PIDFD;
+	/* The cgroup namespace is made by the child once it is in its cgroups (child_main). */
+	args.flags = (uint64_t)(cfg->ns_flags & ~CLONE_NEWCGROUP) | CLONE_PIDFD;
 	args.pidfd = (uint64_t)(uintptr_t)pidfd;
 	args.exit_signal = SIGCHLD;
 	long pid = syscall(SYS_clone3, &args, sizeof(args));

@@ -10,6 +10,8 @@ struct bn_spawn_cfg {
 	int mount_sysfs;
 	int ksm_merge;           /* prctl(PR_SET_MEMORY_MERGE) before exec, inherited by every descendant */
 	int privileged;          /* keep every capability and an unmasked /proc */
+	const unsigned char *seccomp_bpf; /* struct sock_filter[] loaded just before exec, or NULL */
+	int seccomp_len;         /* its length in bytes */
 };
 
 /* Clone the workspace's first process. It blocks until bn_spawn_release() is
@@ -31,14 +33,19 @@ int bn_set_hostname_in(int pid, const char *name);
 
 /* ptrace syscall injection (csrc/inject.c). Negative returns are -errno. */
 int bn_ptrace_seize(int pid);
-int bn_ptrace_wait_stop(int pid);
+/* timeout_ms: give up with -ETIMEDOUT past it (0: no deadline). */
+int bn_ptrace_wait_stop(int pid, int timeout_ms);
 int bn_ptrace_detach(int pid);
 /* Inject clone(exit signal 0) into stopped tracee `pid`; returns the new, traced and
- * stopped child's pid on the host, and its pid in the tracee's namespace in *ns_child. */
-int bn_inject_fork(int pid, int *ns_child);
-/* Inject wait4(ns_child, NULL, __WALL, NULL) into stopped tracee `parent`; ns_child is the
- * child's pid as the parent sees it. */
-int bn_inject_reap(int parent, int ns_child);
+ * stopped child's pid on the host, and its pid in the tracee's namespace in *ns_child.
+ * Past timeout_ms the tracee is interrupted, restored, and -ETIMEDOUT returned. */
+int bn_inject_fork(int pid, int *ns_child, int timeout_ms);
+/* Inject wait4(ns_child, NULL, __WALL | WNOHANG, NULL) into stopped tracee `parent`; ns_child
+ * is the child's pid as the parent sees it. -EAGAIN: not reapable yet. */
+int bn_inject_reap(int parent, int ns_child, int timeout_ms);
+/* Any syscall with up to three arguments; its return value (or -errno) in *result.
+ * Returns -ETIMEDOUT when it ran past timeout_ms (the tracee was interrupted and restored). */
+int bn_inject_syscall(int pid, long nr, long a1, long a2, long a3, int timeout_ms, long *result);
 
 /* Page comparison for incremental snapshot images (csrc/pages.c). Compares n pages of
  * `page` bytes at a and b; out[i] is 1 where page i is equal, else 0. Returns how many

@@ -16,6 +16,10 @@ done
 here=$(cd "$(dirname "$0")/.." && pwd)
 cache=${BUNSHIN_CACHE:-/var/cache/bunshin}
 venv=${BUNSHIN_VENV:-$here/.venv}
+# Where CRIU is installed; another prefix (with its own BUNSHIN_CACHE) builds a private CRIU,
+# which BUNSHIN_CRIU=$prefix/sbin/criu then selects.
+criu_prefix=${BUNSHIN_CRIU_PREFIX:-/usr/local}
+criu_bin=$criu_prefix/sbin/criu
 criu_version=4.2.1
 criu_sha256=29ec0ee09e296479fe7048c80980e8ef1d0684d0b0204c2b101dfea19f6725b9
 
@@ -33,6 +37,8 @@ apt_packages=(
   # runtime: file systems, network, rootfs builders
   btrfs-progs libbtrfsutil-dev nftables iproute2 debootstrap util-linux kmod procps psmisc
   python3-venv python3-dev python3-btrfsutil python3-nftables
+  # libseccomp's Python bindings: the workspaces' seccomp filter (bunshinfork/seccomp_profile.py)
+  python3-seccomp
   # GUI stack that runs inside workspaces (fork tests keep an X server running across a fork)
   xvfb x11-utils xauth
   # workspace templates (bunshinfork/templates): desktop apps and computer-use tools, the
@@ -59,9 +65,10 @@ fi
 # CRIU: bookworm's 3.17 fails on kernels with vvar_vclock, and 4.1.x cannot dump
 # TCP sockets on >= 6.16, so build 4.2.1 from sid's source tarball.
 # A deb-src line only: a binary line for sid would upgrade libc.
-# Rebuild whenever the patch set in criu/patches changes.
-patches_sum=$(cat "$here"/criu/patches/*.patch 2>/dev/null | sha256sum | cut -d' ' -f1)
-if ! { command -v criu >/dev/null && criu --version 2>/dev/null | grep -q "Version: $criu_version" \
+# Rebuild whenever the patch set in criu/patches changes: the stamp names the patches' hash
+# and the prefix they were installed to (a CRIU built before patch 0003 is rebuilt).
+patches_sum="$(cat "$here"/criu/patches/*.patch 2>/dev/null | sha256sum | cut -d' ' -f1) $criu_prefix"
+if ! { [ -x "$criu_bin" ] && "$criu_bin" --version 2>/dev/null | grep -q "Version: $criu_version" \
        && [ -f "$cache/pycriu/rpc_pb2.py" ] && [ "$(cat "$cache/criu-patches.sha256" 2>/dev/null)" = "$patches_sum" ]; }; then
   src=/etc/apt/sources.list.d/bunshin-sid-src.sources
   if [ ! -f "$src" ]; then
@@ -72,7 +79,7 @@ Suites: sid
 Components: main
 Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
 SRC
-    apt-get update -q >/dev/null
+    apt-get -o DPkg::Lock::Timeout=600 update -q >/dev/null
   fi
   tarball=$cache/criu_${criu_version}.orig.tar.xz
   if [ ! -f "$tarball" ]; then
@@ -95,11 +102,11 @@ SRC
     || { tail -40 "$build/build.log" >&2; exit 1; }
   # install-lib would pip-install pycriu into whatever python is first on PATH; the venv
   # gets it below instead, from the generated sources kept in the cache.
-  make -C "$srcdir" install-criu install-compel PREFIX=/usr/local \
+  make -C "$srcdir" install-criu install-compel PREFIX="$criu_prefix" \
     >/dev/null 2>>"$build/build.log" || { tail -40 "$build/build.log" >&2; exit 1; }
-  install -m 644 "$srcdir/lib/c/libcriu.so" /usr/local/lib/ && ldconfig
+  mkdir -p "$criu_prefix/lib" && install -m 644 "$srcdir/lib/c/libcriu.so" "$criu_prefix/lib/" && ldconfig
   rm -rf "$cache/pycriu" && cp -r "$srcdir/lib/pycriu" "$cache/pycriu"
-  criu check >/dev/null 2>&1 || log "warning: criu check did not say 'Looks good'; run 'bunshin doctor'"
+  "$criu_bin" check >/dev/null 2>&1 || log "warning: criu check did not say 'Looks good'; run 'bunshin doctor'"
   echo "$patches_sum" > "$cache/criu-patches.sha256"
 fi
 
@@ -175,4 +182,4 @@ fi
 # /var/lib/bunshin/layers), so that snapshots of workspaces' layers are copy-on-write. Where
 # this host cannot have one, layers fall back to copies in memory and `bunshin doctor` says why.
 "$venv/bin/bunshin" storage setup >&2 || log "warning: no btrfs layer store; see 'bunshin doctor'"
-log "ready: $("$venv/bin/python" -c 'import bunshinfork,sys; print(bunshinfork.__version__, sys.version.split()[0])') criu $(criu --version | head -1)"
+log "ready: $("$venv/bin/python" -c 'import bunshinfork,sys; print(bunshinfork.__version__, sys.version.split()[0])') criu $("$criu_bin" --version | head -1)"

@@ -47,7 +47,7 @@ def test_cow_dump_plus_holders_equals_a_plain_dump(tmp_path: Path) -> None:
         while not ws.files.exists("/tmp/ready"):
             pass
         cg = ws._cgroup()
-        freezer = cg.paths["freezer"]
+        freezer = cg.freezer_dir
         plain, cow_images = tmp_path / "plain", tmp_path / "cow"
         plain.mkdir()
         cow_images.mkdir()

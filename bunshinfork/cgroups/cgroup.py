@@ -2,6 +2,15 @@
 
 Two layouts: this machine's cgroup v1 controllers (one directory per controller)
 and a unified cgroup v2 hierarchy. Both are driven through the same small API.
+
+Both layouts freeze with cgroup v2's freezer (`cgroup.freeze`, every cgroup2 hierarchy has
+it, with or without controllers): on a v1 host the workspace also gets a directory in the
+cgroup2 hierarchy (systemd's hybrid `unified` mount, mounted there when missing). The v1
+freezer cannot be used to checkpoint: it parks tasks in the refrigerator, and PTRACE_SEIZE of
+a task that was also job-control stopped waits for that task to leave the refrigerator
+(ptrace_attach waits for JOBCTL_TRAPPING to clear, which only the tracee can do), so CRIU
+would wait forever for a thaw it is to do itself. The v2 freezer parks tasks in a signal-stop
+trap that a ptrace interrupt breaks into.
 """
 
 from __future__ import annotations
@@ -12,12 +21,14 @@ import os
 import time
 from pathlib import Path
 
+from .. import native
 from ..errors import CgroupError
 from ..state import CgroupState
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PARENT = "bunshin"
-V1_CONTROLLERS = ("freezer", "memory", "pids")
+V1_CONTROLLERS = ("memory", "pids")
+UNIFIED = "unified"  # where systemd's hybrid layout mounts the cgroup2 hierarchy under CGROUP_ROOT
 
 
 def _write(path: Path, value: str) -> None:
@@ -29,6 +40,20 @@ def _write(path: Path, value: str) -> None:
 
 def _is_cgroup2(path: Path) -> bool:
     return (path / "cgroup.controllers").exists()
+
+
+def unified_root(root: Path) -> Path:
+    """The cgroup2 hierarchy beside a v1 layout: `root/unified`, mounted there if it is not."""
+    d = root / UNIFIED
+    if _is_cgroup2(d):
+        return d
+    try:
+        d.mkdir(exist_ok=True)
+        native.mount("cgroup2", str(d), "cgroup2")
+    except OSError as e:
+        raise CgroupError(f"no cgroup2 hierarchy at {d} to freeze workspaces with, and mounting one failed: {e}"
+                          ) from e
+    return d
 
 
 def detect(root: Path = CGROUP_ROOT) -> str:
@@ -89,6 +114,9 @@ class Cgroup:
                     _write(Path(cg.paths["memory"]) / "memory.limit_in_bytes", str(memory_limit))
                 if pids_limit is not None:
                     _write(Path(cg.paths["pids"]) / "pids.max", str(pids_limit))
+                d = unified_root(root) / PARENT / name
+                d.mkdir(parents=True, exist_ok=False)
+                cg.paths[UNIFIED] = str(d)
             elif version == "v2":
                 parent = root / PARENT
                 parent.mkdir(exist_ok=True)
@@ -106,7 +134,7 @@ class Cgroup:
                     _write(parent / "cgroup.subtree_control", f"+{c}")
                 d = parent / name
                 d.mkdir(exist_ok=False)
-                cg.paths["unified"] = str(d)
+                cg.paths[UNIFIED] = str(d)
                 if memory_limit is not None:
                     _write(d / "memory.max", str(memory_limit))
                     _write(d / "memory.swap.max", "0")
@@ -132,8 +160,13 @@ class Cgroup:
         for d in self._dirs():
             _write(d / "cgroup.procs", str(pid))
 
+    @property
+    def freezer_dir(self) -> str:
+        """The cgroup2 directory whose cgroup.freeze stops the workspace (CRIU's freeze_cgroup)."""
+        return self.paths[UNIFIED]
+
     def pids(self) -> list[int]:
-        d = Path(self.paths.get("unified") or self.paths["freezer"])
+        d = Path(self.freezer_dir)
         try:
             return [int(x) for x in (d / "cgroup.procs").read_text().split()]
         except FileNotFoundError:
@@ -146,31 +179,21 @@ class Cgroup:
         self._set_frozen(False, timeout)
 
     def frozen(self) -> bool:
-        if self.version == "v1":
-            return (Path(self.paths["freezer"]) / "freezer.state").read_text().strip() == "FROZEN"
-        events = (Path(self.paths["unified"]) / "cgroup.events").read_text()
+        events = (Path(self.freezer_dir) / "cgroup.events").read_text()
         return "frozen 1" in events
 
     def _set_frozen(self, frozen: bool, timeout: float) -> None:
-        if self.version == "v1":
-            f = Path(self.paths["freezer"]) / "freezer.state"
-            want = "FROZEN" if frozen else "THAWED"
-            _write(f, want)
-            deadline = time.monotonic() + timeout
-            # v1 passes through FREEZING while tasks are still running kernel code.
-            while f.read_text().strip() != want:
-                if time.monotonic() > deadline:
-                    raise CgroupError(f"{f} did not reach {want} within {timeout}s")
-                _write(f, want)
-                time.sleep(0.002)
-        else:
-            d = Path(self.paths["unified"])
-            _write(d / "cgroup.freeze", "1" if frozen else "0")
-            deadline = time.monotonic() + timeout
-            while self.frozen() != frozen:
-                if time.monotonic() > deadline:
-                    raise CgroupError(f"{d} did not {'freeze' if frozen else 'thaw'} within {timeout}s")
-                time.sleep(0.002)
+        d = Path(self.freezer_dir)
+        _write(d / "cgroup.freeze", "1" if frozen else "0")
+        deadline = time.monotonic() + timeout
+        while self.frozen() != frozen:
+            if time.monotonic() > deadline:
+                # Never leave a half-frozen workspace behind a failed freeze.
+                if frozen:
+                    with contextlib.suppress(CgroupError):
+                        _write(d / "cgroup.freeze", "0")
+                raise CgroupError(f"{d} did not {'freeze' if frozen else 'thaw'} within {timeout}s")
+            time.sleep(0.002)
 
     def memory_usage(self) -> int:
         if self.version == "v1":
@@ -237,8 +260,7 @@ def leftover_cgroups(root: Path = CGROUP_ROOT) -> list[str]:
     """Every workspace cgroup directory currently present (used by gc and the leak checks)."""
     out: list[str] = []
     candidates = [root / PARENT] if _is_cgroup2(root) else [root / c / PARENT for c in V1_CONTROLLERS]
-    unified = root / "unified" / PARENT
-    candidates.append(unified)
+    candidates.append(root / UNIFIED / PARENT)
     for parent in candidates:
         with contextlib.suppress(FileNotFoundError):
             out.extend(str(parent / n) for n in sorted(os.listdir(parent)) if (parent / n).is_dir())

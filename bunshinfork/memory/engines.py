@@ -83,7 +83,7 @@ class Cow(Engine):
         def take_holders() -> None:
             # The holders image exactly the state the dump describes.
             with c.stage("holders"):
-                c.snap.held["memory"] = holders.capture_tree(cg.pids(), cg.freeze, cg.thaw)
+                c.snap.held["memory"] = holders.capture_tree(cg.pids(), cg.freeze, cg.thaw, until=c.until)
 
         c.after_dump.append(take_holders)
 

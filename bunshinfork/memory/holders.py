@@ -11,15 +11,18 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
-from .. import native
-from ..errors import KernelFeatureError
+from .. import deadlines, native
+from ..errors import DeadlineExceeded, KernelFeatureError
 from . import cow
 
 WALL = 0x40000000
+T = TypeVar("T")
 
 
 @dataclass
@@ -50,8 +53,39 @@ class Holder:
             os.close(self.fd)
             self.fd = None
         if self.child:
-            _kill_holder(self.parent, self.child, self.child_ns)
+            _kill_holder(self.parent, self.child, self.child_ns, _Budget(None))
             self.child = 0
+
+
+class _Budget:
+    """Per-call timeouts: the `inject` deadline, cut to what is left of an overall one."""
+
+    def __init__(self, until: float | None) -> None:
+        self.until = until
+
+    def next(self, what: str, pid: int) -> float:
+        t = deadlines.current().inject
+        if self.until is not None:
+            left = self.until - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceeded(f"{what} {_comm(pid)}: the source's freeze deadline passed")
+            t = min(t, left)
+        return t
+
+    def call(self, what: str, pid: int, fn: Callable[[float], T]) -> T:
+        t = self.next(what, pid)
+        try:
+            return fn(t)
+        except TimeoutError as e:
+            raise DeadlineExceeded(f"{what} {_comm(pid)} did not finish within {t:.1f}s "
+                                   "(deadline 'inject', see bunshinfork.deadlines)") from e
+
+
+def _comm(pid: int) -> str:
+    try:
+        return f"process {pid} ({Path(f'/proc/{pid}/comm').read_text().strip()})"
+    except OSError:
+        return f"process {pid}"
 
 
 def threads(pid: int) -> list[int]:
@@ -70,30 +104,43 @@ def anon_maps(pid: int) -> list[tuple[int, int, str]]:
     return out
 
 
-def _kill_holder(parent: int, child: int, child_ns: int) -> None:
+def _kill_holder(parent: int, child: int, child_ns: int, budget: _Budget) -> None:
     """Kill a holder and reap it inside its parent, which must be stopped and traced by us."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(child, signal.SIGKILL)
     # As tracer we see the death first; only then is the zombie the parent's to reap.
+    end = time.monotonic() + budget.next("reaping the holder of", parent)
     with contextlib.suppress(ChildProcessError):
-        os.waitpid(child, WALL)
-    native.inject_reap(parent, child_ns)
+        while os.waitpid(child, WALL | os.WNOHANG) == (0, 0):
+            if time.monotonic() > end:
+                raise DeadlineExceeded(f"holder {child} of {_comm(parent)} did not die after SIGKILL")
+            time.sleep(0.0005)
+    while True:
+        try:
+            budget.call("reaping the holder inside", parent, lambda t: native.inject_reap(parent, child_ns, t))
+            return
+        except BlockingIOError:
+            if time.monotonic() > end:
+                raise DeadlineExceeded(f"{_comm(parent)} could not reap its holder {child_ns}") from None
+            time.sleep(0.0005)
 
 
-def take(leaders: Iterable[int], keep_processes: bool = False) -> list[Holder]:
+def take(leaders: Iterable[int], keep_processes: bool = False, until: float | None = None) -> list[Holder]:
     """Make a holder for each process in `leaders` (thread-group leaders, all already stopped
     by ptrace through seize_all). With the module and keep_processes False, each holder is
-    turned into a descriptor and its process killed and reaped at once."""
+    turned into a descriptor and its process killed and reaped at once. Every injected syscall
+    has the `inject` deadline, and none starts after `until` (time.monotonic())."""
     holders = []
+    budget = _Budget(until)
     use_module = cow.available() and not keep_processes
     for pid in leaders:
         h = Holder(parent=pid, maps=anon_maps(pid))
-        h.child, h.child_ns = native.inject_fork(pid)
+        h.child, h.child_ns = budget.call("injecting a fork into", pid, lambda t, pid=pid: native.inject_fork(pid, t))
         if use_module:
             try:
                 h.fd = cow.snapshot_fd(h.child)
             finally:
-                _kill_holder(pid, h.child, h.child_ns)
+                _kill_holder(pid, h.child, h.child_ns, budget)
                 h.child = 0
         holders.append(h)
     return holders
@@ -110,9 +157,10 @@ def seize_all(pids: Iterable[int]) -> list[int]:
     return tids
 
 
-def wait_all(tids: Iterable[int]) -> None:
+def wait_all(tids: Iterable[int], until: float | None = None) -> None:
+    budget = _Budget(until)
     for tid in tids:
-        native.ptrace_wait_stop(tid)
+        budget.call("waiting for the ptrace stop of", tid, lambda t, tid=tid: native.ptrace_wait_stop(tid, t))
 
 
 def detach_all(tids: Iterable[int]) -> None:
@@ -131,20 +179,22 @@ def ns_pid(host_pid: int) -> int:
     raise ProcessLookupError(host_pid)
 
 
-def capture_tree(pids: list[int], freeze: Callable[[], None], thaw: Callable[[], None]) -> dict[int, Holder]:
+def capture_tree(pids: list[int], freeze: Callable[[], None], thaw: Callable[[], None],
+                 until: float | None = None) -> dict[int, Holder]:
     """Holders for every process of a frozen tree, keyed by pid inside its namespace.
 
     The tree is frozen on entry and on return. Every thread is seized while frozen; a thaw
     lets them reach their ptrace stop (no user code runs: the interrupt is taken on the way
     back to user space); holders are forked and, with the module, turned into descriptors;
-    the tree is frozen again before the threads are detached into the freezer.
+    the tree is frozen again before the threads are detached into the freezer. Each step has
+    the `inject` deadline and none starts after `until` (DeadlineExceeded).
     """
     tids = seize_all(pids)
     out: dict[int, Holder] = {}
     try:
         thaw()
-        wait_all(tids)
-        for h in take(pids):
+        wait_all(tids, until)
+        for h in take(pids, until=until):
             out[ns_pid(h.parent)] = h
         freeze()
     except BaseException:

@@ -18,7 +18,7 @@ from ..cgroups import Cgroup
 from ..contract import Build, Capture, Check, Held, Part
 from ..errors import BunshinError, ForkError
 from ..state import InitState, Lineage, proc_starttime
-from . import control, criu, init, lifetime
+from . import control, criu, init, lifetime, seccomp_profile
 from .dump import dump_tree, predump_tree
 from .options import dump_opts, restore_opts
 from .reaper import reaper
@@ -27,7 +27,7 @@ from .tree import ProcInfo, tree
 
 __all__ = ["ProcInfo", "ProcessPart", "dump_opts", "restore_opts", "tree"]
 
-NAMESPACES = ("pid", "mnt", "net", "ipc", "uts")
+NAMESPACES = ("pid", "mnt", "net", "ipc", "uts", "cgroup")
 
 
 def check_namespaces() -> Check:
@@ -86,10 +86,19 @@ def check_criu_check() -> Check:
     return Check("criu check", False, problem, required=True)
 
 
+def check_seccomp() -> Check:
+    if not seccomp_profile.available():
+        return Check("seccomp", False, "libseccomp's Python bindings are missing (Debian's python3-seccomp): "
+                     "only privileged=True workspaces can be created; scripts/setup.sh installs them",
+                     required=True)
+    rules = len(seccomp_profile.bpf()) // 8
+    return Check("seccomp", True, f"Docker's default profile, {rules} BPF instructions", required=True)
+
+
 class ProcessPart(Part):
     name = "process"
     probes = (check_namespaces, check_native, check_init_binary, check_pycriu, check_criu_version,
-              check_criu_check)
+              check_criu_check, check_seccomp)
 
     def prepare(self, b: Build) -> None:
         assert b.root is not None and b.rec.fs is not None and b.rec.fs.layer is not None

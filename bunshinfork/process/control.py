@@ -32,6 +32,9 @@ def _encode(op: str, argv: Sequence[str], env: Mapping[str, str] | None, cwd: st
             stdin: str | None = None) -> bytes:
     items = [op]
     items += ["a" + a for a in argv]
+    for k in env or {}:
+        if not k or "=" in k:
+            raise CommandError(f"environment variable name {k!r} is empty or contains '='")
     items += [f"e{k}={v}" for k, v in (env or {}).items()]
     if cwd is not None:
         items.append("c" + cwd)
@@ -48,7 +51,11 @@ def _encode(op: str, argv: Sequence[str], env: Mapping[str, str] | None, cwd: st
     for it in items:
         if "\0" in it:
             raise CommandError(f"NUL byte in command, environment or cwd: {it[1:]!r}")
-    payload = b"".join(it.encode() + b"\0" for it in items)
+    try:
+        # surrogateescape: bytes that Python decoded from a file name or argv go back as they were.
+        payload = b"".join(it.encode("utf-8", "surrogateescape") + b"\0" for it in items)
+    except UnicodeEncodeError as e:
+        raise CommandError(f"command, environment or cwd cannot be encoded: {e}") from None
     return struct.pack("<I", len(payload)) + payload
 
 

@@ -15,11 +15,12 @@ import select
 import socket
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .. import native
-from ..errors import CriuError
+from .. import deadlines, native
+from ..errors import CriuError, CriuTimeout
 from .init import INIT_BINARY
 
 try:
@@ -28,6 +29,12 @@ except ImportError:  # pragma: no cover - set-up installs pycriu into the venv
     rpc = None
 
 CRIU_BIN = os.environ.get("BUNSHIN_CRIU", "criu")
+# Options the RPC has no field for, given to every request as its config file. It sets
+# `file-validation filesize`: CRIU's default (build-id) validation mmaps the first MiB of every
+# open regular file and reads its ELF magic, and a read fault on a tmpfs hole allocates a page,
+# so dumping a deleted-but-open sparse file on tmpfs gave the source's file a data page where
+# its head hole was. Restores here use the same immutable lower layers, so the size suffices.
+CONFIG_FILE = Path(__file__).resolve().parent / "criu.conf"
 # bookworm's 3.17 fails on this kernel's vDSO (vvar_vclock) and 4.1.x cannot dump TCP sockets
 # on kernels >= 6.16; set-up builds 4.2.1.
 REQUIRED = (4, 2)
@@ -52,6 +59,7 @@ def new_opts() -> rpc.criu_opts:
     _require()
     opts = rpc.criu_opts()
     opts.images_dir_fd = -1  # required by the protocol; images_dir (a path) is used instead
+    opts.config_file = str(CONFIG_FILE)
     return opts
 
 
@@ -95,13 +103,19 @@ class Session:
     def pid(self) -> int:
         return self._proc.pid
 
-    def call(self, req: rpc.criu_req, on_notify: Notify | None = None) -> rpc.criu_resp:
+    def call(self, req: rpc.criu_req, on_notify: Notify | None = None,
+             timeout: float | None = None) -> rpc.criu_resp:
+        """Send one request and serve its notifications until the answer. Past `timeout` seconds
+        (default: the `criu` deadline) CRIU is killed and CriuTimeout raised; time spent in
+        on_notify counts, since CRIU waits for it."""
+        timeout = deadlines.current().criu if timeout is None else timeout
+        until = time.monotonic() + timeout
         try:
             self._sk.sendall(req.SerializeToString())
         except OSError as e:
             raise CriuError(f"lost the connection to criu swrk: {e}") from e
         while True:
-            self._wait_answer()
+            self._wait_answer(until, timeout)
             try:
                 size = len(self._sk.recv(1, socket.MSG_TRUNC | socket.MSG_PEEK))
                 buf = self._sk.recv(size)
@@ -123,8 +137,8 @@ class Session:
                     raise
             self._reply_notify(ok)
 
-    def _wait_answer(self) -> None:
-        """Block until criu has something to say, or raise once it has died.
+    def _wait_answer(self, until: float, timeout: float) -> None:
+        """Block until criu has something to say, or raise once it has died or `until` passed.
 
         Tasks criu forks while restoring inherit its end of the socket (and of the stderr pipe),
         so criu dying mid-restore does not make our end see EOF: watch the process itself.
@@ -133,7 +147,16 @@ class Session:
         p.register(self._sk, select.POLLIN)
         p.register(self._pidfd, select.POLLIN)
         while True:
-            ready = {fd for fd, _ in p.poll()}
+            left = until - time.monotonic()
+            if left <= 0:
+                # SIGKILL ends even the killable waits that CRIU's own timeout (SIGALRM) cannot,
+                # such as a PTRACE_SEIZE waiting for a task that never runs.
+                self.kill()
+                self._proc.wait()
+                raise CriuTimeout(f"criu swrk (pid {self._proc.pid}) did not answer within {timeout:.0f}s "
+                                  "(deadline 'criu', see bunshinfork.deadlines) and was killed "
+                                  f"{self._stderr_so_far()}".rstrip())
+            ready = {fd for fd, _ in p.poll(max(1, int(left * 1000)))}
             if self._sk.fileno() in ready:
                 return
             if self._pidfd in ready:
@@ -184,8 +207,9 @@ class Session:
 def request(kind: str, opts: rpc.criu_opts, on_notify: Notify | None = None, keep_fds: tuple[int, ...] = (),
             ksm_merge: bool = False, log: Path | None = None,
             session_hook: Callable[[Session], None] | None = None,
-            env: dict[str, str] | None = None) -> rpc.criu_resp:
-    """Run one DUMP, PRE_DUMP or RESTORE; raise CriuError with the log's error lines on failure."""
+            env: dict[str, str] | None = None, timeout: float | None = None) -> rpc.criu_resp:
+    """Run one DUMP, PRE_DUMP or RESTORE; raise CriuError with the log's error lines on failure,
+    CriuTimeout (CRIU killed) past `timeout` seconds, by default the `criu` deadline."""
     req = rpc.criu_req()
     req.type = {"dump": rpc.DUMP, "pre_dump": rpc.PRE_DUMP, "restore": rpc.RESTORE}[kind]
     req.opts.MergeFrom(opts)
@@ -193,7 +217,11 @@ def request(kind: str, opts: rpc.criu_opts, on_notify: Notify | None = None, kee
     with Session(keep_fds, ksm_merge, env) as s:
         if session_hook is not None:
             session_hook(s)
-        resp = s.call(req, on_notify)
+        try:
+            resp = s.call(req, on_notify, timeout)
+        except CriuTimeout as e:
+            tail = log_tail(log) if log is not None else ""
+            raise CriuTimeout(f"criu {kind}: {e}\n{tail}".rstrip()) from None
     if not resp.success:
         detail = resp.cr_errmsg or (os.strerror(resp.cr_errno) if resp.cr_errno else "")
         tail = log_tail(log) if log is not None else ""

@@ -18,11 +18,12 @@ import os
 import shutil
 from pathlib import Path
 
+from .. import deadlines
 from ..cgroups import Cgroup
 from ..contract import Capture
 from ..errors import CriuError
 from ..state import Lineage, SnapshotMeta
-from . import chain, criu, pages
+from . import chain, criu, forkcheck, pages
 from .images import dump_stats, rearm_expired_timerfds
 from .options import dump_opts
 
@@ -31,8 +32,7 @@ LINEAGE_KEPT = 4  # earlier snapshots a workspace remembers, should the newest b
 
 def _freezer(c: Capture) -> str:
     assert c.source.cgroups is not None
-    cg = Cgroup(c.source.cgroups)
-    return cg.paths.get("freezer") or cg.paths["unified"]
+    return Cgroup(c.source.cgroups).freezer_dir
 
 
 def predump_tree(c: Capture) -> None:
@@ -40,8 +40,9 @@ def predump_tree(c: Capture) -> None:
     tracks dirty pages, CRIU's pre-dump writes them now. It stops the tasks (ptrace) only while
     it collects their pages into pipes, and resets the tracking."""
     rec = c.source
-    assert rec.process is not None
-    if not (c.delta and c.images_hold_memory and criu.dirty_tracking()) \
+    assert rec.process is not None and rec.cgroups is not None
+    # A workspace its user paused stays frozen: CRIU could not stop its tasks itself.
+    if not (c.delta and c.images_hold_memory and criu.dirty_tracking()) or Cgroup(rec.cgroups).frozen() \
             or _tracked_candidate(c, rec.lineage or Lineage()):
         return
     level = c.snap.dir / chain.PREDUMP
@@ -65,9 +66,12 @@ def predump_tree(c: Capture) -> None:
 
 def dump_tree(c: Capture) -> None:
     """CRIU seizes the tree through its already frozen freezer cgroup, so it never runs between
-    the freeze and the dump; what other parts queued for after the dump runs still frozen."""
+    the freeze and the dump; what other parts queued for after the dump runs still frozen.
+    What CRIU cannot checkpoint is refused first (forkcheck); CRIU runs under the `criu`
+    deadline, cut to what is left of the freeze's, and is handed to the freeze's watchdog."""
     rec = c.source
-    assert rec.process is not None
+    assert rec.process is not None and rec.cgroups is not None
+    forkcheck.check(Cgroup(rec.cgroups).pids(), rec.id)
     images = c.snap.images
     images.mkdir()
     opts = dump_opts(rec.process.pid, images, _freezer(c))
@@ -84,7 +88,8 @@ def dump_tree(c: Capture) -> None:
         if parent is not None:
             opts.parent_img = os.path.relpath(parent, images)
     with c.stage("dump"):
-        criu.request("dump", opts, log=images / "dump.log", env=c.dump_env or None)
+        criu.request("dump", opts, log=images / "dump.log", env=c.dump_env or None,
+                     session_hook=lambda s: c.watch(s.pid), timeout=min(deadlines.current().criu, c.left()))
     c.criu.update(dump_stats(images))
     # Every dump resets the tracking: whatever the snapshot's fate, the next one starts from it.
     rec.lineage = Lineage((c.snap.meta.id, *lineage.snapshots[:LINEAGE_KEPT - 1]), tracked=tracking)

@@ -13,13 +13,14 @@ from .. import native
 from ..cgroups import Cgroup
 from ..errors import BunshinError, CgroupError, KernelFeatureError, PrivilegeError, WorkspaceStateError
 from ..state import InitState, Record, proc_starttime
-from . import control
+from . import control, seccomp_profile
 from .reaper import reaper
 
 INIT_BINARY = Path(__file__).resolve().parent.parent / "_bin" / "bunshin-init"
 IN_WORKSPACE = "/.bunshin/init"
 NS_FLAGS = (
     native.CLONE_NEWPID | native.CLONE_NEWNS | native.CLONE_NEWNET | native.CLONE_NEWIPC | native.CLONE_NEWUTS
+    | native.CLONE_NEWCGROUP
 )
 READY_TIMEOUT = 15.0
 
@@ -43,6 +44,7 @@ def spawn(rec: Record, root: str, overlay_opts: str, cgroup: Cgroup, ksm_merge: 
     sp = native.spawn(native.SpawnConfig(
         ns_flags=NS_FLAGS, root=root, overlay_opts=overlay_opts, hostname=rec.hostname, init_path=IN_WORKSPACE,
         mount_sysfs=spec.mount_sysfs, ksm_merge=ksm_merge, privileged=spec.privileged,
+        seccomp_bpf=b"" if spec.privileged else seccomp_profile.bpf(),
     ))
     init = InitState(sp.pid, proc_starttime(sp.pid) or 0)
     rec.process = init

@@ -54,9 +54,14 @@ def restore_opts(images: Path, work_dir_fd: int, root: str, cgroup_roots: Iterab
     opts.root = root
     opts.rst_sibling = True
     opts.log_file = "restore.log"
-    for ctrl, path in cgroup_roots:
+    roots = dict(cgroup_roots)
+    for ctrl, path in roots.items():
         cr = opts.cg_root.add()
         if ctrl != "unified":
             cr.ctrl = ctrl
+        elif len(roots) > 1:
+            # Beside v1 controllers the cgroup2 hierarchy is named by the empty controller name
+            # (CRIU's cgroup_contains); an unnamed root would move every v1 hierarchy too.
+            cr.ctrl = ""
         cr.path = path
     return opts

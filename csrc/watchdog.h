@@ -1,0 +1,2 @@
+/* The freeze watchdog personality of bunshin-init (csrc/watchdog.c). */
+int watchdog_main(int argc, char **argv);
