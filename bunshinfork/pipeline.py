@@ -151,8 +151,7 @@ def _release(held: Held) -> None:
             errors.append(f"{p.name}: {e}")
     try:
         if isinstance(held, Build):
-            if held.rec.dir.exists():
-                shutil.rmtree(held.rec.dir)
+            state.remove_dir(held.rec.dir)
         elif held.owned:
             # Its pages stay (and only they) while images of a retained snapshot read them.
             chain.retire(held.dir)
@@ -170,6 +169,7 @@ def gc() -> dict[str, list[str]]:
     # Past their deadline but still running (a lifetime file rewritten from inside), then the
     # records whose init is gone.
     removed = {"workspaces": collect() + _gc_records(), "snapshots": _gc_snapshots()}
+    removed["state"] = state.empty_trash()  # state directories a crash left half-removed
     for p in PARTS:
         removed[p.name] = p.gc()
     return removed

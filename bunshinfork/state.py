@@ -15,6 +15,7 @@ import fcntl
 import json
 import os
 import secrets
+import shutil
 import types
 import typing
 from collections.abc import Iterator
@@ -28,6 +29,11 @@ from .spec import WorkspaceSpec
 
 RUN_ROOT = Path(os.environ.get("BUNSHIN_RUN_ROOT", "/run/bunshin"))
 SNAPSHOTS = "snapshots"
+# In the state directory of a workspace or snapshot being released, or of a released snapshot
+# kept only for the images that still read its pages: it owns nothing any more. One marker for
+# both (process/chain.py keeps it when it trims a released snapshot, fs/frozen.py reads it), so
+# that a kept snapshot never looks like a live owner of its frozen layer.
+RELEASED = ".released"
 
 
 def require_root() -> None:
@@ -93,6 +99,35 @@ def all_ids() -> list[str]:
     if not RUN_ROOT.is_dir():
         return []
     return sorted(n for n in os.listdir(RUN_ROOT) if n.startswith("ws-") and (RUN_ROOT / n).is_dir())
+
+
+TRASH = ".trash"  # under RUN_ROOT: state directories on their way out
+
+
+def remove_dir(d: Path) -> None:
+    """Remove a workspace's or snapshot's state directory so that it is gone at once for every
+    reader: renamed out of sight, then deleted. Deleting in place would leave, for a while, a
+    directory without its RELEASED marker but with its record, which a concurrent release would
+    take for a live owner (and keep a frozen layer for it). A crash in between leaves it under
+    TRASH, which gc empties."""
+    trash = RUN_ROOT / TRASH
+    trash.mkdir(exist_ok=True)
+    gone = trash / f"{d.name}-{secrets.token_hex(4)}"
+    try:
+        os.rename(d, gone)
+    except FileNotFoundError:
+        return
+    except OSError:
+        gone = d  # e.g. a mount point left inside: delete in place, as before
+    shutil.rmtree(gone)
+
+
+def empty_trash() -> list[str]:
+    trash = RUN_ROOT / TRASH
+    names = sorted(os.listdir(trash)) if trash.is_dir() else []
+    for n in names:
+        shutil.rmtree(trash / n, ignore_errors=True)
+    return names
 
 
 def snapshots_root() -> Path:

@@ -339,31 +339,31 @@ def _clock(ws: Workspace, args: dict[str, Any]) -> str:
     return _sh(ws, "date +%s%N")
 
 
-def _params(required: tuple[str, ...] = (), optional: tuple[str, ...] = ()) -> dict[str, Any]:
+def _schema(required: tuple[str, ...] = (), optional: tuple[str, ...] = ()) -> dict[str, Any]:
     return {"type": "object", "properties": {n: {"type": "string"} for n in (*required, *optional)},
             "required": list(required), "additionalProperties": False}
 
 
 def tools() -> list[Tool]:
     return [
-        Tool("ls", _ls, description="list files (fast)", parameters=_params(optional=("path",))),
-        Tool("cat", _cat, description="read a file (fast)", parameters=_params(("path",))),
-        Tool("grep", _grep, description="search the sources (fast)", parameters=_params(("pattern",))),
+        Tool("ls", _ls, description="list files (fast)", parameters=_schema(optional=("path",))),
+        Tool("cat", _cat, description="read a file (fast)", parameters=_schema(("path",))),
+        Tool("grep", _grep, description="search the sources (fast)", parameters=_schema(("pattern",))),
         Tool("edit", _edit, description="replace text in a file (fast)",
-             parameters=_params(("path", "find", "replace"))),
-        Tool("write", _write, description="write a file (fast)", parameters=_params(("path", "content"))),
+             parameters=_schema(("path", "find", "replace"))),
+        Tool("write", _write, description="write a file (fast)", parameters=_schema(("path", "content"))),
         Tool("run_tests", _run_tests, description="run the test cases (slow)",
-             parameters=_params(optional=("target",))),
+             parameters=_schema(optional=("target",))),
         Tool("build", _build, description="compile and build the database (slow)",
-             parameters=_params(optional=("target",))),
-        Tool("start_server", _start_server, description="start the HTTP service (medium)", parameters=_params()),
-        Tool("query", _query, description="GET a path of the service; /report is slow", parameters=_params(("path",))),
-        Tool("sql", _sql, description="query the built database (fast)", parameters=_params(("query",))),
+             parameters=_schema(optional=("target",))),
+        Tool("start_server", _start_server, description="start the HTTP service (medium)", parameters=_schema()),
+        Tool("query", _query, description="GET a path of the service; /report is slow", parameters=_schema(("path",))),
+        Tool("sql", _sql, description="query the built database (fast)", parameters=_schema(("query",))),
         Tool("lookup", _lookup, description="look a key up in the catalog service (fast)",
-             parameters=_params(("key",))),
+             parameters=_schema(("key",))),
         # Observes the clock: declared non-deterministic, never reused.
         Tool("clock", _clock, deterministic=False, description="current time (non-deterministic)",
-             parameters=_params()),
+             parameters=_schema()),
     ]
 
 

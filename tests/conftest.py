@@ -66,8 +66,16 @@ def _layers() -> set[str]:
     for root in (store.STORE, state.RUN_ROOT / "layers" / "ws"):
         for d in (root, root / layers.SNAPSHOTS):
             if d.is_dir():
-                out |= {str(d / n) for n in os.listdir(d) if n != layers.SNAPSHOTS}
+                out |= {str(d / n) for n in os.listdir(d) if n != layers.SNAPSHOTS and not _held(d, n)}
     return out
+
+
+def _held(d: Path, name: str) -> bool:
+    """A frozen layer of a snapshot that is still retained belongs to that snapshot, not to the
+    test that happened to take it first (a session fixture's, a process-wide prefix cache's), as
+    its images do; it must go when the snapshot is released, which the release tests check."""
+    snap = state.snapshots_root() / name
+    return d.name == layers.SNAPSHOTS and (snap / "snapshot.json").is_file() and not (snap / state.RELEASED).exists()
 
 
 def _store_loops() -> set[str]:

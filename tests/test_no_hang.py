@@ -394,7 +394,7 @@ def test_watchdog_kills_a_stuck_criu_and_thaws_at_the_deadline(monkeypatch: pyte
 FORKER = textwrap.dedent("""
     import os, signal, sys, time
     from bunshinfork.cgroups import watchdog
-    from bunshinfork.fs import layers
+    from bunshinfork.fs import frozen
     from bunshinfork.process import forkcheck
     from bunshinfork.workspace import Snapshot, Workspace
     ws = Workspace.connect(sys.argv[1])
@@ -411,7 +411,7 @@ FORKER = textwrap.dedent("""
             stuck()
         watchdog.Watchdog.register = register
     else:
-        layers.snapshot_layer = stuck
+        frozen.freeze = stuck
     Snapshot.take(ws, "copy")
 """)
 

@@ -188,8 +188,9 @@ def let_go(lay: Layer) -> None:
 # Written (under the lock) into the state directory of a workspace or snapshot whose frozen
 # layers are being let go, before it decides what to remove: a release running beside it then
 # no longer counts it as a user. Without it, a clone and its snapshot released at the same time
-# would each keep the layer for the other, and nobody would remove it.
-RELEASED = "fs-released"
+# would each keep the layer for the other, and nobody would remove it. It is the marker a
+# released snapshot kept for its images' readers carries too.
+RELEASED = state.RELEASED
 
 
 def _state_dir(owner: str) -> Path:

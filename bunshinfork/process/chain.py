@@ -25,7 +25,7 @@ from ..state import SnapshotMeta
 from .images import PAGEMAP_PREFIX, PAGES_PREFIX
 
 PARENT = "parent"  # CRIU's CR_PARENT_LINK
-RELEASED = ".released"  # in a released snapshot's directory that others' images still read
+RELEASED = state.RELEASED  # in a released snapshot's directory that others' images still read
 IMAGES = "images"
 # A level of images below IMAGES inside the same snapshot's directory: CRIU's pre-dump, taken
 # with the source running, that the frozen dump's images read (dump.py merges it when it can).
@@ -150,7 +150,7 @@ def _retire(d: Path, children: dict[str, list[str]]) -> None:
             _trim(d)
             return
         parent = _parent_name(d)
-        shutil.rmtree(d)
+        state.remove_dir(d)
         if parent is None:
             return
         children[parent].remove(d.name)
