@@ -92,13 +92,7 @@ def file_bytes(snap: Captured) -> int:
     paths = [snap.dir]
     if layer is not None and not Path(layer.path).is_relative_to(snap.dir):
         paths.append(Path(layer.path))  # a btrfs snapshot lives beside the other layers
-    total = 0
-    for p in paths:
-        for dirpath, _dirs, files in os.walk(p):
-            for f in files:
-                with contextlib.suppress(FileNotFoundError):
-                    total += os.lstat(os.path.join(dirpath, f)).st_size
-    return total
+    return sum(state.tree_bytes(p) for p in paths)
 
 
 def pinned_bytes(snap: Captured) -> int:

@@ -122,6 +122,17 @@ def remove_dir(d: Path) -> None:
     shutil.rmtree(gone)
 
 
+def tree_bytes(path: str | os.PathLike[str]) -> int:
+    """The sizes of the files under `path` (a layer's upper, a snapshot's directory), summed; a
+    file removed meanwhile counts for nothing."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(FileNotFoundError):
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+    return total
+
+
 def empty_trash() -> list[str]:
     trash = RUN_ROOT / TRASH
     names = sorted(os.listdir(trash)) if trash.is_dir() else []

@@ -27,7 +27,7 @@ from fork_support import fork_of, forked
 from helpers import run_ok, wait_for
 
 from bunshinfork import StorageWarning, Workspace, accounting, state
-from bunshinfork.fs import frozen, layers, store
+from bunshinfork.fs import frozen, store
 from bunshinfork.workspace import gc
 
 # A tree exercising every way an upper layer records a change to what lies below it.
@@ -167,7 +167,7 @@ def test_stack_flattens_past_its_limit(storage: dict[str, Any], monkeypatch: pyt
 
 
 def _upper_bytes(ws: Workspace) -> int:
-    return layers.tree_bytes(ws._rec.fs.layer.upper)
+    return state.tree_bytes(ws._rec.fs.layer.upper)
 
 
 def test_clones_copy_nothing_on_the_store(btrfs_dir: str) -> None:

@@ -56,7 +56,7 @@ def freeze(lay: Layer, dest: Path) -> tuple[Layer, int | None]:
     except BaseException:
         layers.remove_layer(frozen)
         raise
-    return frozen, layers.tree_bytes(frozen.upper)
+    return frozen, state.tree_bytes(frozen.upper)
 
 
 def too_deep(fs: FsState, root: Path) -> bool:

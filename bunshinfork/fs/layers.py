@@ -83,15 +83,6 @@ def copy_into(srcs: list[str], dst_dir: str) -> None:
             raise OSError(f"copying into {dst_dir} failed: {proc.stderr.strip()}")
 
 
-def tree_bytes(path: str) -> int:
-    total = 0
-    for dirpath, _dirs, files in os.walk(path):
-        for f in files:
-            with contextlib.suppress(FileNotFoundError):
-                total += os.lstat(os.path.join(dirpath, f)).st_size
-    return total
-
-
 def flush(lay: Layer) -> None:
     """Write back the layer's file system's dirty data (syncfs), so that a btrfs snapshot taken
     right after has almost nothing left to write back."""

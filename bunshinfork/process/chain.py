@@ -182,15 +182,6 @@ def _ancestors(snap_dir: Path) -> Iterator[Path]:
         p = external_parent(p.parent)
 
 
-def _bytes(path: Path) -> int:
-    total = 0
-    for dirpath, _dirs, files in os.walk(path):
-        for f in files:
-            with contextlib.suppress(FileNotFoundError):
-                total += os.lstat(os.path.join(dirpath, f)).st_size
-    return total
-
-
 def pinned_bytes(snap_dir: Path) -> int:
     """What released snapshots whose pages this one's images still read keep on the host, split
     evenly among the retained snapshots that read them (so that the shares add up to the whole)."""
@@ -207,7 +198,7 @@ def pinned_bytes(snap_dir: Path) -> int:
         for r in held:
             readers = _retained_readers(r.name, children)
             if readers:
-                total += _bytes(r) // len(readers)
+                total += state.tree_bytes(r) // len(readers)
     return total
 
 
