@@ -22,8 +22,7 @@ from .cgroups.watchdog import LOG_NAME
 from .fs import btrfs, store
 from .fs.btrfs import btrfsutil
 from .memory import ksm
-from .network import nat
-from .network.bridge import HOST_IF_PREFIX
+from .network import leftover_interfaces, nat
 
 INIT_COMMS = ("bunshin-init", "init")
 
@@ -79,7 +78,7 @@ def processes() -> set[str]:
 
 def interfaces() -> set[str]:
     """Host ends of workspace veths."""
-    return {n for n in os.listdir("/sys/class/net") if n.startswith(HOST_IF_PREFIX)}
+    return set(leftover_interfaces())
 
 
 def net_namespaces() -> set[str]:
