@@ -78,8 +78,14 @@ class WrongResult(Exception):
     """A workspace answered, but not what it should have."""
 
 
+class KilledMeanwhile(Exception):
+    """The workspace's init was killed (by the chaos) while the check ran."""
+
+
 def _check(ws: Workspace, path: str, want: str) -> None:
     r = ws.commands.run(f"cat {path}", timeout=30)
+    if r.exit_code != 0 and not ws.is_running():
+        raise KilledMeanwhile(f"{ws.id} ended while `cat {path}` ran (exit {r.exit_code})")
     if r.exit_code != 0 or r.stdout.strip() != want:
         raise WrongResult(f"{ws.id}: {path} reads {r.stdout!r} (exit {r.exit_code}), expected {want!r}")
 
