@@ -94,6 +94,14 @@ def _check(ws: Workspace, path: str, want: str) -> None:
         raise WrongResult(f"{ws.id}: {path} reads {r.stdout!r} (exit {r.exit_code}), expected {want!r}")
 
 
+def _one(clones: list[Workspace | Exception]) -> Workspace:
+    """The clone of a fork(1), or what it failed with, raised."""
+    (c,) = clones
+    if isinstance(c, Exception):
+        raise c
+    return c
+
+
 def _cycle(log: _Log, n: int) -> None:
     held: list[Any] = []  # workspaces and the snapshot, released in reverse on the way out
 
@@ -112,25 +120,13 @@ def _cycle(log: _Log, n: int) -> None:
         held.append(ws)
         token = f"cycle-{os.getpid()}-{n}"
         step("run", lambda: ws.commands.run(f"echo {token} > /root/token", timeout=30))
-
-        def fork() -> Workspace:
-            (clone,) = ws.fork(1, die_with_creator=True)
-            if isinstance(clone, Exception):
-                raise clone
-            return clone
-        clone = step("fork", fork)
+        clone = step("fork", lambda: _one(ws.fork(1, die_with_creator=True)))
         held.append(clone)
         step("check", lambda: (_check(clone, "/root/token", token), _check(ws, "/root/token", token)))
         snap = step("snapshot", ws.snapshot)
         held.append(snap)
         log.op("frozen", time.monotonic(), frozen_seconds=snap.timing.frozen_seconds)
-
-        def fork_snapshot() -> Workspace:
-            (c,) = snap.fork(1, die_with_creator=True)
-            if isinstance(c, Exception):
-                raise c
-            return c
-        c2 = step("fork_snapshot", fork_snapshot)
+        c2 = step("fork_snapshot", lambda: _one(snap.fork(1, die_with_creator=True)))
         held.append(c2)
         step("check", lambda: _check(c2, "/root/token", token))
     except Exception:
