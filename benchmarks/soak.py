@@ -227,9 +227,10 @@ class Soak:
     def spawn(self) -> None:
         name = f"w{self.spawned}"
         self.spawned += 1
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, __file__, "--worker", name, "--out", str(self.out)],
-            stdout=subprocess.DEVNULL, stderr=(self.out / "workers" / f"{name}.stderr").open("w"))
+        with (self.out / "workers" / f"{name}.stderr").open("w") as err:
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, __file__, "--worker", name, "--out", str(self.out)],
+                stdout=subprocess.DEVNULL, stderr=err)
 
     def live(self) -> dict[str, subprocess.Popen]:
         return {n: p for n, p in self.procs.items() if p.poll() is None}
