@@ -7,6 +7,7 @@ import secrets
 import shutil
 import tempfile
 import threading
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar
@@ -28,12 +29,13 @@ class Persisted:
 
 
 class StateBackend(Protocol, Generic[P]):
-    """What the prefix cache needs from a state representation. `P` is a resident state."""
+    """What the prefix cache needs from a state representation. `P` is a resident state. fork
+    may be a coroutine function (awaited on the event loop) or a sync one (run on a thread)."""
 
     @property
     def persists(self) -> bool: ...
     def size(self, payload: P) -> int: ...
-    async def fork(self, payload: P) -> Workspace: ...
+    def fork(self, payload: P) -> Workspace | Awaitable[Workspace]: ...
     def release(self, payload: P) -> None: ...
     def persist(self, payload: P, parent_ref: str | None) -> Persisted: ...
     def load(self, ref: str) -> P: ...

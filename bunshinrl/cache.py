@@ -20,7 +20,7 @@ from typing import Any
 
 from bunshinfork import AsyncWorkspace, Workspace
 
-from ._async import run_blocking
+from ._async import call_sync_or_async, run_blocking
 from .backend import StateBackend
 from .guard import DeterminismGuard
 from .lru import AncestorLRU
@@ -359,7 +359,7 @@ class ToolPrefixCache:
             payload = src.payload
         try:
             t0 = time.monotonic()
-            ws = await self.backend.fork(payload)
+            ws = await call_sync_or_async(self.backend.fork, payload)
             with self._lock:
                 self.fork_seconds = _ewma(self.fork_seconds, time.monotonic() - t0)
                 self.counters["forks"] += 1

@@ -82,7 +82,7 @@ def test_engine_commands_run_on_the_loop_without_threads(monkeypatch: pytest.Mon
 
     result = asyncio.run(main())
     assert all(not s.errors for s in result.samples), [s.errors for s in result.samples]
-    assert list(result.observations().values()) == [["2", "5", "5"]] * 2
+    assert list(result.observations().values()) == [["2\n", "5\n", "5\n"]] * 2
     # Setup and the six tool calls ran their commands on the loop's own thread.
     assert command_threads == {threading.main_thread().name}
     # bunshinfork's pool ran only its workspace-lifecycle calls, never a command or a tool.
