@@ -67,8 +67,9 @@ class LatencyModel:
 
     def describe(self) -> str:
         table = ", ".join(f"{n}: {t * 1e3:.2f} ms" for n, t in self.tpot_table)
-        return (f"reasoning = {self.first_token_s * 1e3:.2f} ms + prompt tokens x {self.prefill_s_per_token * 1e3:.3f} ms"
-                f" + output tokens x tpot(requests in flight); tpot {{{table}}}; source: {self.source}")
+        return (f"reasoning = {self.first_token_s * 1e3:.2f} ms + prompt tokens x "
+                f"{self.prefill_s_per_token * 1e3:.3f} ms + output tokens x tpot(requests in flight); "
+                f"tpot {{{table}}}; source: {self.source}")
 
 
 DEFAULT_LATENCY = LatencyModel()
@@ -131,7 +132,8 @@ class StochasticAgent:
         rng = self.rng(ctx, len(history))
         cands = self.families[ctx.task_id](ctx.task_id, history)
         action = rng.choice(cands[1:]) if len(cands) > 1 and rng.random() < self.explore(ctx.epoch) else cands[0]
-        out = int(min(self.cfg.output_max, max(20, self.cfg.output_median * math.exp(rng.gauss(0, self.cfg.output_sigma)))))
+        drawn = self.cfg.output_median * math.exp(rng.gauss(0, self.cfg.output_sigma))
+        out = int(min(self.cfg.output_max, max(20, drawn)))
         prompt = tokens(history[-1].observation) + 40 if history else self.cfg.system_tokens + tokens(ctx.prompt)
         return action, prompt, out
 

@@ -225,4 +225,5 @@ def make_env(seed: int = 0, **spec: Any) -> Task:
     fp = hashlib.sha256(repr(("coding-v1", sorted(project.items()))).encode()).hexdigest()[:16]
     prompt = (f"The C project in {PROJ} has a failing test. Find the bug, fix it with the edit tool and make "
               "`make test` pass (run_tests). Tools: ls, cat, grep, edit, build, run_tests, clean.")
-    return Task(f"code-fix-{seed}", prompt, TOOLS, setup, verifier(seed), spec=dict(spec), fingerprint=fp, family="coding")
+    return Task(f"code-fix-{seed}", prompt, TOOLS, setup, verifier(seed), spec=dict(spec), fingerprint=fp,
+                family="coding")
