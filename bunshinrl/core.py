@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,20 +135,26 @@ class RolloutCore:
     async def digest(self, task: Task) -> str:
         """The template digest of the task's initialized workspace (rootfs digest + fingerprint)."""
         rootfs = str(task.spec.get("rootfs", "host"))
+        digest = await self._once(self._digests, rootfs, lambda: run_blocking(rootfs_digest, rootfs))
+        return template_digest(digest, task.fingerprint)
+
+    async def _once(self, table: dict[Any, Future[Any]], key: Any, make: Callable[[], Awaitable[Any]]) -> Any:
+        """table[key]'s value, made by the first caller however many ask at the same time (a
+        failure is not kept: the next caller tries again)."""
         with self._lock:
-            fut = self._digests.get(rootfs)
+            fut = table.get(key)
             mine = fut is None
             if mine:
-                fut = self._digests[rootfs] = Future()
+                fut = table[key] = Future()
         assert fut is not None
         if mine:
             try:
-                fut.set_result(await run_blocking(rootfs_digest, rootfs))
+                fut.set_result(await make())
             except BaseException as e:
                 with self._lock:
-                    self._digests.pop(rootfs, None)
+                    table.pop(key, None)
                 fut.set_exception(e)
-        return template_digest(await asyncio.wrap_future(fut), task.fingerprint)
+        return await asyncio.wrap_future(fut)
 
     async def _initial_snapshot(self, task: Task) -> SharedSnapshot:
         ws = self.workspaces.add(await run_blocking(Workspace.create, **task.spec))
@@ -164,20 +170,8 @@ class RolloutCore:
         if not self.keep_initial:
             return await self._initial_snapshot(task)
         key = (task.id, await self.digest(task))
-        with self._lock:
-            fut = self._initial.get(key)
-            mine = fut is None
-            if mine:
-                fut = self._initial[key] = Future()
-        assert fut is not None
-        if mine:
-            try:
-                fut.set_result(await self._initial_snapshot(task))
-            except BaseException as e:
-                with self._lock:
-                    self._initial.pop(key, None)
-                fut.set_exception(e)
-        return (await asyncio.wrap_future(fut)).acquire()
+        snap: SharedSnapshot = await self._once(self._initial, key, lambda: self._initial_snapshot(task))
+        return snap.acquire()
 
     def kept_snapshots(self) -> list[SharedSnapshot]:
         """The initialized snapshots keep_initial holds now."""
