@@ -224,6 +224,7 @@ def summarize(run: ConfigRun) -> dict[str, Any]:
         "peak_memory_bytes": max(e["peak_memory_bytes"] for e in ep),
         "peak_memory_bytes_per_epoch": [e["peak_memory_bytes"] for e in ep],
         "reward_per_epoch": [e["reward"] for e in ep],
+        "rewards_per_sample_per_epoch": [e["rewards"] for e in ep],
         "tool_calls_per_epoch": [e["tool_calls"] for e in ep],
         "wasted_speculation_seconds_per_epoch": [e["wasted_speculation_seconds"] for e in ep],
         "errors": [x for e in ep for x in e["errors"]],
