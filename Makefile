@@ -30,8 +30,9 @@ clean:
 
 # The fork benchmark with the cow engine: in a guest kernel, since this host cannot load
 # modules. Debian's 6.12 line, where ksm (PR_SET_MEMORY_MERGE, Linux 6.4) runs beside cow and
-# copy, and the snapshot-cost benchmark there with soft-dirty tracking. Results land in
-# results/guest/{engines,sizes,snapshots}.
+# copy, the snapshot-cost benchmark there with soft-dirty tracking, and the rollout benchmark
+# reduced (the coding task) with cow sharing. Results land in results/guest/{engines,sizes,
+# snapshots,rollouts}.
 BENCH_GUEST_KERNEL ?= 6.12
 # Both host cores for the guest's two vCPUs, for timings comparable with 6.1's; a text-patching
 # oops under multi-threaded TCG (see kernel/guest.py) ends the run loudly, never skews it.
@@ -48,7 +49,9 @@ bench-guest: setup
 	$(CURDIR)/$(PY) benchmarks/fork_memory.py --engines cow --forks 1,4,16 --size-mib 256,2048 \
 		--out $$BUNSHIN_GUEST_OUT/sizes && \
 	$(CURDIR)/$(PY) benchmarks/snapshot_cost.py --engines copy,ksm,cow --size-mib 1024 --dirty-mib 10 \
-		--snapshots 10 --seeds 2 --forks 1,4 --out $$BUNSHIN_GUEST_OUT/snapshots'
+		--snapshots 10 --seeds 2 --forks 1,4 --out $$BUNSHIN_GUEST_OUT/snapshots && \
+	$(CURDIR)/$(PY) benchmarks/agent_rollouts.py --quick --families code --share-engine cow \
+		--out $$BUNSHIN_GUEST_OUT/rollouts'
 
 # Compiles the module against bookworm's newest 6.12 headers with warnings as errors.
 .PHONY: kernel-check

@@ -28,14 +28,14 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from bunshinfork import Workspace, rootfs_digest
+from bunshinfork import AsyncWorkspace, Workspace, rootfs_digest
 
-from ._async import run_blocking
+from ._async import call_sync_or_async, run_blocking
 from .backend import SharedSnapshot
 from .cache import ReplayDiverged, ToolPrefixCache
 from .guard import DeterminismGuard
@@ -65,7 +65,7 @@ class Live:
 
 @dataclass
 class Settling:
-    ws: Workspace
+    ws: Workspace | None  # None: the sample's first fork is still under way
     task: asyncio.Future[Live | Speculating]
 
 
@@ -100,7 +100,7 @@ class RolloutCore:
 
     def __init__(self, *, cache: ToolPrefixCache | None = None, speculator: Speculator | None = None,
                  guard: DeterminismGuard | None = None, tail: TailPolicy | None = None, memory: str = "auto",
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, keep_initial: bool = False, overlap_fork: bool = False) -> None:
         self.cache = cache
         self.speculator = speculator
         self.guard = guard or (cache.guard if cache is not None else None) or DeterminismGuard()
@@ -114,6 +114,13 @@ class RolloutCore:
         self.tail = tail or TailPolicy()
         self.memory = memory
         self.prefetch = prefetch
+        # Without a cache: keep_initial keeps each task's initialized snapshot from one group to
+        # the next (as the cache keeps its root) until close(); overlap_fork starts a group's fork
+        # and returns its rollouts at once, so the fork runs while the first step is reasoned (as
+        # the cache's prefetch of a fresh root does).
+        self.keep_initial = keep_initial
+        self.overlap_fork = overlap_fork
+        self._initial: dict[tuple[str, str], Future[SharedSnapshot]] = {}
         self.history: list[Trajectory] = []
         self.workspaces = WorkspaceRegistry()
         self._lock = threading.Lock()
@@ -128,28 +135,62 @@ class RolloutCore:
     async def digest(self, task: Task) -> str:
         """The template digest of the task's initialized workspace (rootfs digest + fingerprint)."""
         rootfs = str(task.spec.get("rootfs", "host"))
+        digest = await self._once(self._digests, rootfs, lambda: run_blocking(rootfs_digest, rootfs))
+        return template_digest(digest, task.fingerprint)
+
+    async def _once(self, table: dict[Any, Future[Any]], key: Any, make: Callable[[], Awaitable[Any]]) -> Any:
+        """table[key]'s value, made by the first caller however many ask at the same time (a
+        failure is not kept: the next caller tries again)."""
         with self._lock:
-            fut = self._digests.get(rootfs)
+            fut = table.get(key)
             mine = fut is None
             if mine:
-                fut = self._digests[rootfs] = Future()
+                fut = table[key] = Future()
         assert fut is not None
         if mine:
             try:
-                fut.set_result(await run_blocking(rootfs_digest, rootfs))
+                fut.set_result(await make())
             except BaseException as e:
                 with self._lock:
-                    self._digests.pop(rootfs, None)
+                    table.pop(key, None)
                 fut.set_exception(e)
-        return template_digest(await asyncio.wrap_future(fut), task.fingerprint)
+        return await asyncio.wrap_future(fut)
 
     async def _initial_snapshot(self, task: Task) -> SharedSnapshot:
-        ws = self.workspaces.add(await run_blocking(Workspace.create, **task.spec))
+        ws = self.workspaces.add((await AsyncWorkspace.create(**task.spec)).workspace)
         try:
-            await run_blocking(task.setup, ws)
-            return await run_blocking(SharedSnapshot.take, ws, self.memory)
+            await call_sync_or_async(task.setup, ws)
+            return await SharedSnapshot.take_async(ws, self.memory)
         finally:
             await self._destroy(ws)
+
+    async def _group_snapshot(self, task: Task) -> SharedSnapshot:
+        """A reference to the snapshot a group forks: the kept one (keep_initial), made once
+        however many groups ask at the same time, or a fresh one. The caller releases it."""
+        if not self.keep_initial:
+            return await self._initial_snapshot(task)
+        key = (task.id, await self.digest(task))
+        snap: SharedSnapshot = await self._once(self._initial, key, lambda: self._initial_snapshot(task))
+        return snap.acquire()
+
+    def kept_snapshots(self) -> list[SharedSnapshot]:
+        """The initialized snapshots keep_initial holds now."""
+        with self._lock:
+            futs = list(self._initial.values())
+        return [f.result() for f in futs if f.done() and f.exception() is None]
+
+    async def _fork_group(self, task: Task, n: int) -> list[Workspace]:
+        snap = await self._group_snapshot(task)
+        try:
+            clones = await snap.fork_many_async(n)
+        finally:
+            await snap.release_async()
+        if any(isinstance(c, Exception) for c in clones):
+            for c in clones:
+                if isinstance(c, Workspace):
+                    await AsyncWorkspace(c).destroy()
+            raise next(c for c in clones if isinstance(c, Exception))
+        return [self.workspaces.add(w) for w in clones]  # type: ignore[arg-type]
 
     async def _root(self, task: Task) -> Node:
         """The cache's root for the task's initialized workspace, made once however many samples
@@ -190,18 +231,14 @@ class RolloutCore:
         if self.cache is not None:
             root = await self._root(task)
             out = [Rollout(self, task, c, tl, origin, root, None) for c, tl in zip(contexts, timelines, strict=True)]
+        elif self.overlap_fork:
+            forking = asyncio.ensure_future(self._fork_group(task, len(contexts)))
+            out = [Rollout(self, task, c, tl, origin, None, None) for c, tl in zip(contexts, timelines, strict=True)]
+            for i, r in enumerate(out):
+                r.state = Settling(None, asyncio.ensure_future(r._forked(forking, i)))
         else:
-            snap = await self._initial_snapshot(task)
-            try:
-                clones = await run_blocking(snap.snap.fork, len(contexts))
-            finally:
-                await run_blocking(snap.release)
-            if any(isinstance(c, Exception) for c in clones):
-                for c in clones:
-                    if isinstance(c, Workspace):
-                        await run_blocking(c.destroy)
-                raise next(c for c in clones if isinstance(c, Exception))
-            out = [Rollout(self, task, c, tl, origin, None, self.workspaces.add(w))  # type: ignore[arg-type]
+            clones = await self._fork_group(task, len(contexts))
+            out = [Rollout(self, task, c, tl, origin, None, w)
                    for c, tl, w in zip(contexts, timelines, clones, strict=True)]
         for r in out:
             if isinstance(r.state, Live):
@@ -235,7 +272,7 @@ class RolloutCore:
                     except BaseException as e:
                         g.snapshot.set_exception(e)
                 snap = await asyncio.wrap_future(g.snapshot)
-                ws = self.workspaces.add(await run_blocking(snap.fork))
+                ws = self.workspaces.add(await snap.fork_async())
             except BaseException:
                 self._leave(key)
                 raise
@@ -254,7 +291,7 @@ class RolloutCore:
                 return
             del self._groups[key]
         if g.snapshot.done() and g.snapshot.exception() is None:
-            self._background(run_blocking(g.snapshot.result().release))
+            self._background(g.snapshot.result().release_async())
 
     # ---- what every rollout reports back ----
 
@@ -295,7 +332,7 @@ class RolloutCore:
 
     async def _destroy(self, ws: Workspace) -> None:
         self.workspaces.discard(ws)
-        await run_blocking(ws.destroy)
+        await AsyncWorkspace(ws).destroy()
 
     async def drain(self) -> None:
         """Wait for every background capture, teardown and persist."""
@@ -305,6 +342,15 @@ class RolloutCore:
             await self.speculator.drain()
         if self.cache is not None:
             await run_blocking(self.cache.drain)
+
+    async def close(self) -> None:
+        """Drain, then release the initialized snapshots keep_initial kept."""
+        await self.drain()
+        with self._lock:
+            futs, self._initial = list(self._initial.values()), {}
+        for f in futs:
+            if f.done() and f.exception() is None:
+                await f.result().release_async()
 
 
 class Rollout:
@@ -413,9 +459,14 @@ class Rollout:
             self._group = None
         self.core._record(self)
 
+    async def _forked(self, forking: asyncio.Future[list[Workspace]], i: int) -> Live:
+        ws = (await forking)[i]
+        await self._note_fork(ws)
+        return Live(ws)
+
     async def _note_fork(self, ws: Workspace) -> None:
         if self.forked_from is None:
-            self.forked_from = (await run_blocking(ws.info)).parent
+            self.forked_from = (await AsyncWorkspace(ws).info()).parent
 
     # ---- one step ----
 
@@ -579,7 +630,7 @@ class Rollout:
     async def _post_call(self, ws: Workspace, capture: Node | None, chain: list[ToolCall]) -> Live | Speculating:
         core = self.core
         try:
-            snap = await run_blocking(SharedSnapshot.take, ws, core.memory)
+            snap = await SharedSnapshot.take_async(ws, core.memory)
         except Exception as e:
             self.timeline.errors.append(f"capture failed: {e!r}")
             if capture is not None and core.cache is not None:
@@ -599,7 +650,7 @@ class Rollout:
                 return Speculating(branch)
             return Live(ws)
         finally:
-            await run_blocking(snap.release)
+            await snap.release_async()
 
     async def _adopt(self, call: ToolCall, hit: SpecHit) -> None:
         """The sample moves to the speculative state; the cache learns the call like a real one."""

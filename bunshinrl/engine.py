@@ -36,10 +36,11 @@ class RolloutEngine:
     def __init__(self, policy: Policy, *, cache: ToolPrefixCache | None = None,
                  speculator: Speculator | None = None, guard: DeterminismGuard | None = None,
                  tail: TailPolicy | None = None, memory: str = "auto", max_steps: int = 32,
-                 memory_interval: float = 0.25, prefetch: bool = True, core: RolloutCore | None = None) -> None:
+                 memory_interval: float = 0.25, prefetch: bool = True, keep_initial: bool = False,
+                 overlap_fork: bool = False, core: RolloutCore | None = None) -> None:
         self.policy = policy
         self.core = core or RolloutCore(cache=cache, speculator=speculator, guard=guard, tail=tail, memory=memory,
-                                        prefetch=prefetch)
+                                        prefetch=prefetch, keep_initial=keep_initial, overlap_fork=overlap_fork)
         self.max_steps = max_steps
         self.memory_interval = memory_interval
 
@@ -81,6 +82,10 @@ class RolloutEngine:
         stats = self.core.stats()
         return EpochResult(epoch, max((r.timeline.finished for r in samples), default=0.0),
                            [r.timeline for r in samples], memory, **stats)
+
+    async def close(self) -> None:
+        """Release what the engine keeps between epochs (keep_initial's snapshots)."""
+        await self.core.close()
 
     def fit_selector(self, held_out_epochs: Sequence[int] = ()) -> SelectorReport | None:
         """Train the speculator's selector on every recorded trajectory (between epochs)."""

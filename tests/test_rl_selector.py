@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pickle
+import random
 
 import numpy as np
 from sklearn.base import clone
 
 from bunshinrl import ToolCall, ToolSelector, Trajectory, train_selector
-from bunshinrl import traces as T
 from bunshinrl.selector import FINAL, SelectorContext, examples
 
 LS, CAT, TEST, EDIT = (ToolCall("ls"), ToolCall("cat", {"path": "a"}), ToolCall("run_tests"),
@@ -60,10 +60,22 @@ def test_single_class_history() -> None:
     assert sel.predict_proba([SelectorContext("t", ())]).shape == (1, 1)
 
 
+def _drifting(tasks: int = 3, group: int = 4, epochs: int = 3, p_main: float = 0.85) -> list[Trajectory]:
+    """A policy with a preferred path per task, leaving it at random (more often in later epochs)."""
+    pool = [LS, CAT, TEST, EDIT, ToolCall("grep", {"pattern": "x"}), ToolCall("build")]
+    out = []
+    for e in range(epochs):
+        for t in range(tasks):
+            main = [pool[(t + i * (t + 1)) % len(pool)] for i in range(8)]
+            for s in range(group):
+                rng = random.Random(f"{e}|{t}|{s}")
+                calls = tuple(c if rng.random() < p_main - 0.03 * e else rng.choice(pool) for c in main)
+                out.append(Trajectory(e, f"task{t}", s, calls))
+    return out
+
+
 def test_train_selector_reports_held_out_accuracy() -> None:
-    cfg = T.TraceConfig(tasks=3, group_size=4, epochs=3)
-    traces = T.generate(cfg)
-    trajs = [Trajectory(e, t, s, tuple(tr.calls)) for (e, t, s), tr in traces.items()]
+    trajs = _drifting()
     _sel, report = train_selector(trajs, k=3)
     assert report.held_out_epochs == (2,)
     assert report.train_examples > report.test_examples > 0

@@ -1,0 +1,224 @@
+"""The agent of benchmarks/agent_rollouts.py: a seeded stochastic, closed-loop policy over
+observation-dependent candidate calls, and the latency model that stands for its reasoning.
+
+LatencyModel: the time a GPU server takes to answer one agent step,
+
+    seconds = first_token_s + prompt_tokens * prefill_s_per_token + output_tokens * tpot(n)
+
+where n is the number of requests in flight on the server when the step starts (this one
+included) and tpot(n) interpolates a measured time-per-output-token table linearly. The prompt
+tokens are those the server has not seen: vLLM's automatic prefix caching keeps the
+conversation so far, so a step pays for the new observation and the previous reply only.
+Tokens are counted as characters / 4.
+
+Constants (DEFAULT_LATENCY; printed before every run, never tuned per result):
+  tpot(n) and first_token_s: the InferenceBench concurrency sweep of Llama-3.1-8B-Instruct, fp16,
+  on one H100-80GB-HBM3 under vLLM 0.21.0 (yobitelcomm.github.io/bench, recipe
+  "concurrency-sweep", 2026-05-16): median TPOT 6.48 / 6.59 / 10.94 / 46.91 ms at 1 / 4 / 16 / 64
+  concurrent requests, median TTFT 13.98 ms at 1.
+  prefill_s_per_token: 0.04 ms, derived, not measured: an 8B dense model needs ~16 GFLOP per
+  prompt token, at 40% of the H100's 989 dense bf16 TFLOPS.
+
+Agent: each decision draws from the candidates the last observation allows (what the test run
+failed on, which products a page lists, what is in the cart), the preferred one with
+probability 1 - explore(epoch), explore = explore0 + drift * epoch. Draws come from a generator
+seeded by (seed, epoch, task, sample, step), so a configuration that serves the same
+observations makes the same decisions: rewards are comparable one to one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import math
+import random
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from bunshinfork.templates import CATALOGUE
+from bunshinrl.envs import coding
+from bunshinrl.policy import Action, FinalAnswer, SampleContext, Step
+from bunshinrl.signature import ToolCall
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    tpot_table: tuple[tuple[int, float], ...] = ((1, 6.48e-3), (4, 6.59e-3), (16, 10.94e-3), (64, 46.91e-3))
+    first_token_s: float = 13.98e-3
+    prefill_s_per_token: float = 0.04e-3
+    source: str = ("InferenceBench concurrency sweep: Llama-3.1-8B-Instruct fp16, 1x H100-80GB-HBM3, vLLM 0.21.0 "
+                   "(TPOT, TTFT); prefill 0.04 ms/token derived (16 GFLOP/token at 40% of 989 TFLOPS)")
+
+    def tpot(self, in_flight: int) -> float:
+        """Seconds per output token with `in_flight` requests on the server (linear between the
+        measured points, flat below the first, the last slope beyond the last)."""
+        pts = self.tpot_table
+        n = max(in_flight, pts[0][0])
+        for (n0, t0), (n1, t1) in itertools.pairwise(pts):
+            if n <= n1:
+                return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
+        (n0, t0), (n1, t1) = pts[-2], pts[-1]
+        return t1 + (t1 - t0) * (n - n1) / (n1 - n0)
+
+    def seconds(self, prompt_tokens: int, output_tokens: int, in_flight: int) -> float:
+        return self.first_token_s + prompt_tokens * self.prefill_s_per_token + output_tokens * self.tpot(in_flight)
+
+    def describe(self) -> str:
+        table = ", ".join(f"{n}: {t * 1e3:.2f} ms" for n, t in self.tpot_table)
+        return (f"reasoning = {self.first_token_s * 1e3:.2f} ms + prompt tokens x "
+                f"{self.prefill_s_per_token * 1e3:.3f} ms + output tokens x tpot(requests in flight); "
+                f"tpot {{{table}}}; source: {self.source}")
+
+
+DEFAULT_LATENCY = LatencyModel()
+
+
+def tokens(text: str) -> int:
+    return max(1, len(text) // 4)
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    seed: int = 0
+    explore0: float = 0.08  # chance of a non-preferred candidate at epoch 0
+    drift: float = 0.04  # added per epoch
+    output_median: int = 120  # output tokens per decision (lognormal, clipped)
+    output_sigma: float = 0.5
+    output_max: int = 400
+    system_tokens: int = 900  # system prompt + tool schemas of the first request
+
+
+Candidates = list[Action]  # preferred first
+
+
+class Server:
+    """Requests in flight on the modelled server (one per configuration's run)."""
+
+    def __init__(self, model: LatencyModel) -> None:
+        self.model = model
+        self.in_flight = 0
+        self.reasoning_seconds: dict[tuple[int, str, int], float] = {}
+
+    async def answer(self, key: tuple[int, str, int], prompt_tokens: int, output_tokens: int) -> float:
+        self.in_flight += 1
+        try:
+            s = self.model.seconds(prompt_tokens, output_tokens, self.in_flight)
+            await asyncio.sleep(s)  # the documented latency model, not a tool
+        finally:
+            self.in_flight -= 1
+        self.reasoning_seconds[key] = self.reasoning_seconds.get(key, 0.0) + s
+        return s
+
+
+@dataclass
+class StochasticAgent:
+    """A Policy: candidates from the observations so far, one drawn per decision."""
+
+    cfg: AgentConfig
+    server: Server
+    families: dict[str, Callable[[str, Sequence[Step]], Candidates]] = field(default_factory=dict)  # by task id
+
+    def rng(self, ctx: SampleContext, step: int) -> random.Random:
+        h = hashlib.sha256(f"{self.cfg.seed}|{ctx.epoch}|{ctx.task_id}|{ctx.sample}|{step}".encode()).digest()
+        return random.Random(int.from_bytes(h[:8], "big"))
+
+    def explore(self, epoch: int) -> float:
+        return min(0.9, self.cfg.explore0 + self.cfg.drift * epoch)
+
+    def decide(self, ctx: SampleContext, history: Sequence[Step]) -> tuple[Action, int, int]:
+        """(action, prompt tokens, output tokens) of the next decision; no time passes."""
+        rng = self.rng(ctx, len(history))
+        cands = self.families[ctx.task_id](ctx.task_id, history)
+        action = rng.choice(cands[1:]) if len(cands) > 1 and rng.random() < self.explore(ctx.epoch) else cands[0]
+        drawn = self.cfg.output_median * math.exp(rng.gauss(0, self.cfg.output_sigma))
+        out = int(min(self.cfg.output_max, max(20, drawn)))
+        prompt = tokens(history[-1].observation) + 40 if history else self.cfg.system_tokens + tokens(ctx.prompt)
+        return action, prompt, out
+
+    async def act(self, ctx: SampleContext, history: Sequence[Step]) -> Action:
+        action, prompt, out = self.decide(ctx, history)
+        await self.server.answer((ctx.epoch, ctx.task_id, ctx.sample), prompt, out)
+        return action
+
+
+# ---- candidates per task family ----
+
+_FAIL = re.compile(r"^FAIL (\w+)\(", re.M)
+
+
+def coding_candidates(task_id: str, history: Sequence[Step]) -> Candidates:
+    """A developer's loop: look around, run the tests, read what failed, edit, test again."""
+    seed = int(task_id.rsplit("-", 1)[1])
+    c = coding.params(seed)[2]
+    calls = [h.call for h in history]
+    last = history[-1] if history else None
+    C = ToolCall
+    if last is None:
+        return [C("ls"), C("cat", {"path": "README.md"}), C("run_tests")]
+    if last.call.name == "run_tests":
+        if last.observation.rstrip().endswith(" 0 failed"):
+            return [FinalAnswer("tests pass"), C("cat", {"path": "src/pricing.c"})]
+        failed = _FAIL.findall(last.observation)
+        if failed:
+            return [C("grep", {"pattern": failed[0]}), C("cat", {"path": "src/pricing.c"}),
+                    C("cat", {"path": "tests/test_main.c"})]
+        return [C("build"), C("cat", {"path": "Makefile"})]
+    if last.call.name in ("grep", "cat") and "return x - x % " in last.observation:
+        seen = re.search(r"return x - x % (\d+);", last.observation)
+        k = int(seen.group(1)) if seen else c
+        return [C("edit", {"path": "src/pricing.c", "find": f"x - x % {k}", "replace": f"x - x / {k}"}),
+                C("edit", {"path": "src/pricing.c", "find": f"x - x % {k}", "replace": f"x - x / {k + 1}"}),
+                C("cat", {"path": "src/pricing.h"})]
+    if last.call.name == "edit":
+        return [C("run_tests"), C("build"), C("cat", {"path": "src/pricing.c"})]
+    if last.call.name == "build":
+        return [C("run_tests"), C("ls", {"path": "build"})]
+    if sum(c.name == "run_tests" for c in calls) >= 3:
+        return [FinalAnswer("giving up")]
+    if any(c.name == "edit" for c in calls):
+        return [C("run_tests"), C("cat", {"path": "src/pricing.c"})]
+    return [C("run_tests"), C("grep", {"pattern": "discount"}), C("cat", {"path": "src/pricing.c"})]
+
+
+def _name_of(sku: str) -> str:
+    return CATALOGUE[sku][0]
+
+
+def shop_candidates(items: dict[str, int], name: str, address: str) -> Callable[[str, Sequence[Step]], Candidates]:
+    """A shopper's loop: search, add what the page lists, check out, read the order."""
+    wanted = sorted(items.items())
+    others = sorted(s for s in CATALOGUE if s not in items)
+
+    def candidates(_task_id: str, history: Sequence[Step]) -> Candidates:
+        C = ToolCall
+        added: dict[str, int] = {}
+        for h in history:
+            m = re.search(r"Added (\d+) \u00d7 (.+?) to your cart", h.observation)
+            if m:
+                added[m.group(2)] = added.get(m.group(2), 0) + int(m.group(1))
+        last = history[-1] if history else None
+        if last is not None and "/orders/" in last.observation.split("\n", 1)[0]:
+            return [FinalAnswer("ordered")]
+        missing = [(s, q - added.get(_name_of(s), 0)) for s, q in wanted if added.get(_name_of(s), 0) < q]
+        if last is not None and last.call.name == "fill" and last.call.args.get("selector") == "#ship-address":
+            return [C("click", {"selector": "#place-order"}), C("goto", {"url": "/cart"})]
+        if last is not None and last.call.name == "fill":
+            return [C("fill", {"selector": "#ship-address", "value": address})]
+        if not missing:
+            if last is not None and "Your cart" in last.observation and "/cart" in last.observation.split("\n", 1)[0]:
+                return [C("fill", {"selector": "#ship-name", "value": name}), C("goto", {"url": "/"})]
+            return [C("goto", {"url": "/cart"})]
+        sku, _ = missing[0]
+        product = _name_of(sku)
+        if last is not None and last.call.name == "goto" and product in last.observation:
+            # The page lists what we want: add it (or, now and then, a neighbour it also lists).
+            listed = [_name_of(s) for s in others if _name_of(s) in last.observation]
+            return [C("click", {"selector": f"button[aria-label='Add {product} to cart']"})] + \
+                [C("click", {"selector": f"button[aria-label='Add {p} to cart']"}) for p in listed[:1]]
+        word = product.split()[-1].lower()
+        return [C("goto", {"url": f"/search?q={word}"}), C("goto", {"url": f"/search?q={product.split()[0].lower()}"}),
+                C("goto", {"url": "/"})]
+
+    return candidates

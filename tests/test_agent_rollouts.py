@@ -1,0 +1,99 @@
+"""The pieces of benchmarks/agent_rollouts.py: the latency model's arithmetic, the agent's
+determinism per seed and its dependence on observations, and one tiny real run of one
+configuration on the coding task (real gcc/make in a real workspace, under the leak check)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+from agent_policy import (
+    DEFAULT_LATENCY,
+    AgentConfig,
+    LatencyModel,
+    Server,
+    StochasticAgent,
+    coding_candidates,
+    shop_candidates,
+)
+
+from bunshinrl import RolloutEngine
+from bunshinrl.envs import coding
+from bunshinrl.policy import FinalAnswer, SampleContext, Step
+from bunshinrl.signature import ToolCall
+
+
+def test_latency_model_arithmetic() -> None:
+    m = DEFAULT_LATENCY
+    assert m.tpot(1) == pytest.approx(6.48e-3)
+    assert m.tpot(0) == pytest.approx(6.48e-3)  # flat below the first measured point
+    assert m.tpot(16) == pytest.approx(10.94e-3)
+    assert m.tpot(10) == pytest.approx(6.59e-3 + (10.94e-3 - 6.59e-3) * 6 / 12)
+    slope = (46.91e-3 - 10.94e-3) / 48
+    assert m.tpot(80) == pytest.approx(46.91e-3 + slope * 16)  # the last slope beyond the table
+    assert m.seconds(1000, 100, 1) == pytest.approx(13.98e-3 + 1000 * 0.04e-3 + 100 * 6.48e-3)
+    assert "H100" in m.describe() and "vLLM" in m.describe()
+
+
+def _agent(seed: int, drift: float = 0.04) -> StochasticAgent:
+    return StochasticAgent(AgentConfig(seed=seed, drift=drift), Server(DEFAULT_LATENCY),
+                           {"code-fix-0": coding_candidates})
+
+
+def test_agent_is_deterministic_per_seed_and_drifts() -> None:
+    hist = [Step(ToolCall("ls"), "./Makefile\n./src")]
+    decisions = {s: [_agent(s).decide(SampleContext("code-fix-0", i, e), hist) for e in range(6) for i in range(8)]
+                 for s in (0, 1)}
+    assert decisions[0] == [_agent(0).decide(SampleContext("code-fix-0", i, e), hist)
+                            for e in range(6) for i in range(8)]
+    assert decisions[0] != decisions[1]  # output lengths at least differ between seeds
+    a = _agent(0, drift=0.1)
+    assert a.explore(3) == pytest.approx(a.explore(0) + 0.3)
+
+
+def test_candidates_follow_the_observations() -> None:
+    seed, c = 0, coding.params(0)[2]
+    out = "PASS scale(3)\nFAIL discount(60): expected 40, got 60\n11 passed, 1 failed"
+    failed = [Step(ToolCall("run_tests"), out)]
+    assert coding_candidates(f"code-fix-{seed}", failed)[0] == ToolCall("grep", {"pattern": "discount"})
+    line = f"src/pricing.c:6:int discount(int x) {{ return x - x % {c}; }}"
+    src = [*failed, Step(ToolCall("grep", {"pattern": "discount"}), line)]
+    fix = coding_candidates(f"code-fix-{seed}", src)[0]
+    assert fix == ToolCall("edit", {"path": "src/pricing.c", "find": f"x - x % {c}", "replace": f"x - x / {c}"})
+    passed = [*src, Step(fix, "edited"), Step(ToolCall("run_tests"), "checksum 1\n12 passed, 0 failed")]
+    assert isinstance(coding_candidates(f"code-fix-{seed}", passed)[0], FinalAnswer)
+    shop = shop_candidates({"TEA-GRN": 1}, "Ada", "12 Row")
+    first = shop("shop-0", [])[0]
+    assert first.name == "goto"
+    page = [Step(first, "http://shop/search?q=tea\n\nGreen Tea (100 g)\nTea · $4.50")]
+    add = ToolCall("click", {"selector": "button[aria-label='Add Green Tea (100 g) to cart']"})
+    assert shop("shop-0", page)[0] == add
+
+
+def test_one_real_epoch_of_base_on_the_coding_task() -> None:
+    fast = LatencyModel(tpot_table=((1, 1e-4), (64, 2e-4)), first_token_s=0.0, prefill_s_per_token=0.0)
+    agent = StochasticAgent(AgentConfig(seed=0), Server(fast), {"code-fix-0": coding_candidates})
+    engine = RolloutEngine(agent, memory="ksm", keep_initial=True, overlap_fork=True)
+    task = coding.make_env(0)
+
+    async def go() -> list:
+        try:
+            r = await engine.run_epoch([task], 2, 0)
+            assert len(engine.core.kept_snapshots()) == 1  # kept for the next epoch
+            r2 = await engine.run_epoch([task], 2, 1)
+            return [r, r2]
+        finally:
+            await engine.close()
+
+    r, r2 = asyncio.run(go())
+    assert not [e for s in r.samples + r2.samples for e in s.errors]
+    assert all(s.reward is not None for s in r.samples)
+    # A real run of make test: the tool saw gcc's output, and a passing run is rewarded.
+    calls = [st for s in r.samples for st in s.steps if st.call.name == "run_tests"]
+    assert calls and all("passed" in st.observation for st in calls)
+    assert engine.core.kept_snapshots() == []
