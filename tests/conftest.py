@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bunshinfork import state
+from bunshinfork import census, state
 from bunshinfork.cgroups import leftover_cgroups
 from bunshinfork.fs import btrfs as storage
 from bunshinfork.fs import layers, store
@@ -25,38 +25,6 @@ from bunshinfork.workspace import Workspace
 
 BTRFS_IMAGE = "/var/tmp/bunshin-test-btrfs.img"
 BTRFS_MOUNT = "/var/tmp/bunshin-test-btrfs"
-
-
-def _mounts() -> set[str]:
-    out = set()
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields = line.split()
-        mp = fields[4]
-        if "/ws-" in mp or ("overlay" in line.split(" - ")[1] and "bunshin" in line):
-            out.add(mp)
-    return out
-
-
-def _init_processes() -> set[int]:
-    pids = set()
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if (d / "comm").read_text().strip() in ("bunshin-init", "init"):
-                    exe = os.readlink(d / "exe")
-                    if exe.endswith("/.bunshin/init") or "bunshin-init" in exe:
-                        pids.add(int(d.name))
-            except OSError:
-                continue
-    return pids
-
-
-def _interfaces() -> set[str]:
-    return {n for n in os.listdir("/sys/class/net") if n.startswith("bn")}
-
-
-def _ws_dirs() -> set[str]:
-    return set(state.all_ids())
 
 
 def _layers() -> set[str]:
@@ -78,19 +46,15 @@ def _held(d: Path, name: str) -> bool:
     return d.name == layers.SNAPSHOTS and (snap / "snapshot.json").is_file() and not (snap / state.RELEASED).exists()
 
 
-def _store_loops() -> set[str]:
-    return set(storage.loop_devices_for(str(store.IMAGE)))
-
-
 def snapshot() -> dict[str, set]:
     return {
-        "mounts": _mounts(),
+        "mounts": census.mounts(),
         "cgroups": set(leftover_cgroups()),
-        "state dirs": _ws_dirs(),
-        "init processes": _init_processes(),
-        "interfaces": _interfaces(),
+        "state dirs": census.ws_dirs(),
+        "init processes": census.init_processes(),
+        "interfaces": census.interfaces(),
         "layers": _layers(),
-        "store loop devices": _store_loops(),
+        "store loop devices": census.store_loops(),
     }
 
 
