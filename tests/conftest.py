@@ -4,6 +4,7 @@ before, and the layer store's loop device is the one it had."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 # As bunshinrl's README asks of a process that imports numpy before bunshinrl (the framework
@@ -20,6 +21,7 @@ from bunshinfork import state
 from bunshinfork.cgroups import leftover_cgroups
 from bunshinfork.fs import btrfs as storage
 from bunshinfork.fs import layers, store
+from bunshinfork.host import HOSTS_RUN_ROOT, named_hosts
 from bunshinfork.memory import ksm
 from bunshinfork.workspace import Workspace
 
@@ -56,25 +58,42 @@ def _interfaces() -> set[str]:
 
 
 def _ws_dirs() -> set[str]:
-    return set(state.all_ids())
+    """This host's workspace records, and those of every named host on the machine (the nodes of
+    a local pool, bunshinrl.cluster)."""
+    out = set(state.all_ids())
+    for h in named_hosts():
+        with contextlib.suppress(FileNotFoundError):
+            out |= {str(h.run_root / n) for n in os.listdir(h.run_root) if n.startswith("ws-")}
+    return out
+
+
+def _cgroups() -> set[str]:
+    return set(leftover_cgroups()) | {d for h in named_hosts() for d in leftover_cgroups(parent=h.cgroup_parent)}
+
+
+def _host_roots() -> set[str]:
+    return set(os.listdir(HOSTS_RUN_ROOT)) if HOSTS_RUN_ROOT.is_dir() else set()
 
 
 def _layers() -> set[str]:
     """Workspaces' layers and frozen layers in the default storage roots (the layer store, and
-    the state root's tmpfs where layers fall back)."""
+    the state root's tmpfs where layers fall back), this host's and every named host's."""
     out = set()
-    for root in (store.STORE, state.RUN_ROOT / "layers" / "ws"):
-        for d in (root, root / layers.SNAPSHOTS):
-            if d.is_dir():
-                out |= {str(d / n) for n in os.listdir(d) if n != layers.SNAPSHOTS and not _held(d, n)}
+    hosts = [(store.STORE, state.RUN_ROOT)] + [(h.layer_store, h.run_root) for h in named_hosts()]
+    for layer_store, run_root in hosts:
+        for root in (layer_store, run_root / "layers" / "ws"):
+            for d in (root, root / layers.SNAPSHOTS):
+                if d.is_dir():
+                    out |= {str(d / n) for n in os.listdir(d)
+                            if n != layers.SNAPSHOTS and not _held(d, n, run_root / state.SNAPSHOTS)}
     return out
 
 
-def _held(d: Path, name: str) -> bool:
+def _held(d: Path, name: str, snapshots: Path) -> bool:
     """A frozen layer of a snapshot that is still retained belongs to that snapshot, not to the
     test that happened to take it first (a session fixture's, a process-wide prefix cache's), as
     its images do; it must go when the snapshot is released, which the release tests check."""
-    snap = state.snapshots_root() / name
+    snap = snapshots / name
     return d.name == layers.SNAPSHOTS and (snap / "snapshot.json").is_file() and not (snap / state.RELEASED).exists()
 
 
@@ -85,8 +104,9 @@ def _store_loops() -> set[str]:
 def snapshot() -> dict[str, set]:
     return {
         "mounts": _mounts(),
-        "cgroups": set(leftover_cgroups()),
+        "cgroups": _cgroups(),
         "state dirs": _ws_dirs(),
+        "named hosts' state roots": _host_roots(),
         "init processes": _init_processes(),
         "interfaces": _interfaces(),
         "layers": _layers(),
