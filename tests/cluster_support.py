@@ -11,6 +11,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Ray resolves 127.0.0.1 to the machine's outward address when it connects, unless "clusters"
+# are off (then it keeps to loopback, as on a laptop); this machine allows loopback only.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 OBJECT_STORE_BYTES = 100 << 20
 
@@ -47,7 +50,7 @@ def local_cluster(hosts: Sequence[str]) -> Iterator[object]:
         for name in hosts[1:]:
             cluster.add_node(**common, resources=host_resources(name))
         cluster.wait_for_nodes()
-        ray.init(address=cluster.address, log_to_driver=False)
+        ray.init(address=cluster.address, _node_ip_address="127.0.0.1", log_to_driver=False)
         yield cluster
     finally:
         with contextlib.suppress(Exception):
