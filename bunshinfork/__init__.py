@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 
 from . import deadlines
 from .accounting import HostMemory
-from .aio import AsyncCommandHandle, AsyncSandbox, AsyncWatchHandle, AsyncWorkspace
+from .aio import AsyncCommandHandle, AsyncSandbox, AsyncSnapshot, AsyncWatchHandle, AsyncWorkspace
 from .commands import (
     CommandExitException,
     CommandHandle,
@@ -62,7 +62,8 @@ from .watch import FilesystemEvent, FilesystemEventType, WatchHandle
 from .workspace import MemoryStats, Snapshot, Workspace, WorkspaceInfo, host_memory
 
 __all__ = [
-    "AsyncCommandHandle", "AsyncSandbox", "AsyncWatchHandle", "AsyncWorkspace", "BunshinError", "CgroupError",
+    "AsyncCommandHandle", "AsyncSandbox", "AsyncSnapshot", "AsyncWatchHandle", "AsyncWorkspace", "BunshinError",
+    "CgroupError",
     "CommandError", "CommandExitException", "CommandHandle", "CommandResult", "CommandTimeout", "CriuError",
     "CriuTimeout", "DeadlineExceeded", "EntryInfo", "FileNotFoundException", "FileOperationError", "FileType",
     "FilesystemEvent", "FilesystemEventType", "ForkError", "ForkTimeout", "HostMemory",

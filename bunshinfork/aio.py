@@ -4,20 +4,24 @@ Commands are asyncio-native: a foreground command streams over the init's socket
 streams, a background command's exit is awaited on its pidfd (a reader of the event loop),
 stdin goes over asyncio connections to the command's shim, and directory watches are inotify
 descriptors read by the loop. No thread is used for them. What has no asynchronous primitive
-(CRIU, mounts and cgroups for create/fork/kill; file reads and writes) runs in the default
-executor (asyncio.to_thread).
+(CRIU, mounts and cgroups for create/snapshot/fork/destroy; file reads and writes) runs on a
+thread of this module's pool (_blocking): CRIU is driven over its RPC socket and the fork
+pipeline's mounts, cgroups and page-table work are synchronous system calls interleaved with
+it, so an asyncio-native create or fork means rewriting that pipeline, not wrapping a call.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import inspect
 import logging
 import os
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, TypeVar
 
 from .commands import (
@@ -58,6 +62,19 @@ async def _call(cb: Callback | None, arg: object) -> None:
         result = cb(arg)
         if inspect.isawaitable(result):
             await result
+
+
+# The loop's default executor holds min(32, cores + 4) threads, 6 on a 2-core host: a rollout
+# keeps a fork, a snapshot or a destroy in flight per sample, and those calls mostly wait (on
+# CRIU, on the kernel), so they would queue behind each other there.
+_POOL = ThreadPoolExecutor(max_workers=96, thread_name_prefix="bunshinfork-aio")
+
+
+async def _blocking(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`fn(*args, **kwargs)` on the pool, for the operations with no asynchronous primitive
+    (context variables travel along, as with asyncio.to_thread)."""
+    call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(_POOL, call)
 
 
 def _deadline(timeout: float | None) -> float | None:
@@ -357,7 +374,7 @@ class AsyncPty:
     async def create(self, size: PtySize, on_data: Callback, user: str | None = None, cwd: str | None = None,
                      envs: dict[str, str] | None = None, timeout: float | None = 60,
                      request_timeout: float | None = None) -> AsyncCommandHandle:
-        handle = await asyncio.to_thread(self._ws.pty.create, size, user, cwd, envs, timeout, request_timeout)
+        handle = await _blocking(self._ws.pty.create, size, user, cwd, envs, timeout, request_timeout)
         return AsyncCommandHandle(handle, self._ws._pids, on_pty=on_data)
 
     async def kill(self, pid: int, request_timeout: float | None = None) -> bool:
@@ -391,7 +408,7 @@ class AsyncFileStreamReader:
         return self
 
     async def __anext__(self) -> bytes:
-        chunk = await asyncio.to_thread(next, self._reader, None)
+        chunk = await _blocking(next, self._reader, None)
         if chunk is None:
             raise StopAsyncIteration
         return chunk
@@ -423,13 +440,13 @@ class AsyncFiles:
     async def read(self, path: str, format: Literal["text", "bytes", "stream"] = "text", user: str | None = None,
                    request_timeout: float | None = None, gzip: bool = False,
                    stream_idle_timeout: float | None = None) -> str | bytearray | AsyncFileStreamReader:
-        out = await asyncio.to_thread(self._sync.read, path, format, user, request_timeout, gzip, stream_idle_timeout)
+        out = await _blocking(self._sync.read, path, format, user, request_timeout, gzip, stream_idle_timeout)
         return AsyncFileStreamReader(out) if isinstance(out, FileStreamReader) else out
 
     async def write(self, path: str, data: Any, user: str | None = None, request_timeout: float | None = None,
                     gzip: bool = False, use_octet_stream: bool | None = None, metadata: dict[str, str] | None = None,
                     *, mode: int = 0o644) -> WriteInfo:
-        return await asyncio.to_thread(self._sync.write, path, await _gather(data), user, request_timeout, gzip,
+        return await _blocking(self._sync.write, path, await _gather(data), user, request_timeout, gzip,
                                        use_octet_stream, metadata, mode=mode)
 
     async def write_files(self, files: Sequence[Mapping[str, Any]], user: str | None = None,
@@ -437,28 +454,28 @@ class AsyncFiles:
                           use_octet_stream: bool | None = None, metadata: dict[str, str] | None = None,
                           *, mode: int = 0o644) -> list[WriteInfo]:
         entries = [{"path": f["path"], "data": await _gather(f["data"])} for f in files]
-        return await asyncio.to_thread(self._sync.write_files, entries, user, request_timeout, gzip,  # type: ignore[arg-type]
+        return await _blocking(self._sync.write_files, entries, user, request_timeout, gzip,  # type: ignore[arg-type]
                                        use_octet_stream, metadata, mode=mode)
 
     async def list(self, path: str, depth: int | None = 1, user: str | None = None,
                    request_timeout: float | None = None) -> list[EntryInfo]:
-        return await asyncio.to_thread(self._sync.list, path, depth, user, request_timeout)
+        return await _blocking(self._sync.list, path, depth, user, request_timeout)
 
     async def exists(self, path: str, user: str | None = None, request_timeout: float | None = None) -> bool:
-        return await asyncio.to_thread(self._sync.exists, path, user, request_timeout)
+        return await _blocking(self._sync.exists, path, user, request_timeout)
 
     async def get_info(self, path: str, user: str | None = None, request_timeout: float | None = None) -> EntryInfo:
-        return await asyncio.to_thread(self._sync.get_info, path, user, request_timeout)
+        return await _blocking(self._sync.get_info, path, user, request_timeout)
 
     async def remove(self, path: str, user: str | None = None, request_timeout: float | None = None) -> None:
-        await asyncio.to_thread(self._sync.remove, path, user, request_timeout)
+        await _blocking(self._sync.remove, path, user, request_timeout)
 
     async def rename(self, old_path: str, new_path: str, user: str | None = None,
                      request_timeout: float | None = None) -> EntryInfo:
-        return await asyncio.to_thread(self._sync.rename, old_path, new_path, user, request_timeout)
+        return await _blocking(self._sync.rename, old_path, new_path, user, request_timeout)
 
     async def make_dir(self, path: str, user: str | None = None, request_timeout: float | None = None) -> bool:
-        return await asyncio.to_thread(self._sync.make_dir, path, user, request_timeout)
+        return await _blocking(self._sync.make_dir, path, user, request_timeout)
 
     async def watch_dir(self, path: str, on_event: EventCallback, on_exit: ExitCallback | None = None,
                         user: str | None = None, request_timeout: float | None = None, timeout: float | None = 60,
@@ -466,7 +483,7 @@ class AsyncFiles:
                         allow_network_mounts: bool = False) -> AsyncWatchHandle:
         """Watch a directory: on_event gets each event from the event loop until stop() (or
         `timeout` seconds, 0 for no limit), then on_exit."""
-        watch = await asyncio.to_thread(self._sync._watcher, path, user, recursive, include_entry)
+        watch = await _blocking(self._sync._watcher, path, user, recursive, include_entry)
         return AsyncWatchHandle(watch, on_event, on_exit, None if no_limit(timeout) else timeout)
 
 
@@ -492,17 +509,17 @@ class AsyncWorkspace:
     @classmethod
     async def create(cls: type[W], spec: WorkspaceSpec | None = None, *, timeout: float | None = None,
                      die_with_creator: bool = False, **overrides: Any) -> W:
-        ws = await asyncio.to_thread(Workspace.create, spec, timeout=timeout, die_with_creator=die_with_creator,
+        ws = await _blocking(Workspace.create, spec, timeout=timeout, die_with_creator=die_with_creator,
                                      **overrides)
         return cls(ws)
 
     @classmethod
     async def connect(cls: type[W], ws_id: str) -> W:  # type: ignore[override]
-        return cls(await asyncio.to_thread(cls._sync_class.connect, ws_id))
+        return cls(await _blocking(cls._sync_class.connect, ws_id))
 
     @staticmethod
     async def list() -> list[WorkspaceInfo]:
-        return await asyncio.to_thread(Workspace.list)
+        return await _blocking(Workspace.list)
 
     @property
     def id(self) -> str:
@@ -519,27 +536,27 @@ class AsyncWorkspace:
         return self._ws.info()
 
     async def memory(self) -> MemoryStats:
-        return await asyncio.to_thread(self._ws.memory)
+        return await _blocking(self._ws.memory)
 
     async def pause(self) -> None:
-        await asyncio.to_thread(self._ws.pause)
+        await _blocking(self._ws.pause)
 
     async def resume(self) -> None:
-        await asyncio.to_thread(self._ws.resume)
+        await _blocking(self._ws.resume)
 
-    async def snapshot(self, memory: str = "auto") -> Snapshot:
-        return await asyncio.to_thread(self._ws.snapshot, memory)
+    async def snapshot(self, memory: str = "auto", *, incremental: bool = True) -> AsyncSnapshot:
+        return AsyncSnapshot(await _blocking(self._ws.snapshot, memory, incremental=incremental))
 
     async def fork(self, count: int = 1, memory: str = "auto", *, timeout: float | None = None,
                    die_with_creator: bool = False) -> list[AsyncWorkspace | Exception]:
-        out = await asyncio.to_thread(self._ws.fork, count, memory, timeout=timeout, die_with_creator=die_with_creator)
+        out = await _blocking(self._ws.fork, count, memory, timeout=timeout, die_with_creator=die_with_creator)
         return [r if isinstance(r, Exception) else type(self)(r) for r in out]
 
     async def set_timeout(self, timeout: float) -> None:
-        await asyncio.to_thread(Workspace.set_timeout, self._ws, timeout)
+        await _blocking(Workspace.set_timeout, self._ws, timeout)
 
     async def destroy(self) -> None:
-        await asyncio.to_thread(self._ws.destroy)
+        await _blocking(self._ws.destroy)
 
     async def __aenter__(self: W) -> W:
         return self
@@ -549,6 +566,37 @@ class AsyncWorkspace:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.id}>"
+
+
+class AsyncSnapshot:
+    """Snapshot for asyncio: fork and release awaited (the capture itself is `snapshot`)."""
+
+    def __init__(self, snap: Snapshot) -> None:
+        self._snap = snap
+
+    @property
+    def snapshot(self) -> Snapshot:
+        """The synchronous object behind this one."""
+        return self._snap
+
+    @property
+    def id(self) -> str:
+        return self._snap.id
+
+    @property
+    def memory(self) -> str:
+        return self._snap.memory
+
+    async def fork(self, count: int = 1, memory: str | None = None, *, timeout: float | None = None,
+                   die_with_creator: bool = False) -> list[AsyncWorkspace | Exception]:
+        out = await _blocking(self._snap.fork, count, memory, timeout=timeout, die_with_creator=die_with_creator)
+        return [r if isinstance(r, Exception) else AsyncWorkspace(r) for r in out]
+
+    async def release(self) -> None:
+        await _blocking(self._snap.release)
+
+    def __repr__(self) -> str:
+        return f"<AsyncSnapshot {self.id}>"
 
 
 class async_instance_or_class:
@@ -579,7 +627,7 @@ class async_instance_or_class:
 
 
 async def _kill_by_id(cls: type[AsyncSandbox], sandbox_id: str, **opts: Any) -> bool:
-    return await asyncio.to_thread(Sandbox.kill, sandbox_id)
+    return await _blocking(Sandbox.kill, sandbox_id)
 
 
 async def _connect_by_id(cls: type[AsyncSandbox], sandbox_id: str, timeout: int | None = None,
@@ -618,7 +666,7 @@ class AsyncSandboxPaginator:
 
     async def next_items(self, **opts: Any) -> list[SandboxInfo]:
         if self._sync is None:
-            self._sync = await asyncio.to_thread(self._make)
+            self._sync = await _blocking(self._make)
         return self._sync.next_items()  # type: ignore[return-value]
 
 
@@ -641,7 +689,7 @@ class AsyncSandbox(AsyncWorkspace):
 
     @classmethod
     async def _attach(cls, sandbox_id: str) -> AsyncSandbox:
-        return cls(await asyncio.to_thread(Sandbox._attach, sandbox_id))
+        return cls(await _blocking(Sandbox._attach, sandbox_id))
 
     @classmethod
     async def create(  # type: ignore[override]
@@ -662,7 +710,7 @@ class AsyncSandbox(AsyncWorkspace):
         **opts: Any,
     ) -> AsyncSandbox:
         """Sandbox.create for asyncio."""
-        sbx = await asyncio.to_thread(Sandbox.create, template, timeout, metadata, envs, secure,
+        sbx = await _blocking(Sandbox.create, template, timeout, metadata, envs, secure,
                                       allow_internet_access, mcp, network, iam, lifecycle, volume_mounts, logger,
                                       idempotency_key, **opts)
         return cls(sbx)
@@ -675,12 +723,12 @@ class AsyncSandbox(AsyncWorkspace):
         return self._sbx.is_running(request_timeout)
 
     async def get_info(self, **opts: Any) -> SandboxInfo:
-        return await asyncio.to_thread(self._sbx.get_info)
+        return await _blocking(self._sbx.get_info)
 
     get_info = async_instance_or_class(get_info)  # type: ignore[assignment]
 
     async def get_metrics(self, start: Any = None, end: Any = None, **opts: Any) -> list[SandboxMetrics]:
-        return await asyncio.to_thread(self._sbx.get_metrics, start, end)
+        return await _blocking(self._sbx.get_metrics, start, end)
 
     get_metrics = async_instance_or_class(get_metrics)  # type: ignore[assignment]
 
@@ -692,20 +740,20 @@ class AsyncSandbox(AsyncWorkspace):
         return AsyncSandboxPaginator(lambda: Sandbox.list(query, limit, next_token, order))
 
     async def set_timeout(self, timeout: int, **opts: Any) -> None:  # type: ignore[override]
-        await asyncio.to_thread(self._sbx.set_timeout, timeout)
+        await _blocking(self._sbx.set_timeout, timeout)
 
     set_timeout = async_instance_or_class(set_timeout)  # type: ignore[assignment]
 
     async def connect(self, timeout: int | None = None, *,  # type: ignore[override]
                       on_resume: Literal["restore", "reboot"] = "restore", **opts: Any) -> AsyncSandbox:
-        await asyncio.to_thread(self._sbx.connect, timeout, on_resume=on_resume)
+        await _blocking(self._sbx.connect, timeout, on_resume=on_resume)
         return self
 
     connect = async_instance_or_class(connect, _connect_by_id)  # type: ignore[assignment]
 
     async def pause(self, keep_memory: bool | None = None, *,  # type: ignore[override]
                     mode: Literal["full", "filesystem"] | None = None, strict: bool = False, **opts: Any) -> bool:
-        return await asyncio.to_thread(self._sbx.pause, keep_memory, mode=mode, strict=strict)
+        return await _blocking(self._sbx.pause, keep_memory, mode=mode, strict=strict)
 
     pause = async_instance_or_class(pause)  # type: ignore[assignment]
 
@@ -716,7 +764,7 @@ class AsyncSandbox(AsyncWorkspace):
     beta_pause = async_instance_or_class(beta_pause)  # type: ignore[assignment]
 
     async def kill(self, **opts: Any) -> bool:
-        return await asyncio.to_thread(self._sbx.kill)
+        return await _blocking(self._sbx.kill)
 
     kill = async_instance_or_class(kill, _kill_by_id)  # type: ignore[assignment]
 
@@ -725,14 +773,14 @@ class AsyncSandbox(AsyncWorkspace):
 
     async def fork(self, timeout: int | None = None, count: int | None = None,  # type: ignore[override]
                    **opts: Any) -> list[AsyncSandbox | Exception]:
-        out = await asyncio.to_thread(self._sbx.fork, timeout, count)
+        out = await _blocking(self._sbx.fork, timeout, count)
         return [r if isinstance(r, Exception) else type(self)(r) for r in out]
 
     fork = async_instance_or_class(fork, _fork_by_id)  # type: ignore[assignment]
 
     async def create_snapshot(self, name: str | None = None, *, mode: Literal["full", "filesystem"] | None = None,
                               **opts: Any) -> SnapshotInfo:
-        return await asyncio.to_thread(self._sbx.create_snapshot, name, mode=mode)
+        return await _blocking(self._sbx.create_snapshot, name, mode=mode)
 
     create_snapshot = async_instance_or_class(create_snapshot)  # type: ignore[assignment]
 
@@ -744,7 +792,7 @@ class AsyncSandbox(AsyncWorkspace):
 
     @classmethod
     async def delete_snapshot(cls, snapshot_id: str, **opts: Any) -> bool:
-        return await asyncio.to_thread(Sandbox.delete_snapshot, snapshot_id)
+        return await _blocking(Sandbox.delete_snapshot, snapshot_id)
 
     def get_host(self, port: int) -> str:
         return self._sbx.get_host(port)

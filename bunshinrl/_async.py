@@ -1,15 +1,18 @@
-"""Running blocking bunshinfork calls from asyncio without starving the rollout, and asyncio
-work from synchronous callers.
+"""Blocking work from asyncio without starving the rollout, and asyncio work from synchronous
+callers.
 
-The one seam between bunshinrl and bunshinfork's blocking SDK: every workspace call the engine,
-the cache, the speculator and the adapters make goes through run_blocking (a pool sized for
-rollouts). When bunshinfork has an asyncio-native front, this is the one place to change."""
+Workspace operations do not come here: the engine, the cache, the speculator and the verl
+adapter call bunshinfork's AsyncWorkspace / AsyncSnapshot, whose commands run on the event loop
+(and whose CRIU/mount work bunshinfork itself keeps off the loop). run_blocking is for what
+remains synchronous by nature: users' sync callables (tools, task setup), a policy's model
+call, a rootfs digest, the on-disk store."""
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
 import functools
+import inspect
 import threading
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +35,15 @@ async def run_blocking(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) ->
     ctx = contextvars.copy_context()
     call = functools.partial(ctx.run, fn, *args, **kwargs)
     return await loop.run_in_executor(_POOL, call)
+
+
+async def call_sync_or_async(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)`: awaited on the loop when it is a coroutine function (or returns an
+    awaitable), else on the pool, since a user's sync callable may block on a workspace."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args)
+    out = await run_blocking(fn, *args)
+    return await out if inspect.isawaitable(out) else out
 
 
 class LoopThread:

@@ -7,12 +7,14 @@ import secrets
 import shutil
 import tempfile
 import threading
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
-from bunshinfork import Snapshot, Workspace
+from bunshinfork import AsyncSnapshot, AsyncWorkspace, Snapshot, Workspace
 
+from ._async import run_blocking
 from .delta import DeltaStore
 from .store import BlobStore
 
@@ -27,12 +29,13 @@ class Persisted:
 
 
 class StateBackend(Protocol, Generic[P]):
-    """What the prefix cache needs from a state representation. `P` is a resident state."""
+    """What the prefix cache needs from a state representation. `P` is a resident state. fork
+    may be a coroutine function (awaited on the event loop) or a sync one (run on a thread)."""
 
     @property
     def persists(self) -> bool: ...
     def size(self, payload: P) -> int: ...
-    def fork(self, payload: P) -> Workspace: ...
+    def fork(self, payload: P) -> Workspace | Awaitable[Workspace]: ...
     def release(self, payload: P) -> None: ...
     def persist(self, payload: P, parent_ref: str | None) -> Persisted: ...
     def load(self, ref: str) -> P: ...
@@ -60,14 +63,23 @@ class SharedSnapshot:
             self._refs += 1
         return self
 
-    def release(self) -> None:
+    def _drop(self) -> bool:
         with self._lock:
             self._refs -= 1
-            last = self._refs == 0
-        if last:
+            return self._refs == 0
+
+    def release(self) -> None:
+        if self._drop():
             self.snap.release()
             if self._owned_dir is not None:
                 shutil.rmtree(self._owned_dir, ignore_errors=True)
+
+    async def release_async(self) -> None:
+        """release() from the event loop, through bunshinfork's AsyncSnapshot."""
+        if self._drop():
+            await AsyncSnapshot(self.snap).release()
+            if self._owned_dir is not None:
+                await run_blocking(shutil.rmtree, self._owned_dir, ignore_errors=True)
 
     @property
     def memory(self) -> str:
@@ -82,12 +94,29 @@ class SharedSnapshot:
             raise out
         return out
 
+    async def fork_async(self, memory: str | None = None) -> Workspace:
+        """fork() from the event loop, through bunshinfork's AsyncSnapshot."""
+        out = (await self.fork_many_async(1, memory))[0]
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    async def fork_many_async(self, count: int, memory: str | None = None) -> list[Workspace | Exception]:
+        """`count` clones, each a Workspace or the Exception its fork failed with (Snapshot.fork)."""
+        return [r if isinstance(r, Exception) else r.workspace
+                for r in await AsyncSnapshot(self.snap).fork(count, memory)]
+
     @classmethod
     def take(cls, ws: Workspace, memory: str = "auto", incremental: bool = True) -> SharedSnapshot:
         """Capture `ws`; its forks use the memory engine chosen here. An incremental state (the
         default) stores only what differs from the state `ws` was forked from, and that is
         what it costs the cache (Workspace.snapshot)."""
         return cls(ws.snapshot(memory, incremental=incremental))
+
+    @classmethod
+    async def take_async(cls, ws: Workspace, memory: str = "auto", incremental: bool = True) -> SharedSnapshot:
+        """take() from the event loop, through bunshinfork's AsyncWorkspace."""
+        return cls((await AsyncWorkspace(ws).snapshot(memory, incremental=incremental)).snapshot)
 
 
 class SnapshotBackend:
@@ -110,8 +139,8 @@ class SnapshotBackend:
     def size(self, payload: SharedSnapshot) -> int:
         return payload.bytes
 
-    def fork(self, payload: SharedSnapshot) -> Workspace:
-        return payload.fork()
+    async def fork(self, payload: SharedSnapshot) -> Workspace:
+        return await payload.fork_async()
 
     def release(self, payload: SharedSnapshot) -> None:
         payload.release()

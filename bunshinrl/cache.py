@@ -18,9 +18,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from bunshinfork import Workspace
+from bunshinfork import AsyncWorkspace, Workspace
 
-from ._async import run_blocking
+from ._async import call_sync_or_async, run_blocking
 from .backend import StateBackend
 from .guard import DeterminismGuard
 from .lru import AncestorLRU
@@ -328,7 +328,7 @@ class ToolPrefixCache:
         except ReplayDiverged:
             raise
         except BaseException:
-            await run_blocking(ws.destroy)
+            await AsyncWorkspace(ws).destroy()
             raise
         with self._lock:
             self.lru.touch(node)
@@ -359,13 +359,14 @@ class ToolPrefixCache:
             payload = src.payload
         try:
             t0 = time.monotonic()
-            ws = await run_blocking(self.backend.fork, payload)
+            ws = await call_sync_or_async(self.backend.fork, payload)
             with self._lock:
                 self.fork_seconds = _ewma(self.fork_seconds, time.monotonic() - t0)
                 self.counters["forks"] += 1
             return ws
         finally:
             if temp is not None:
+                # StateBackend.release is synchronous (the cache's eviction calls it under its lock).
                 await run_blocking(self.backend.release, temp)
             else:
                 self._unpin(src)

@@ -33,9 +33,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from bunshinfork import Workspace, rootfs_digest
+from bunshinfork import AsyncWorkspace, Workspace, rootfs_digest
 
-from ._async import run_blocking
+from ._async import call_sync_or_async, run_blocking
 from .backend import SharedSnapshot
 from .cache import ReplayDiverged, ToolPrefixCache
 from .guard import DeterminismGuard
@@ -144,10 +144,10 @@ class RolloutCore:
         return template_digest(await asyncio.wrap_future(fut), task.fingerprint)
 
     async def _initial_snapshot(self, task: Task) -> SharedSnapshot:
-        ws = self.workspaces.add(await run_blocking(Workspace.create, **task.spec))
+        ws = self.workspaces.add((await AsyncWorkspace.create(**task.spec)).workspace)
         try:
-            await run_blocking(task.setup, ws)
-            return await run_blocking(SharedSnapshot.take, ws, self.memory)
+            await call_sync_or_async(task.setup, ws)
+            return await SharedSnapshot.take_async(ws, self.memory)
         finally:
             await self._destroy(ws)
 
@@ -193,13 +193,13 @@ class RolloutCore:
         else:
             snap = await self._initial_snapshot(task)
             try:
-                clones = await run_blocking(snap.snap.fork, len(contexts))
+                clones = await snap.fork_many_async(len(contexts))
             finally:
-                await run_blocking(snap.release)
+                await snap.release_async()
             if any(isinstance(c, Exception) for c in clones):
                 for c in clones:
                     if isinstance(c, Workspace):
-                        await run_blocking(c.destroy)
+                        await AsyncWorkspace(c).destroy()
                 raise next(c for c in clones if isinstance(c, Exception))
             out = [Rollout(self, task, c, tl, origin, None, self.workspaces.add(w))  # type: ignore[arg-type]
                    for c, tl, w in zip(contexts, timelines, clones, strict=True)]
@@ -235,7 +235,7 @@ class RolloutCore:
                     except BaseException as e:
                         g.snapshot.set_exception(e)
                 snap = await asyncio.wrap_future(g.snapshot)
-                ws = self.workspaces.add(await run_blocking(snap.fork))
+                ws = self.workspaces.add(await snap.fork_async())
             except BaseException:
                 self._leave(key)
                 raise
@@ -254,7 +254,7 @@ class RolloutCore:
                 return
             del self._groups[key]
         if g.snapshot.done() and g.snapshot.exception() is None:
-            self._background(run_blocking(g.snapshot.result().release))
+            self._background(g.snapshot.result().release_async())
 
     # ---- what every rollout reports back ----
 
@@ -295,7 +295,7 @@ class RolloutCore:
 
     async def _destroy(self, ws: Workspace) -> None:
         self.workspaces.discard(ws)
-        await run_blocking(ws.destroy)
+        await AsyncWorkspace(ws).destroy()
 
     async def drain(self) -> None:
         """Wait for every background capture, teardown and persist."""
@@ -415,7 +415,7 @@ class Rollout:
 
     async def _note_fork(self, ws: Workspace) -> None:
         if self.forked_from is None:
-            self.forked_from = (await run_blocking(ws.info)).parent
+            self.forked_from = (await AsyncWorkspace(ws).info()).parent
 
     # ---- one step ----
 
@@ -579,7 +579,7 @@ class Rollout:
     async def _post_call(self, ws: Workspace, capture: Node | None, chain: list[ToolCall]) -> Live | Speculating:
         core = self.core
         try:
-            snap = await run_blocking(SharedSnapshot.take, ws, core.memory)
+            snap = await SharedSnapshot.take_async(ws, core.memory)
         except Exception as e:
             self.timeline.errors.append(f"capture failed: {e!r}")
             if capture is not None and core.cache is not None:
@@ -599,7 +599,7 @@ class Rollout:
                 return Speculating(branch)
             return Live(ws)
         finally:
-            await run_blocking(snap.release)
+            await snap.release_async()
 
     async def _adopt(self, call: ToolCall, hit: SpecHit) -> None:
         """The sample moves to the speculative state; the cache learns the call like a real one."""

@@ -18,9 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bunshinfork import Workspace
+from bunshinfork import AsyncWorkspace, Workspace
 
-from ._async import run_blocking
 from .backend import SharedSnapshot
 from .guard import DeterminismGuard
 from .metrics import WorkspaceRegistry
@@ -105,7 +104,7 @@ class SpeculativeBranch:
             if j < len(self._checkpoints) and not self._aborted:
                 # The rollback point should the policy take this call and then deviate.
                 try:
-                    cp = await run_blocking(SharedSnapshot.take, ws, self._memory)
+                    cp = await SharedSnapshot.take_async(ws, self._memory)
                 except BaseException as e:
                     self._fail_from(j, e)
                     if isinstance(e, asyncio.CancelledError):
@@ -208,16 +207,16 @@ class SpeculativeBranch:
                 return self._take_live()
             raise
         self._kill_live()
-        return await run_blocking(cp.fork)
+        return await cp.fork_async()
 
     async def _take_rollback(self) -> Workspace:
         assert self._snap is not None
-        return await run_blocking(self._snap.fork)
+        return await self._snap.fork_async()
 
     async def _release_snapshot(self) -> None:
         snap, self._snap = self._snap, None
         if snap is not None:
-            await run_blocking(snap.release)
+            await snap.release_async()
 
     def _take_live(self) -> Workspace:
         ws, self._live = self._live, None
@@ -234,7 +233,7 @@ class SpeculativeBranch:
 
     async def _destroy(self, ws: Workspace) -> None:
         try:
-            await run_blocking(ws.destroy)
+            await AsyncWorkspace(ws).destroy()
         finally:
             self._owner.workspaces.discard(ws)
 
@@ -314,7 +313,7 @@ class Speculator:
         if not calls:
             raise ValueError("nothing to speculate")
         _check_isolated(ws)
-        snap = snapshot.acquire() if snapshot is not None else await run_blocking(SharedSnapshot.take, ws, self.memory)
+        snap = snapshot.acquire() if snapshot is not None else await SharedSnapshot.take_async(ws, self.memory)
         self.stats["launched"] += 1
         return SpeculativeBranch(self, ws, snap, calls, tools)
 

@@ -13,11 +13,13 @@ malformed call (INVALID_TOOL, which touches nothing).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
+import inspect
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +58,8 @@ def _verdict(out: Verdict | float) -> Verdict:
 @dataclass(eq=False)
 class Task:
     """id: names the task (cached prefixes are keyed by it); prompt: what the agent is asked;
-    tools: what it may call; setup: run once on a fresh workspace created from `spec`;
+    tools: what it may call; setup: run once on a fresh workspace created from `spec` (a sync
+    function, or a coroutine function awaited on the event loop);
     verify: the reward, (score, detail) or a bare score, from a workspace's state.
 
     fingerprint must change whenever setup would build a different state; together with the
@@ -70,7 +73,7 @@ class Task:
     id: str
     prompt: str
     tools: Sequence[Tool] | ToolSet
-    setup: Callable[[Workspace], None]
+    setup: Callable[[Workspace], Awaitable[None] | None]
     verify: Verifier | None = None
     spec: dict[str, Any] = field(default_factory=dict)
     fingerprint: str = ""
@@ -105,13 +108,13 @@ class Task:
             return self
         return dataclasses.replace(self, spec={**self.spec, **spec})
 
-    # ---- synchronous helpers (scripts, tests) ----
+    # ---- synchronous helpers (scripts, tests; async tools and setups run on a loop of their own) ----
 
     def create(self) -> Workspace:
         """A fresh workspace in the task's initial state; the caller destroys it."""
         ws = Workspace.create(**self.spec)
         try:
-            self.setup(ws)
+            _finish(self.setup(ws))
         except BaseException:
             ws.destroy()
             raise
@@ -119,9 +122,9 @@ class Task:
 
     def call(self, ws: Workspace, tool: str, **args: Any) -> str:
         """Run one of the agent's tools on `ws`, from synchronous code."""
-        out = self.engine_tools[tool].execute(ws, args)
+        out = _finish(self.engine_tools[tool].execute(ws, args))
         if not isinstance(out, str):
-            raise TypeError(f"{tool} is asynchronous; await task.engine_tools[{tool!r}].run(ws, args)")
+            raise TypeError(f"tool {tool!r} returned {type(out).__name__}, not an observation string")
         return out
 
     def score(self, ws: Workspace) -> Verdict:
@@ -154,3 +157,14 @@ def by_id(tasks: Sequence[Task]) -> dict[str, Task]:
 
 
 __all__ = ["INVALID_TOOL", "REWARD_TOOL", "Task", "Verdict", "Verifier", "by_id", "invalid_call", "parse_reward"]
+
+
+def _finish(out: Any) -> Any:
+    """The result of a sync callable, or of an async one run to completion from sync code."""
+    if not inspect.isawaitable(out):
+        return out
+
+    async def wait() -> Any:
+        return await out
+
+    return asyncio.run(wait())

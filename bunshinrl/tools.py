@@ -1,7 +1,9 @@
 """Tools: what a policy can call inside a workspace.
 
 One shape everywhere: an OpenAI function schema (name, description, JSON-Schema parameters)
-plus a callable `execute(ws, args) -> str`. The engine runs the callable; every serving stack
+plus a callable `execute(ws, args) -> str`: a sync function (run on a worker thread, since it may
+block on the workspace) or a coroutine function (awaited on the event loop; wrap the workspace
+in bunshinfork's AsyncWorkspace to run its commands there). The engine runs the callable; every serving stack
 that parses tool calls (vLLM, the OpenAI API, verl's tool config, SkyRL's prompts) reads the
 schema. Names starting with `__` are the harness's own (the task's verifier, the answer to a
 malformed call): the engine runs them, but they are never offered to a model.
@@ -15,9 +17,9 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from bunshinfork import Workspace
+from bunshinfork import AsyncWorkspace, Workspace
 
-from ._async import run_blocking
+from ._async import call_sync_or_async
 
 Execute = Callable[[Workspace, dict[str, Any]], "str | Awaitable[str]"]
 
@@ -105,13 +107,7 @@ class Tool:
         return None
 
     async def run(self, ws: Workspace, args: Mapping[str, Any]) -> str:
-        if inspect.iscoroutinefunction(self.execute):
-            out = await self.execute(ws, dict(args))
-        else:
-            # A sync tool blocks on the workspace (a command, a file read): keep it off the loop.
-            out = await run_blocking(self.execute, ws, dict(args))
-            if inspect.isawaitable(out):
-                out = await out
+        out = await call_sync_or_async(self.execute, ws, dict(args))
         if not isinstance(out, str):
             raise TypeError(f"tool {self.name!r} returned {type(out).__name__}, not an observation string")
         return out
@@ -184,8 +180,9 @@ def shell_tool(name: str, command: Callable[[dict[str, Any]], str], *, timeout: 
                parameters: Mapping[str, Any] | None = None) -> Tool:
     """A tool that runs the shell command `command(args)` and observes its output."""
 
-    def execute(ws: Workspace, args: dict[str, Any]) -> str:
-        r = ws.commands.run(command(args), timeout=timeout)
+    async def execute(ws: Workspace, args: dict[str, Any]) -> str:
+        # On the event loop: the command streams over the init's socket, no thread per call.
+        r = await AsyncWorkspace(ws).commands.run(command(args), timeout=timeout)
         return command_observation(r.stdout, r.stderr, r.exit_code)  # type: ignore[union-attr]
 
     return Tool(name, execute, deterministic, description, dict(parameters or OPEN_OBJECT))

@@ -15,6 +15,10 @@ final workspace state as the step's reward.
 step() is synchronous (SkyRL runs it inline or on its env executor): it waits on the runtime's
 one loop thread, where every rollout, capture and speculative chain of the process runs, so a
 predicted call keeps running there while SkyRL's model generates. No thread is spawned per call.
+This is bunshinrl's one bridge from synchronous code, and it is SkyRL's API that needs it: its
+generator calls `env.step()` synchronously and expects the observation as the return value, so
+the step must block its caller while the rollout's asyncio work (AsyncWorkspace commands, forks)
+runs on the loop thread. verl's tool and agent loop are async and await the core directly.
 """
 
 from __future__ import annotations
