@@ -11,6 +11,10 @@ import os
 # tests import skyrl_gym and verl, which import numpy): BLAS stays single-threaded, or OpenBLAS's
 # fork handler can deadlock under concurrent workspace forks.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# Ray (the cluster tests' local cluster, and what verl imports) keeps to loopback and reports no
+# usage: read when ray is first imported, so set before any test module imports it.
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import time
 from collections.abc import Iterator
 from pathlib import Path
