@@ -11,7 +11,6 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-import cloudpickle  # Ray's own dependency
 import pytest
 import ray
 import rl_support
@@ -31,9 +30,10 @@ from bunshinrl import (
 from bunshinrl.cluster import ClusterEngine, RayWorkspacePool, Replication
 from bunshinrl.policy import Action
 
-# Tasks and policies travel to the host actors by value: Ray's workers cannot import tests/.
-cloudpickle.register_pickle_by_value(rl_support)
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
+# Tasks and policies travel to the host actors by value (Ray's own cloudpickle): Ray's workers
+# cannot import tests/.
+ray.cloudpickle.register_pickle_by_value(rl_support)
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 HOSTS = ("ta", "tb")
 C = ToolCall
