@@ -125,7 +125,7 @@ def test_pool_hosts_are_separate_bunshin_hosts_with_the_sdk(pool: RayWorkspacePo
 def test_cache_operations_remotely(pool: RayWorkspacePool) -> None:
     t = task("cops")
     a = pool.actor("ta")
-    ray.get(a.register.remote([t]))
+    ray.get([pool.actor(h).register.remote([t]) for h in HOSTS])
     assert ray.get(a.lookup.remote(t.id, [])) == -1
     ws, depth = ray.get(a.materialise.remote(t.id, COMMON))  # creates the root state: depth 0
     assert depth == 0 and ray.get(a.lookup.remote(t.id, [])) == 0

@@ -56,6 +56,7 @@ class WorkspaceHost:
         self.snapshots: dict[str, Snapshot] = {}
         self.rollouts: dict[str, Rollout] = {}
         self.imported: dict[str, SharedSnapshot] = {}  # replicated roots, by snapshot id
+        self.roots: dict[str, SharedSnapshot] = {}  # the cache's root states asked for (export)
         self.counters = {"imported_bytes": 0, "exported_bytes": 0}
 
     async def ping(self) -> dict[str, Any]:
@@ -146,7 +147,7 @@ class WorkspaceHost:
     def _snapshot(self, snap_id: str) -> Snapshot:
         if snap_id in self.snapshots:
             return self.snapshots[snap_id]
-        return self.imported[snap_id].snap
+        return (self.roots.get(snap_id) or self.imported[snap_id]).snap
 
     # ---- the prefix cache's shard ----
 
@@ -172,9 +173,10 @@ class WorkspaceHost:
     async def root_snapshot(self, task_id: str) -> str | None:
         """The id of the snapshot of the task's initialized workspace this shard holds, if resident."""
         node = self.cache.root(task_id, await self.core.digest(self.tasks[task_id]))
-        if node is None or not node.resident:
+        if node is None or not node.resident or not isinstance(node.payload, SharedSnapshot):
             return None
-        return node.payload.snap.id if isinstance(node.payload, SharedSnapshot) else None
+        self.roots[node.payload.snap.id] = node.payload
+        return node.payload.snap.id
 
     async def adopt_root(self, task_id: str, snap_id: str) -> None:
         """Make an imported snapshot the task's root state here (a replicated hot prefix)."""
