@@ -164,7 +164,7 @@ def qgroups() -> set[str]:
 
 def ksm_boost_holders() -> set[str]:
     try:
-        return set(json.loads((state.RUN_ROOT / ksm.BOOST_FILE).read_text()).get("holders", {}))
+        return set(json.loads(ksm.BOOST_PATH.read_text()).get("holders", {}))
     except (FileNotFoundError, ValueError):
         return set()
 

@@ -25,9 +25,10 @@ from typing import Any, TypeVar
 
 from . import native
 from .errors import PrivilegeError
+from .host import HOST
 from .spec import WorkspaceSpec
 
-RUN_ROOT = Path(os.environ.get("BUNSHIN_RUN_ROOT", "/run/bunshin"))
+RUN_ROOT = HOST.run_root
 SNAPSHOTS = "snapshots"
 # In the state directory of a workspace or snapshot being released, or of a released snapshot
 # kept only for the images that still read its pages: it owns nothing any more. One marker for

@@ -137,7 +137,7 @@ if [ ! -f "$stamp" ] || [ "$here/pyproject.toml" -nt "$stamp" ] || [ "$here/scri
    || [ -n "$(find "$here/csrc" "$here/kernel/bunshin_uapi.h" -newer "$stamp" -print -quit)" ]; then
   log "installing bunshin into $venv"
   "$venv/bin/pip" install -q --upgrade pip >/dev/null 2>&1
-  quiet_pip "$venv/bin/pip" install -q -c "$constraints" -e "$here[dev,rl,llm,frameworks]"
+  quiet_pip "$venv/bin/pip" install -q -c "$constraints" -e "$here[dev,rl,llm,frameworks,ray]"
   "$venv/bin/python" -c "import bunshinfork._native"
   # pycriu ships no packaging of its own: link the generated sources into the venv.
   site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

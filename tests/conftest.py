@@ -4,12 +4,17 @@ before, and the layer store's loop device is the one it had."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 # As bunshinrl's README asks of a process that imports numpy before bunshinrl (the framework
 # tests import skyrl_gym and verl, which import numpy): BLAS stays single-threaded, or OpenBLAS's
 # fork handler can deadlock under concurrent workspace forks.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# Ray (the cluster tests' local cluster, and what verl imports) keeps to loopback and reports no
+# usage: read when ray is first imported, so set before any test module imports it.
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +25,7 @@ from bunshinfork import census, state
 from bunshinfork.cgroups import leftover_cgroups
 from bunshinfork.fs import btrfs as storage
 from bunshinfork.fs import layers, store
+from bunshinfork.host import HOSTS_RUN_ROOT, named_hosts
 from bunshinfork.memory import ksm
 from bunshinfork.workspace import Workspace
 
@@ -27,30 +33,52 @@ BTRFS_IMAGE = "/var/tmp/bunshin-test-btrfs.img"
 BTRFS_MOUNT = "/var/tmp/bunshin-test-btrfs"
 
 
-def _layers() -> set[str]:
-    """Workspaces' layers and frozen layers in the default storage roots (the layer store, and
-    the state root's tmpfs where layers fall back)."""
-    out = set()
-    for root in (store.STORE, state.RUN_ROOT / "layers" / "ws"):
-        for d in (root, root / layers.SNAPSHOTS):
-            if d.is_dir():
-                out |= {str(d / n) for n in os.listdir(d) if n != layers.SNAPSHOTS and not _held(d, n)}
+def _ws_dirs() -> set[str]:
+    """This host's workspace records, and those of every named host on the machine (the nodes of
+    a local pool, bunshinrl.cluster)."""
+    out = census.ws_dirs()
+    for h in named_hosts():
+        with contextlib.suppress(FileNotFoundError):
+            out |= {str(h.run_root / n) for n in os.listdir(h.run_root) if n.startswith("ws-")}
     return out
 
 
-def _held(d: Path, name: str) -> bool:
+def _cgroups() -> set[str]:
+    return set(leftover_cgroups()) | {d for h in named_hosts() for d in leftover_cgroups(parent=h.cgroup_parent)}
+
+
+def _host_roots() -> set[str]:
+    return set(os.listdir(HOSTS_RUN_ROOT)) if HOSTS_RUN_ROOT.is_dir() else set()
+
+
+def _layers() -> set[str]:
+    """Workspaces' layers and frozen layers in the default storage roots (the layer store, and
+    the state root's tmpfs where layers fall back), this host's and every named host's."""
+    out = set()
+    hosts = [(store.STORE, state.RUN_ROOT)] + [(h.layer_store, h.run_root) for h in named_hosts()]
+    for layer_store, run_root in hosts:
+        for root in (layer_store, run_root / "layers" / "ws"):
+            for d in (root, root / layers.SNAPSHOTS):
+                if d.is_dir():
+                    out |= {str(d / n) for n in os.listdir(d)
+                            if n != layers.SNAPSHOTS and not _held(d, n, run_root / state.SNAPSHOTS)}
+    return out
+
+
+def _held(d: Path, name: str, snapshots: Path) -> bool:
     """A frozen layer of a snapshot that is still retained belongs to that snapshot, not to the
     test that happened to take it first (a session fixture's, a process-wide prefix cache's), as
     its images do; it must go when the snapshot is released, which the release tests check."""
-    snap = state.snapshots_root() / name
+    snap = snapshots / name
     return d.name == layers.SNAPSHOTS and (snap / "snapshot.json").is_file() and not (snap / state.RELEASED).exists()
 
 
 def snapshot() -> dict[str, set]:
     return {
         "mounts": census.mounts(),
-        "cgroups": set(leftover_cgroups()),
-        "state dirs": census.ws_dirs(),
+        "cgroups": _cgroups(),
+        "state dirs": _ws_dirs(),
+        "named hosts' state roots": _host_roots(),
         "init processes": census.init_processes(),
         "interfaces": census.interfaces(),
         "layers": _layers(),
@@ -95,7 +123,7 @@ def ksm_knobs_restored() -> Iterator[None]:
     ksm.tuner.relax_now()
     after = ksm.knobs()
     assert after == before, f"ksmd knobs left changed: {before} -> {after}"
-    assert not (state.RUN_ROOT / ksm.BOOST_FILE).exists()
+    assert not ksm.BOOST_PATH.exists()
 
 
 @pytest.fixture

@@ -5,27 +5,32 @@ configuration on the coding task (real gcc/make in a real workspace, under the l
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-from agent_policy import (
-    DEFAULT_LATENCY,
-    AgentConfig,
-    LatencyModel,
-    Server,
-    StochasticAgent,
-    coding_candidates,
-    shop_candidates,
-)
-
 from bunshinrl import RolloutEngine
 from bunshinrl.envs import coding
 from bunshinrl.policy import FinalAnswer, SampleContext, Step
 from bunshinrl.signature import ToolCall
+
+# Loaded by its path: putting benchmarks/ on sys.path would shadow the tests' own `workloads`
+# package with benchmarks/workloads.py for every test module collected after this one.
+_spec = importlib.util.spec_from_file_location(
+    "agent_policy", Path(__file__).resolve().parent.parent / "benchmarks" / "agent_policy.py")
+assert _spec is not None and _spec.loader is not None
+agent_policy = sys.modules["agent_policy"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(agent_policy)
+DEFAULT_LATENCY = agent_policy.DEFAULT_LATENCY
+AgentConfig = agent_policy.AgentConfig
+LatencyModel = agent_policy.LatencyModel
+Server = agent_policy.Server
+StochasticAgent = agent_policy.StochasticAgent
+coding_candidates = agent_policy.coding_candidates
+shop_candidates = agent_policy.shop_candidates
+
 
 
 def test_latency_model_arithmetic() -> None:

@@ -13,7 +13,6 @@ from helpers import wait_for
 
 from bunshinfork import workspace
 from bunshinfork.memory import ksm
-from bunshinfork.state import RUN_ROOT
 
 pytestmark = pytest.mark.skipif(not ksm.available(), reason="kernel without KSM")
 
@@ -36,7 +35,7 @@ def marked_knobs() -> Iterator[None]:
     """Distinctive knob values, so a restore is told apart from ksmd's defaults."""
     ksm.tuner.relax_now()
     ksm.reconcile()
-    assert not ksm.tuner.boosted() and not (RUN_ROOT / ksm.BOOST_FILE).exists()
+    assert not ksm.tuner.boosted() and not ksm.BOOST_PATH.exists()
     original = ksm.knobs()
     ksm.set_knobs(MARK)
     yield
@@ -57,7 +56,7 @@ def test_exit_restores_knobs(marked_knobs: None) -> None:
     proc = child("exit")
     assert proc.wait(timeout=30) == 0
     assert ksm.knobs() == MARK
-    assert not (RUN_ROOT / ksm.BOOST_FILE).exists()
+    assert not ksm.BOOST_PATH.exists()
 
 
 def test_last_holder_restores(marked_knobs: None) -> None:
@@ -74,7 +73,7 @@ def test_last_holder_restores(marked_knobs: None) -> None:
     # gc (`bunshin gc`) is the documented sweep after crashes.
     workspace.gc()
     assert ksm.knobs() == MARK
-    assert not (RUN_ROOT / ksm.BOOST_FILE).exists()
+    assert not ksm.BOOST_PATH.exists()
 
 
 def test_in_process_boost_then_relax(marked_knobs: None) -> None:

@@ -23,10 +23,11 @@ from pathlib import Path
 
 from .. import native
 from ..errors import CgroupError
+from ..host import HOST
 from ..state import CgroupState
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-PARENT = "bunshin"
+PARENT = HOST.cgroup_parent
 V1_CONTROLLERS = ("memory", "pids")
 UNIFIED = "unified"  # where systemd's hybrid layout mounts the cgroup2 hierarchy under CGROUP_ROOT
 
@@ -256,11 +257,13 @@ def _mount_point(path: Path) -> Path:
     raise CgroupError(f"cgroup {path} is on no cgroup mount")
 
 
-def leftover_cgroups(root: Path = CGROUP_ROOT) -> list[str]:
-    """Every workspace cgroup directory currently present (used by gc and the leak checks)."""
+def leftover_cgroups(root: Path = CGROUP_ROOT, parent: str | None = None) -> list[str]:
+    """Every workspace cgroup directory currently present under this host's parent, or
+    `parent` (another host's; used by gc and the leak checks)."""
     out: list[str] = []
-    candidates = [root / PARENT] if _is_cgroup2(root) else [root / c / PARENT for c in V1_CONTROLLERS]
-    candidates.append(root / UNIFIED / PARENT)
+    p = parent or PARENT
+    candidates = [root / p] if _is_cgroup2(root) else [root / c / p for c in V1_CONTROLLERS]
+    candidates.append(root / UNIFIED / p)
     for parent in candidates:
         with contextlib.suppress(FileNotFoundError):
             out.extend(str(parent / n) for n in sorted(os.listdir(parent)) if (parent / n).is_dir())

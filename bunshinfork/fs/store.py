@@ -21,9 +21,10 @@ from pathlib import Path
 from .. import state
 from ..contract import Check
 from ..errors import KernelFeatureError
+from ..host import HOST
 from . import btrfs
 
-STORE = Path(os.environ.get("BUNSHIN_LAYERS", "/var/lib/bunshin/layers"))
+STORE = HOST.layer_store
 IMAGE = STORE.with_name(STORE.name + ".img")
 DEFAULT_SIZE = 32 << 30
 # statfs magics of file systems an image must not be looped from: a second kernel's view of

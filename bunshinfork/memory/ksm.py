@@ -25,7 +25,10 @@ from .. import native, state
 KSM = Path("/sys/kernel/mm/ksm")
 BOOST = {"run": "1", "pages_to_scan": "4000", "sleep_millisecs": "5"}
 KNOBS = ("pages_to_scan", "sleep_millisecs", "run")  # written in this order: run last
-BOOST_FILE = "ksm-boost.json"
+# ksmd's knobs are the machine's, whichever bunshin host (state root) boosts them, so the boost
+# record and its lock are the machine's too: a host of a local pool that boosts and dies is then
+# pruned by any other host, and the knobs come back.
+BOOST_PATH = Path("/run/bunshin-ksm/boost.json")
 IDLE_AFTER = 5.0
 
 
@@ -198,7 +201,7 @@ class _Tuner:
 
 def prune() -> list[int]:
     """Drop holders that died without leaving, restoring the knobs when none is left; returns their pids."""
-    if not available() or not (state.RUN_ROOT / BOOST_FILE).exists():
+    if not available() or not BOOST_PATH.exists():
         return []
     with _shared() as record:
         listed = set(record["holders"])
@@ -208,16 +211,15 @@ def prune() -> list[int]:
 def reconcile() -> bool:
     """prune(); returns whether ksmd is still boosted by a live process."""
     prune()
-    return (state.RUN_ROOT / BOOST_FILE).exists()
+    return BOOST_PATH.exists()
 
 
 @contextlib.contextmanager
 def _shared() -> Iterator[dict[str, Any]]:
     """The boost record under a host-wide lock; on the way out, dead holders are pruned and the
     saved knobs restored (and the record removed) once no holder is left."""
-    root = state.run_root()
-    path = root / BOOST_FILE
-    with state.lock("ksm-boost"):
+    path = BOOST_PATH
+    with state.lock("ksm-boost", root=path.parent):
         try:
             record = json.loads(path.read_text())
         except (FileNotFoundError, ValueError):

@@ -30,12 +30,11 @@ from pyroute2 import IPRoute, NetlinkError
 
 from .. import state
 from ..errors import NetworkError
+from ..host import DEFAULT_SUBNET, HOST, SUBNET_ENV
 from ..state import NetworkState
 from .nat import NAT_FAMILY, NAT_TABLE, ensure_nat, nft_available, remove_nat
 
-BRIDGE = "bunshin0"
-DEFAULT_SUBNET = "10.213.0.0/16"
-SUBNET_ENV = "BUNSHIN_SUBNET"
+BRIDGE = HOST.bridge
 WS_IFNAME = "eth0"
 HOST_IF_PREFIX = "bn"
 _HOST_IF = re.compile(r"^bn[0-9a-f]{10}$")

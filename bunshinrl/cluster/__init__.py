@@ -1,0 +1,16 @@
+"""Many hosts: a Ray-backed workspace pool with prefix-affinity routing (the `ray` extra).
+
+    import ray
+    from bunshinrl.cluster import ClusterEngine, RayWorkspacePool
+
+    ray.init(address="auto")                 # nodes started with --resources '{"bunshin-host-a": 1}'
+    with RayWorkspacePool() as pool:         # one WorkspaceHost actor per bunshin host
+        result = asyncio.run(ClusterEngine(policy, pool).run_epoch(tasks, group_size=8))
+"""
+
+from .engine import ClusterEngine, ClusterStats, Placement
+from .host import WorkspaceHost
+from .pool import RESOURCE_PREFIX, RayWorkspacePool, Replication, discover, host_resources
+
+__all__ = ["RESOURCE_PREFIX", "ClusterEngine", "ClusterStats", "Placement", "RayWorkspacePool", "Replication",
+           "WorkspaceHost", "discover", "host_resources"]

@@ -1,0 +1,341 @@
+"""One bunshin host of a pool: the body of its Ray actor.
+
+A WorkspaceHost runs in a Ray worker process placed on its node by the node's custom resource
+(pool.py), made that host by its environment (bunshinfork.host.HostConfig.env(), set through
+the actor's runtime_env before bunshinfork is imported). It owns the host's workspaces, its
+snapshots and its shard of the prefix cache, and serves three kinds of remote calls:
+
+    the SDK's     create, run, write_file, read_file, snapshot, fork, destroy, release
+    the cache's   lookup (how deep a prefix it holds), materialise, record
+    the core's    start_group / start / call / finish / close: a Rollout stepped remotely
+
+Workspaces and snapshots are named by their ids across the wire; nothing of bunshinfork's
+own objects leaves the process. Every method is a coroutine, so the actor is an asyncio actor
+and samples interleave as they do in RolloutEngine; blocking SDK work runs in threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import secrets
+import shutil
+import tarfile
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bunshinfork import Snapshot, Workspace, native, pipeline, state
+from bunshinfork.cgroups import cgroup
+from bunshinfork.host import DEFAULT_RUN_ROOT, HOST, HostConfig
+
+from .._async import run_blocking
+from ..backend import SharedSnapshot, SnapshotBackend
+from ..cache import ToolPrefixCache
+from ..core import Rollout, RolloutCore
+from ..policy import SampleContext, Step
+from ..signature import ToolCall
+from ..task import Task
+from ..timeline import SampleTimeline
+
+
+class WorkspaceHost:
+    def __init__(self, name: str, cache_bytes: int = 1 << 30, memory: str = "auto") -> None:
+        expected = HostConfig.named(name)
+        if expected != HOST:
+            raise RuntimeError(f"host {name}: this process is {HOST}, not {expected}; start it with "
+                               "runtime_env={'env_vars': HostConfig.named(name).env()}")
+        self.name = name
+        state.run_root()
+        self.cache = ToolPrefixCache(SnapshotBackend(), cache_bytes)
+        self.core = RolloutCore(cache=self.cache, memory=memory)
+        self.tasks: dict[str, Task] = {}
+        self.workspaces: dict[str, Workspace] = {}
+        self.snapshots: dict[str, Snapshot] = {}
+        self.rollouts: dict[str, Rollout] = {}
+        self.imported: dict[str, SharedSnapshot] = {}  # replicated roots, by snapshot id
+        self.roots: dict[str, SharedSnapshot] = {}  # the cache's root states asked for (export)
+        self.counters = {"imported_bytes": 0, "exported_bytes": 0}
+
+    async def ping(self) -> dict[str, Any]:
+        return {"name": self.name, "pid": os.getpid(), "run_root": str(HOST.run_root),
+                "cgroup_parent": HOST.cgroup_parent, "bridge": HOST.bridge, "layer_store": str(HOST.layer_store)}
+
+    # ---- the SDK ----
+
+    async def create(self, **spec: Any) -> str:
+        ws = await run_blocking(Workspace.create, **spec)
+        self.workspaces[ws.id] = ws
+        return ws.id
+
+    async def run(self, ws_id: str, cmd: str, timeout: float = 60) -> tuple[int, str, str]:
+        r = await run_blocking(self.workspaces[ws_id].commands.run, cmd, timeout=timeout)
+        return r.exit_code, r.stdout, r.stderr  # type: ignore[union-attr]
+
+    async def write_file(self, ws_id: str, path: str, data: str | bytes) -> None:
+        await run_blocking(self.workspaces[ws_id].files.write, path, data)
+
+    async def read_file(self, ws_id: str, path: str) -> str:
+        return await run_blocking(self.workspaces[ws_id].files.read, path)
+
+    async def snapshot(self, ws_id: str) -> str:
+        snap = await run_blocking(self.workspaces[ws_id].snapshot)
+        self.snapshots[snap.id] = snap
+        return snap.id
+
+    async def fork(self, snap_id: str, count: int = 1) -> list[str]:
+        out = await run_blocking(self.snapshots[snap_id].fork, count)
+        errors = [c for c in out if isinstance(c, Exception)]
+        for c in out:
+            if isinstance(c, Workspace):
+                if errors:
+                    await run_blocking(c.destroy)
+                else:
+                    self.workspaces[c.id] = c
+        if errors:
+            raise errors[0]
+        return [c.id for c in out]  # type: ignore[union-attr]
+
+    async def destroy(self, ws_id: str) -> None:
+        await run_blocking(self.workspaces.pop(ws_id).destroy)
+
+    async def release(self, snap_id: str) -> None:
+        await run_blocking(self.snapshots.pop(snap_id).release)
+
+    # ---- snapshots between hosts (replication) ----
+
+    async def export_snapshot(self, snap_id: str, shared_dir: str | None = None) -> bytes | str:
+        """A saved copy of a snapshot (Snapshot.save): the bytes of its tar, for Ray's object
+        store, or, with shared_dir, a directory there that every host can read."""
+        snap = self._snapshot(snap_id)
+        if shared_dir is not None:
+            dest = Path(shared_dir) / f"{snap_id}-{secrets.token_hex(4)}"
+            await run_blocking(lambda: snap.save(dest).result())
+            self.counters["exported_bytes"] += state.tree_bytes(dest)
+            return str(dest)
+        with tempfile.TemporaryDirectory(dir=state.run_root()) as tmp:
+            await run_blocking(lambda: snap.save(Path(tmp) / "s").result())
+            buf = io.BytesIO()
+            with tarfile.open(fileobj=buf, mode="w") as tar:
+                tar.add(Path(tmp) / "s", arcname="s")
+        data = buf.getvalue()
+        self.counters["exported_bytes"] += len(data)
+        return data
+
+    async def import_snapshot(self, saved: bytes | str) -> str:
+        """A snapshot saved by another host's export_snapshot, loaded here; returns its id here."""
+        if isinstance(saved, bytes):
+            dest = state.run_root() / f"import-{secrets.token_hex(6)}"
+            try:
+                with tarfile.open(fileobj=io.BytesIO(saved), mode="r") as tar:
+                    await run_blocking(tar.extractall, dest)  # written by a host actor of this pool
+                snap = await run_blocking(Snapshot.load, dest / "s")
+            except BaseException:
+                shutil.rmtree(dest, ignore_errors=True)
+                raise
+            self.counters["imported_bytes"] += len(saved)
+        else:
+            dest = Path(saved)
+            snap = await run_blocking(Snapshot.load, dest)
+            self.counters["imported_bytes"] += state.tree_bytes(dest)
+        shared = SharedSnapshot(snap, owned_dir=dest)
+        self.imported[snap.id] = shared
+        return snap.id
+
+    def _snapshot(self, snap_id: str) -> Snapshot:
+        if snap_id in self.snapshots:
+            return self.snapshots[snap_id]
+        return (self.roots.get(snap_id) or self.imported[snap_id]).snap
+
+    # ---- the prefix cache's shard ----
+
+    async def register(self, tasks: Sequence[Task]) -> None:
+        for t in tasks:
+            self.tasks[t.id] = t
+
+    async def lookup(self, task_id: str, calls: Sequence[ToolCall]) -> int:
+        """How many of `calls` this shard holds as a completed prefix of the task's tree: -1
+        without the task's root, 0 with only the root. Counts no hit (routing asks every host)."""
+        task = self.tasks[task_id]
+        node = self.cache.root(task_id, await self.core.digest(task))
+        if node is None:
+            return -1
+        depth = 0
+        for c in calls:
+            child = self.cache.tree.child(node, c)
+            if child is None or not child.done or child.result.exception() is not None:
+                break
+            node, depth = child, depth + 1
+        return depth
+
+    async def root_snapshot(self, task_id: str) -> str | None:
+        """The id of the snapshot of the task's initialized workspace this shard holds, if resident."""
+        node = self.cache.root(task_id, await self.core.digest(self.tasks[task_id]))
+        if node is None or not node.resident or not isinstance(node.payload, SharedSnapshot):
+            return None
+        self.roots[node.payload.snap.id] = node.payload
+        return node.payload.snap.id
+
+    async def adopt_root(self, task_id: str, snap_id: str) -> None:
+        """Make an imported snapshot the task's root state here (a replicated hot prefix)."""
+        shared = self.imported.pop(snap_id)
+        self.cache.add_root(task_id, await self.core.digest(self.tasks[task_id]), shared)
+
+    async def materialise(self, task_id: str, calls: Sequence[ToolCall]) -> tuple[str, int]:
+        """A new workspace in the state of the deepest prefix of `calls` held here, and its depth."""
+        task = self.tasks[task_id]
+        root = await self.core._root(task)
+        node, depth = root, 0
+        for c in calls:
+            child = self.cache.tree.child(node, c)
+            if child is None or not child.done:
+                break
+            node, depth = child, depth + 1
+        ws = await self.cache.materialize(node, task.engine_tools)
+        self.workspaces[ws.id] = ws
+        return ws.id, depth
+
+    async def record(self, task_id: str, calls: Sequence[ToolCall], observation: str, ws_id: str,
+                     exec_seconds: float = 0.0) -> bool:
+        """Record that `calls[-1]`, run after the prefix `calls[:-1]` (which must be held here),
+        observed `observation`, in the state workspace `ws_id` is in now. False when the shard
+        already had it."""
+        root = await self.core._root(self.tasks[task_id])
+        parent = root
+        for c in calls[:-1]:
+            child = self.cache.tree.child(parent, c)
+            if child is None or not child.done:
+                raise KeyError(f"{task_id}: the prefix {list(calls[:-1])} is not held on host {self.name}")
+            parent = child
+        node, mine = self.cache.begin(parent, calls[-1])
+        if not mine:
+            return False
+        if self.cache.complete(node, observation, exec_seconds):
+            self.cache.attach(node, await run_blocking(SharedSnapshot.take, self.workspaces[ws_id]))
+        return True
+
+    # ---- rollouts, stepped remotely ----
+
+    async def start_group(self, task_id: str, contexts: Sequence[SampleContext]) -> list[str]:
+        rollouts = await self.core.start_group(self.tasks[task_id], contexts)
+        return [self._keep(r) for r in rollouts]
+
+    async def start(self, task_id: str, ctx: SampleContext, replay: Sequence[Step] = ()) -> tuple[str, list[Step]]:
+        """One sample's rollout; `replay`: the steps it had taken on a host that died, issued
+        again here (the cache serves what this shard holds). Returns the steps as observed here."""
+        r = await self.core.start(self.tasks[task_id], ctx)
+        rid = self._keep(r)
+        for s in replay:
+            await r.call(s.call, s.decision)
+        return rid, list(r.history)
+
+    async def call(self, rid: str, call: ToolCall, decision: int) -> tuple[Step, int]:
+        """The step the call made, and how many calls the task's budget has left."""
+        r = self.rollouts[rid]
+        await r.call(call, decision)
+        return r.history[-1], r.calls_left
+
+    async def calls_left(self, rid: str) -> int:
+        return self.rollouts[rid].calls_left
+
+    async def finish(self, rid: str, answer: str | None) -> float | None:
+        r = self.rollouts[rid]
+        await r.finish(answer)
+        return r.reward
+
+    async def close(self, rid: str) -> tuple[SampleTimeline, list[str]]:
+        r = self.rollouts.pop(rid)
+        await r.close()
+        return r.timeline, list(r.served)
+
+    def _keep(self, r: Rollout) -> str:
+        rid = f"{self.name}/{secrets.token_hex(6)}"
+        self.rollouts[rid] = r
+        return rid
+
+    async def load(self) -> int:
+        """Open rollouts and workspaces: what least-loaded placement compares."""
+        return len(self.rollouts) + len(self.workspaces)
+
+    async def stats(self) -> dict[str, Any]:
+        return {**self.core.stats(), **self.counters}
+
+    # ---- teardown ----
+
+    async def gc(self) -> dict[str, list[str]]:
+        return await run_blocking(reap)
+
+    async def drain(self) -> None:
+        await self.core.drain()
+
+    async def shutdown(self) -> dict[str, list[str]]:
+        """Release everything this host holds, then gc what remains under its state root."""
+        for rid in list(self.rollouts):
+            with contextlib.suppress(Exception):
+                await self.close(rid)
+        await self.core.drain()
+        await run_blocking(self.cache.close)
+        for ws in self.workspaces.values():
+            with contextlib.suppress(Exception):
+                await run_blocking(ws.destroy)
+        for snap in self.snapshots.values():
+            with contextlib.suppress(Exception):
+                await run_blocking(snap.release)
+        for shared in self.imported.values():
+            with contextlib.suppress(Exception):
+                await run_blocking(shared.release)
+        self.workspaces.clear()
+        self.snapshots.clear()
+        self.imported.clear()
+        return await run_blocking(reap)
+
+    async def retire(self) -> dict[str, list[str]]:
+        """shutdown(), then remove the host itself (its state root's tmpfs, its cgroup parents)
+        when nothing of a workspace remains there: a pool's hosts leave the machine as they found it."""
+        out = await self.shutdown()
+        out["host"] = await run_blocking(remove_host_dirs)
+        return out
+
+
+def remove_host_dirs() -> list[str]:
+    root = HOST.run_root
+    if root == DEFAULT_RUN_ROOT or any(n.startswith("ws-") for n in os.listdir(root)):
+        return []
+    removed = []
+    for parent in cgroup_parents():
+        with contextlib.suppress(OSError):
+            os.rmdir(parent)
+            removed.append(str(parent))
+    if os.path.ismount(root):
+        native.umount2(str(root), native.MNT_DETACH)
+    shutil.rmtree(root, ignore_errors=True)
+    removed.append(str(root))
+    return removed
+
+
+def cgroup_parents() -> list[Path]:
+    base = cgroup.CGROUP_ROOT
+    ps = [base / cgroup.PARENT] if (base / "cgroup.controllers").exists() else \
+        [base / c / cgroup.PARENT for c in cgroup.V1_CONTROLLERS]
+    return [p for p in [*ps, base / cgroup.UNIFIED / cgroup.PARENT] if p.is_dir()]
+
+
+def reap() -> dict[str, list[str]]:
+    """Every workspace under this host's state root whose creator is gone (a host actor that
+    died) is destroyed, then bunshinfork's gc runs: on a named host, only its own state root,
+    cgroup parent, bridge and layer store are touched."""
+    destroyed = []
+    for ws_id in state.all_ids():
+        try:
+            rec = state.Record.load(ws_id)
+        except (OSError, ValueError, TypeError):
+            continue
+        if rec.status == "running" and not rec.creator_alive() and rec.creator_pid != os.getpid():
+            with contextlib.suppress(Exception):
+                Workspace.connect(ws_id).destroy()
+                destroyed.append(ws_id)
+    out = pipeline.gc()
+    out["reaped"] = destroyed
+    return out

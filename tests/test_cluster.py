@@ -1,0 +1,196 @@
+"""bunshinrl.cluster on a real local Ray cluster of two nodes, each its own bunshin host (state
+root, cgroup parent, bridge, layer store), with real workspaces: the SDK and cache operations
+remotely, per-host isolation, prefix-affinity routing, identical results to a single host,
+a host actor killed mid-epoch, gc of a dead host, and replication of a hot snapshot."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import ray
+import rl_support
+from cluster_support import local_cluster
+
+from bunshinfork.host import HostConfig, named_hosts
+from bunshinrl import (
+    FinalAnswer,
+    RolloutEngine,
+    SampleContext,
+    SnapshotBackend,
+    Step,
+    Task,
+    ToolCall,
+    ToolPrefixCache,
+)
+from bunshinrl.cluster import ClusterEngine, RayWorkspacePool, Replication
+from bunshinrl.policy import Action
+
+# Tasks and policies travel to the host actors by value (Ray's own cloudpickle): Ray's workers
+# cannot import tests/.
+ray.cloudpickle.register_pickle_by_value(rl_support)
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+HOSTS = ("ta", "tb")
+C = ToolCall
+COMMON = [C("touch", {"name": "a"}), C("bump", {"n": 1}), C("sleeper", {"id": 7})]
+SCRIPTS = {0: [*COMMON, C("bump", {"n": 2}), C("state")], 1: [*COMMON, C("touch", {"name": "z"}), C("state")],
+           2: [COMMON[0], C("bump", {"n": 5}), C("state")]}
+
+
+def _verify(ws) -> float:  # type: ignore[no-untyped-def]
+    out = ws.commands.run("curl -s http://127.0.0.1:9000/value", timeout=30).stdout.strip()
+    return float(out) / 10
+
+
+def task(task_id: str = "ct") -> Task:
+    return Task(task_id, "Bump the counter.", rl_support.tools(), rl_support.setup, verify=_verify,
+                fingerprint="cluster-test-counter-v1")
+
+
+class Scripted:
+    """Sample i emits SCRIPTS[i]; `pause` seconds per step (a model's think time)."""
+
+    def __init__(self, pause: float = 0.05) -> None:
+        self.pause = pause
+
+    async def act(self, ctx: SampleContext, history: Sequence[Step]) -> Action:
+        await asyncio.sleep(self.pause)
+        script = SCRIPTS[ctx.sample]
+        return script[len(history)] if len(history) < len(script) else FinalAnswer("done")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[object]:
+    with local_cluster(HOSTS) as c:
+        yield c
+
+
+@pytest.fixture
+def pool(cluster: object) -> Iterator[RayWorkspacePool]:
+    p = RayWorkspacePool(cache_bytes=512 << 20)
+    try:
+        yield p
+    finally:
+        out = p.shutdown()
+    assert set(out) == set(HOSTS)
+    assert not named_hosts(), "a pool host's state root outlived the pool"
+
+
+def _single_host(policy: Scripted, t: Task, epochs: int) -> list:
+    cache = ToolPrefixCache(SnapshotBackend(), 512 << 20)
+    engine = RolloutEngine(policy, cache=cache)
+    try:
+        return [asyncio.run(engine.run_epoch([t], 3, e)) for e in range(epochs)]
+    finally:
+        cache.close()
+
+
+def _rewards(result) -> dict[str, float | None]:  # type: ignore[no-untyped-def]
+    return {f"{s.task_id}/{s.sample}": s.reward for s in result.samples}
+
+
+def test_pool_hosts_are_separate_bunshin_hosts_with_the_sdk(pool: RayWorkspacePool) -> None:
+    assert sorted(pool.hosts) == sorted(HOSTS)
+    info = {h: ray.get(pool.actor(h).ping.remote()) for h in HOSTS}
+    for h in HOSTS:
+        cfg = HostConfig.named(h)
+        assert info[h]["run_root"] == str(cfg.run_root) and info[h]["cgroup_parent"] == cfg.cgroup_parent
+        assert info[h]["bridge"] == cfg.bridge and info[h]["layer_store"] == str(cfg.layer_store)
+    assert info["ta"]["pid"] != info["tb"]["pid"]
+    a, b = pool.actor("ta"), pool.actor("tb")
+    ws = ray.get(a.create.remote())
+    ray.get(a.write_file.remote(ws, "/root/x", "from ta"))
+    assert ray.get(a.run.remote(ws, "cat /root/x"))[:2] == (0, "from ta")
+    assert (HostConfig.named("ta").run_root / ws).is_dir() and not (HostConfig.named("tb").run_root / ws).exists()
+    assert not Path("/run/bunshin", ws).exists()  # not this (default) host's either
+    snap = ray.get(a.snapshot.remote(ws))
+    (clone,) = ray.get(a.fork.remote(snap, 1))
+    ray.get(a.write_file.remote(clone, "/root/x", "clone"))
+    assert ray.get(a.read_file.remote(ws, "/root/x")) == "from ta"
+    assert ray.get(a.read_file.remote(clone, "/root/x")) == "clone"
+    # gc on the other host touches nothing of this one's, although this one's creator is alive
+    # and that one's gc destroys every workspace whose creator is gone.
+    assert ray.get(b.gc.remote())["reaped"] == []
+    assert ray.get(a.run.remote(clone, "true"))[0] == 0
+    ray.get(a.destroy.remote(clone))
+    ray.get(a.destroy.remote(ws))
+    ray.get(a.release.remote(snap))
+
+
+def test_cache_operations_remotely(pool: RayWorkspacePool) -> None:
+    t = task("cops")
+    a = pool.actor("ta")
+    ray.get([pool.actor(h).register.remote([t]) for h in HOSTS])
+    assert ray.get(a.lookup.remote(t.id, [])) == -1
+    ws, depth = ray.get(a.materialise.remote(t.id, COMMON))  # creates the root state: depth 0
+    assert depth == 0 and ray.get(a.lookup.remote(t.id, [])) == 0
+    obs = ray.get(a.run.remote(ws, "mkdir -p /root/files && echo a > /root/files/a && ls /root/files"))[1]
+    assert ray.get(a.record.remote(t.id, COMMON[:1], obs.strip(), ws))
+    ray.get(a.destroy.remote(ws))
+    assert ray.get(a.lookup.remote(t.id, COMMON)) == 1
+    ws2, depth = ray.get(a.materialise.remote(t.id, COMMON))
+    assert depth == 1 and ray.get(a.read_file.remote(ws2, "/root/files/a")).strip() == "a"
+    ray.get(a.destroy.remote(ws2))
+    assert ray.get(pool.actor("tb").lookup.remote(t.id, COMMON)) == -1  # the other shard holds none
+
+
+def test_affinity_routes_to_the_prefix_and_matches_one_host(pool: RayWorkspacePool) -> None:
+    t = task("aff")
+    engine = ClusterEngine(Scripted(), pool)
+    results = [asyncio.run(engine.run_epoch([t], 3, e)) for e in range(2)]
+    (_, first, why0), (_, second, why1) = engine.stats.placements
+    assert why0 == "least-loaded" and (second, why1) == (first, "prefix")
+    assert results[0].hit_rate > 0  # samples of one group share their common prefix
+    assert results[1].cache_hits > results[0].cache_hits
+    local = _single_host(Scripted(), t, 2)
+    for mine, theirs in zip(results, local, strict=True):
+        assert mine.observations() == theirs.observations()
+        assert _rewards(mine) == _rewards(theirs) and None not in _rewards(mine).values()
+    rnd = ClusterEngine(Scripted(), pool, routing="random", seed=1)
+    assert asyncio.run(rnd.run_epoch([t], 3, 0)).observations() == local[0].observations()
+
+
+def test_a_host_killed_mid_epoch_loses_workspaces_not_the_epoch(pool: RayWorkspacePool) -> None:
+    t = task("kill")
+    engine = ClusterEngine(Scripted(pause=0.3), pool)
+
+    async def epoch_with_a_kill() -> object:
+        run = asyncio.ensure_future(engine.run_epoch([t], 3, 0))
+        while engine.stats.steps < 3:  # some steps done on the host, no sample finished
+            await asyncio.sleep(0.02)
+        victim = engine.stats.placements[0][1]
+        pool.kill(victim)
+        return victim, await run
+
+    victim, result = asyncio.run(epoch_with_a_kill())
+    assert engine.stats.restarts >= 2
+    assert sorted(s.sample for s in result.samples) == [0, 1, 2] and not any(s.errors for s in result.samples)
+    local = _single_host(Scripted(), t, 1)[0]
+    assert result.observations() == local.observations() and _rewards(result) == _rewards(local)
+    cfg = HostConfig.named(victim)
+    left = {n for n in os.listdir(cfg.run_root) if n.startswith("ws-")}
+    assert left, "the dead host's workspaces were expected to outlive its actor until gc"
+    out = pool.gc(victim)
+    assert set(out["reaped"]) <= left and not {n for n in os.listdir(cfg.run_root) if n.startswith("ws-")}
+    assert victim in pool.hosts
+
+
+@pytest.mark.parametrize("through", ["object-store", "shared-dir"])
+def test_a_hot_root_is_replicated_to_a_cold_host(pool: RayWorkspacePool, tmp_path: Path, through: str) -> None:
+    t = task(f"rep-{through[0]}")
+    if through == "shared-dir":
+        pool.replication = Replication(str(tmp_path))
+    engine = ClusterEngine(Scripted(), pool, replicate_above=0)  # every host with the root counts as busy
+    results = [asyncio.run(engine.run_epoch([t], 3, e)) for e in range(2)]
+    (_, first, why0), (_, second, why1) = engine.stats.placements
+    assert why0 == "least-loaded" and why1 == "replicated" and second != first
+    assert engine.stats.replicated == 1 and engine.stats.bytes_moved > 1 << 20
+    assert ray.get(pool.actor(second).lookup.remote(t.id, [])) == 0
+    local = _single_host(Scripted(), t, 2)
+    for mine, theirs in zip(results, local, strict=True):
+        assert mine.observations() == theirs.observations() and _rewards(mine) == _rewards(theirs)
