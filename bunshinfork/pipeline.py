@@ -168,10 +168,13 @@ def gc() -> dict[str, list[str]]:
     owner is gone, then each part's own leftovers. Returns what was removed, by kind."""
     # Past their deadline but still running (a lifetime file rewritten from inside), then the
     # records whose init is gone.
-    removed = {"workspaces": collect() + _gc_records(), "snapshots": _gc_snapshots()}
+    # A CRIU whose caller died goes first: it may still be restoring into what follows removes.
+    removed = {"process": part("process").gc()}
+    removed |= {"workspaces": collect() + _gc_records(), "snapshots": _gc_snapshots()}
     removed["state"] = state.empty_trash()  # state directories a crash left half-removed
     for p in PARTS:
-        removed[p.name] = p.gc()
+        if p.name != "process":
+            removed[p.name] = p.gc()
     return removed
 
 

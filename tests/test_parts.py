@@ -240,7 +240,8 @@ def test_create_fork_gc_and_doctor_go_through_the_parts(recorded: tuple[list[tup
 
     log.clear()
     removed = pipeline.gc()
-    assert _stage(log, "gc") == assembly
+    # The process part first: a CRIU whose caller died may still be restoring into what the others remove.
+    assert _stage(log, "gc") == ["process", *(n for n in assembly if n != "process")]
     assert removed["probe"] == ["probe-leftover"]
 
     log.clear()

@@ -18,7 +18,7 @@ from ..cgroups import Cgroup
 from ..contract import Build, Capture, Check, Held, Part
 from ..errors import BunshinError, ForkError
 from ..state import InitState, Lineage, proc_starttime
-from . import control, criu, init, lifetime, seccomp_profile
+from . import control, criu, init, lifetime, seccomp_profile, sessions
 from .dump import dump_tree, predump_tree
 from .options import dump_opts, restore_opts
 from .reaper import reaper
@@ -146,3 +146,7 @@ class ProcessPart(Part):
         if held.pidfd is not None:
             pidfd, held.pidfd = held.pidfd, None
             os.close(pidfd)
+
+    def gc(self) -> list[str]:
+        """CRIUs whose caller died (sessions.py)."""
+        return sessions.gc()

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from .. import deadlines, native
 from ..errors import CriuError, CriuTimeout
+from . import sessions
 from .init import INIT_BINARY
 
 try:
@@ -29,6 +30,7 @@ except ImportError:  # pragma: no cover - set-up installs pycriu into the venv
     rpc = None
 
 CRIU_BIN = os.environ.get("BUNSHIN_CRIU", "criu")
+SETPRIV = "/usr/bin/setpriv"  # util-linux, essential on Debian
 # Options the RPC has no field for, given to every request as its config file. It sets
 # `file-validation filesize`: CRIU's default (build-id) validation mmaps the first MiB of every
 # open regular file and reads its ELF magic, and a read fault on a tmpfs hole allocates a page,
@@ -77,7 +79,7 @@ class Session:
     """One `criu swrk` process; one request at a time."""
 
     def __init__(self, keep_fds: tuple[int, ...] = (), ksm_merge: bool = False,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, die_with_caller: bool = False) -> None:
         criu = _require()
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sk = parent
@@ -88,6 +90,13 @@ class Session:
             # binary's exec helper sets it: a preexec_fn would make subprocess fork() this
             # multi-threaded process and run every library's atfork handlers in it.
             argv = [str(INIT_BINARY), "--ksm-exec", *argv]
+        if die_with_caller:
+            # A restore whose caller died otherwise runs on for minutes, holding the images
+            # (sessions.py's record is the backstop). PR_SET_PDEATHSIG follows the thread that
+            # started CRIU, which is the one waiting on it here; setpriv sets it (no preexec_fn,
+            # as above) and it survives the exec of CRIU, which is not set-uid. Restores only:
+            # killing a dump mid-parasite would leave the source changed.
+            argv = [SETPRIV, "--pdeathsig", "KILL", *argv]
         try:
             self._proc = subprocess.Popen(
                 argv, pass_fds=(child.fileno(), *keep_fds),
@@ -214,14 +223,20 @@ def request(kind: str, opts: rpc.criu_opts, on_notify: Notify | None = None, kee
     req.type = {"dump": rpc.DUMP, "pre_dump": rpc.PRE_DUMP, "restore": rpc.RESTORE}[kind]
     req.opts.MergeFrom(opts)
     req.opts.notify_scripts = on_notify is not None
-    with Session(keep_fds, ksm_merge, env) as s:
-        if session_hook is not None:
-            session_hook(s)
-        try:
-            resp = s.call(req, on_notify, timeout)
-        except CriuTimeout as e:
-            tail = log_tail(log) if log is not None else ""
-            raise CriuTimeout(f"criu {kind}: {e}\n{tail}".rstrip()) from None
+    timeout = deadlines.current().criu if timeout is None else timeout
+    entry = None
+    try:
+        with Session(keep_fds, ksm_merge, env, die_with_caller=kind == "restore") as s:
+            entry = sessions.record(s.pid, kind, time.time() + timeout)
+            if session_hook is not None:
+                session_hook(s)
+            try:
+                resp = s.call(req, on_notify, timeout)
+            except CriuTimeout as e:
+                tail = log_tail(log) if log is not None else ""
+                raise CriuTimeout(f"criu {kind}: {e}\n{tail}".rstrip()) from None
+    finally:
+        sessions.forget(entry)  # once CRIU is reaped (Session.close)
     if not resp.success:
         detail = resp.cr_errmsg or (os.strerror(resp.cr_errno) if resp.cr_errno else "")
         tail = log_tail(log) if log is not None else ""

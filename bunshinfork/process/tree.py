@@ -39,10 +39,11 @@ def tree(host_pids: Iterable[int]) -> list[ProcInfo]:
     info = {}
     for p in hp:
         try:
-            info[p] = _ns_ids(p)
-            info[p]["comm"] = Path(f"/proc/{p}/comm").read_text().strip()  # type: ignore[assignment]
+            ids = _ns_ids(p)
+            ids["comm"] = Path(f"/proc/{p}/comm").read_text().strip()  # type: ignore[assignment]
         except (FileNotFoundError, ProcessLookupError):
-            continue
+            continue  # exited meanwhile: between its status and its comm, too
+        info[p] = ids
         ns_of[p] = info[p]["NSpid"]
     out = []
     for p, i in info.items():

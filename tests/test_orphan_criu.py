@@ -1,0 +1,114 @@
+"""A creator SIGKILLed mid-restore leaves no CRIU behind: the restore's CRIU dies with its
+caller (PR_SET_PDEATHSIG), and gc ends one that did not (process/sessions.py), so the census
+shows no CRIU process and no descriptor on bunshin's state after gc."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from helpers import wait_for
+
+from bunshinfork import census, pipeline, state
+from bunshinfork.process.sessions import alive
+from bunshinfork.workspace import Workspace
+
+# The creator forks its workspace and reports CRIU's pid at a restore notification (argv[2]): CRIU
+# is then mid-restore, forking tasks and mounting, when the creator is killed. After
+# post-setup-namespaces such a CRIU outlived gc (the soak's leak) before gc ended it; earlier
+# (pre-restore) it ends on its own, when its socket closes.
+CREATOR = textwrap.dedent("""
+    import json, sys, time
+    from bunshinfork import Workspace
+    from bunshinfork.process import criu, restore
+    if sys.argv[1] == "without-pdeathsig":  # as before the fix: only gc can end it
+        start = criu.Session.__init__
+        def no_pdeathsig(self, *a, **k):
+            k["die_with_caller"] = False
+            start(self, *a, **k)
+        criu.Session.__init__ = no_pdeathsig
+    ws = Workspace.create()
+    print(json.dumps({"source": ws.id}), flush=True)
+    def hook(session):
+        call, reply, seen = session.call, session._reply_notify, []
+        def mid_restore_call(req, on_notify=None, timeout=None):
+            def notify(script, pid):
+                seen.append(script)
+                on_notify(script, pid)
+            return call(req, notify, timeout)
+        def reply_then_report(ok):
+            reply(ok)  # CRIU goes on with the restore: it is not waiting on us when we die
+            if seen[-1] == sys.argv[2]:
+                print(json.dumps({"criu": session.pid}), flush=True)
+        session.call, session._reply_notify = mid_restore_call, reply_then_report
+    restore.RESTORE_HOOK = hook
+    ws.fork(1, memory="copy")
+    time.sleep(3600)
+""")
+
+
+def _settled(before: dict[str, set]) -> dict[str, int]:
+    """The census's leak count once the zombies of what gc killed are reaped: their parent, the
+    creator, is gone, and pid 1 reaps them when it gets to it (seconds on this VM), as soak.py
+    allows for."""
+    def settled() -> dict[str, int] | None:
+        leaks = census.leaks(before, census.take())
+        return None if leaks["processes"] or leaks["host fds"] else leaks
+    try:
+        return wait_for(settled, timeout=10, interval=0.2)
+    except AssertionError:
+        return census.leaks(before, census.take())
+
+
+def _kill_creator_mid_restore(mode: str, at: str) -> tuple[str, int, int | None]:
+    """Start a creator, SIGKILL it mid-restore; its source workspace's id and its CRIU."""
+    proc = subprocess.Popen([sys.executable, "-c", CREATOR, mode, at], stdout=subprocess.PIPE, text=True)
+    try:
+        source = json.loads(proc.stdout.readline())["source"]  # type: ignore[union-attr]
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        assert line, "the creator did not reach the restore"
+        criu_pid = json.loads(line)["criu"]
+        criu_start = state.proc_starttime(criu_pid)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    return source, criu_pid, criu_start
+
+
+@pytest.mark.parametrize("at", ["setup-namespaces", "post-setup-namespaces"])
+@pytest.mark.parametrize("mode", ["with-pdeathsig", "without-pdeathsig"])
+def test_a_creator_killed_mid_restore_leaves_no_criu_after_gc(mode: str, at: str) -> None:
+    pipeline.gc()
+    before = census.take()
+    source = None
+    try:
+        # Without the pdeathsig, CRIU ends on its own when it next writes to the dead caller's
+        # socket (a notification) before the kill lands: try again until it is caught working.
+        for _ in range(5):
+            source, criu_pid, criu_start = _kill_creator_mid_restore(mode, at)
+            if mode == "with-pdeathsig" or alive(criu_pid, criu_start):
+                break
+            Workspace.connect(source).destroy()
+            source = None
+            pipeline.gc()
+        if mode == "with-pdeathsig":
+            wait_for(lambda: not alive(criu_pid, criu_start), timeout=10, interval=0.05)
+        else:
+            assert alive(criu_pid, criu_start), "criu ended on its own 5 times: nothing left for gc to test"
+        removed = pipeline.gc()
+        assert not alive(criu_pid, criu_start)
+        if mode == "without-pdeathsig":
+            assert any(f"pid {criu_pid} " in r for r in removed["process"]), removed["process"]
+        Workspace.connect(source).destroy()
+        source = None
+        pipeline.gc()
+        leaks = _settled(before)
+        assert leaks["processes"] == 0 and leaks["host fds"] == 0, leaks
+        assert not [p for p in census.processes() if p.split()[1] == "criu"]
+    finally:
+        if source is not None:
+            Workspace.connect(source).destroy()
+        pipeline.gc()
