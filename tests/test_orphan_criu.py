@@ -85,23 +85,26 @@ def test_a_creator_killed_mid_restore_leaves_no_criu_after_gc(mode: str, at: str
     before = census.take()
     source = None
     try:
-        # Without the pdeathsig, CRIU ends on its own when it next writes to the dead caller's
-        # socket (a notification) before the kill lands: try again until it is caught working.
-        for _ in range(5):
-            source, criu_pid, criu_start = _kill_creator_mid_restore(mode, at)
-            if mode == "with-pdeathsig" or alive(criu_pid, criu_start):
-                break
-            Workspace.connect(source).destroy()
-            source = None
-            pipeline.gc()
         if mode == "with-pdeathsig":
+            source, criu_pid, criu_start = _kill_creator_mid_restore(mode, at)
             wait_for(lambda: not alive(criu_pid, criu_start), timeout=10, interval=0.05)
+            pipeline.gc()
         else:
-            assert alive(criu_pid, criu_start), "criu ended on its own 5 times: nothing left for gc to test"
-        removed = pipeline.gc()
-        assert not alive(criu_pid, criu_start)
-        if mode == "without-pdeathsig":
-            assert any(f"pid {criu_pid} " in r for r in removed["process"]), removed["process"]
+            # Without the pdeathsig, CRIU ends on its own when it next writes to the dead caller's
+            # socket (a notification), which may come before the kill lands or before gc runs:
+            # try again until gc is the one that ends it. A CRIU that gc leaves alive fails.
+            for _ in range(8):
+                source, criu_pid, criu_start = _kill_creator_mid_restore(mode, at)
+                caught = alive(criu_pid, criu_start)
+                removed = pipeline.gc()
+                assert not alive(criu_pid, criu_start), "gc left a CRIU whose caller died"
+                if caught and any(f"pid {criu_pid} " in r for r in removed["process"]):
+                    break
+                Workspace.connect(source).destroy()
+                source = None
+                pipeline.gc()
+            else:
+                pytest.skip("CRIU ended on its own (its next notification) before gc, 8 times in a row")
         Workspace.connect(source).destroy()
         source = None
         pipeline.gc()
