@@ -52,8 +52,9 @@ class WorkspaceSpec:
       layer is held to it (a btrfs simple-quota limit on its subvolume, or a tmpfs of that size
       where layers live on the state root's tmpfs), and so is each of its tmpfs mounts (/tmp,
       /dev/shm). Past it, writes fail with EDQUOT (btrfs) or ENOSPC (tmpfs) inside the
-      workspace only. Files of the root file system and of the snapshot it was forked from
-      count only when the workspace rewrites them. A fork inherits it. None: unbounded.
+      workspace only. A file of the snapshot it was forked from counts only for the blocks the
+      workspace rewrites (its copy-up shares the extents by reflink); a root file system file
+      counts whole once modified. A fork inherits it. None: unbounded.
     privileged: keep every capability and an unmasked /proc. By default root inside a workspace
       has Docker's default capability set (no CAP_SYS_ADMIN, CAP_SYS_MODULE, CAP_MKNOD, ...)
       and /proc/sys, /proc/sysrq-trigger and friends are read-only or masked.

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import run_ok
 
+from bunshinfork.cli import main
 from bunshinfork.errors import SpecError
 from bunshinfork.fs import btrfs, quota, store
 from bunshinfork.spec import WorkspaceSpec
@@ -56,6 +57,23 @@ def test_bad_disk_limit_is_a_spec_error(bad):
     assert WorkspaceSpec(disk_limit="16M").validate().disk_limit == 16 * MiB
 
 
+def test_cli_disk_flag_names_itself_in_its_error(capsys):
+    assert main(["create", "--disk", "lots"]) == 125
+    err = capsys.readouterr().err
+    assert err.startswith("bunshin: error: ") and "--disk" in err and "lots" in err
+
+
+def test_cli_disk_flag_sets_the_limit(capsys, qdir):
+    assert main(["create", "--disk", "8M", "--storage-dir", qdir]) == 0
+    ws = Workspace.connect(capsys.readouterr().out.strip())
+    try:
+        assert ws.info().disk_limit == 8 * MiB
+        code, err = _write(ws, "/root/fill", 16)
+        assert code != 0 and "Disk quota exceeded" in err, err
+    finally:
+        ws.destroy()
+
+
 def test_disk_limit_on_storage_that_cannot_bound_it_is_a_spec_error(tmp_path):
     # /var/tmp is neither btrfs nor tmpfs here: nothing can hold a layer to a size there.
     if store.fs_magic(tmp_path) == store.TMPFS_MAGIC or btrfs.is_btrfs(tmp_path):
@@ -72,7 +90,10 @@ def test_btrfs_quota_holds_a_clone_and_spares_its_sibling_source_and_host(qdir):
         a, b = ws.fork(2)
         assert isinstance(a, Workspace) and isinstance(b, Workspace), (a, b)
         try:
-            assert _write(a, "/root/mine", 16)[0] == 0  # 12 + 16 > 24: the lower is not counted
+            # Appending to a file of the lower copies it up by reflink: its 12 MiB stay the
+            # frozen layer's extents, and 12 + 16 > 24 still fits.
+            run_ok(a, "echo x >> /root/before && sync /root/before")
+            assert _write(a, "/root/mine", 16) == (0, "")
             code, err = _write(a, "/root/more", 32)
             assert code != 0 and "Disk quota exceeded" in err, err
             assert _sizes(a, "/root/more") < 24 * MiB
