@@ -11,8 +11,8 @@
 """
 
 from .engine import ClusterEngine, ClusterStats, Placement
-from .host import WorkspaceHost
+from .host import NoCache, WorkspaceHost
 from .pool import RESOURCE_PREFIX, RayWorkspacePool, Replication, discover, host_resources
 
-__all__ = ["RESOURCE_PREFIX", "ClusterEngine", "ClusterStats", "Placement", "RayWorkspacePool", "Replication",
-           "WorkspaceHost", "discover", "host_resources"]
+__all__ = ["RESOURCE_PREFIX", "ClusterEngine", "ClusterStats", "NoCache", "Placement", "RayWorkspacePool",
+           "Replication", "WorkspaceHost", "discover", "host_resources"]

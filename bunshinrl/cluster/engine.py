@@ -126,8 +126,11 @@ class ClusterEngine:
                 target = min(colder, key=lambda h: self._load.get(h, 0))
                 held = list(dict.fromkeys(tuple(p)[:d] for p, d in zip(prefixes, depths[best], strict=False)
                                           if d > 0))
-                await self.replicate(task, best, target, [hot_prefix(held), *held])
-                return Placement(target, "replicated")
+                try:
+                    await self.replicate(task, best, target, [hot_prefix(held), *held])
+                    return Placement(target, "replicated")
+                except ray.exceptions.RayActorError:
+                    pass  # one of the two died: the group goes where it would have (or the next lookup sees)
         return Placement(best, reason)
 
     async def replicate(self, task: Task, src: str, dst: str, prefixes: Sequence[Sequence[ToolCall]] = ()) -> int:
@@ -278,8 +281,8 @@ class ClusterEngine:
 
 
 def hot_prefix(prefixes: Sequence[Sequence[ToolCall]]) -> tuple[ToolCall, ...]:
-    """The longest prefix two of `prefixes` share (where a group branches, so a state every
-    sample but one passes through); with a single prefix, that one."""
+    """The longest prefix two of `prefixes` share: where the group's trajectories branch, the
+    state a sample whose next call is new there forks. With a single prefix, that one."""
     if len(prefixes) == 1:
         return tuple(prefixes[0])
     best: tuple[ToolCall, ...] = ()
@@ -303,14 +306,15 @@ def _size(saved: bytes | str | None) -> int:
 
 
 def _sum(shards: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The hosts' counters as one pool's: numbers summed, lists joined (sorted, once each)."""
+    """The hosts' counters as one pool's: numbers summed, lists joined (each item once)."""
     out: dict[str, Any] = {}
     for shard in shards:
         for k, v in shard.items():
             if isinstance(v, bool) or not isinstance(v, int | float | list):
                 out.setdefault(k, v)
             elif isinstance(v, list):
-                out[k] = sorted(set(out.get(k, [])) | set(v))
+                seen = out.setdefault(k, [])
+                seen += [x for x in v if x not in seen]
             else:
                 out[k] = out.get(k, 0) + v
     return out
