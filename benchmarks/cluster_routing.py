@@ -188,7 +188,7 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--cache-mib", type=int, default=1024, help="each host's prefix-cache budget")
     ap.add_argument("--replicate-above", type=int, default=None,
-                    help="replicate a group's root to a cold host once its host runs this many samples")
+                    help="replicate a group's prefixes to a colder host once its host runs this many samples")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if args.quick:

@@ -37,19 +37,43 @@ class TailPolicy:
         self._calls: dict[str, list[float]] = defaultdict(list)
         self._tasks: dict[str, list[float]] = defaultdict(list)
         self._lock = threading.Lock()
+        # Set to a list, every record is also kept there until take_journal(): how several
+        # processes (the hosts of a pool) learn each other's timings (replay()).
+        self.journal: list[tuple[str, str, str, float]] | None = None
 
     def record_tool(self, name: str, seconds: float) -> None:
-        with self._lock:
-            self._tools[name].append(seconds)
+        self._add(("tool", name, "", seconds))
 
     def record_call(self, call: ToolCall, seconds: float) -> None:
-        with self._lock:
-            self._tools[call.name].append(seconds)
-            self._calls[call.key].append(seconds)
+        self._add(("call", call.name, call.key, seconds))
 
     def record_rollout(self, task_id: str, sample: int, seconds: float) -> None:
+        self._add(("rollout", task_id, "", seconds))
+
+    def _add(self, entry: tuple[str, str, str, float], journal: bool = True) -> None:
+        kind, name, key, seconds = entry
         with self._lock:
-            self._tasks[task_id].append(seconds)
+            if kind == "rollout":
+                self._tasks[name].append(seconds)
+            else:
+                self._tools[name].append(seconds)
+                if kind == "call":
+                    self._calls[key].append(seconds)
+            if journal and self.journal is not None:
+                self.journal.append(entry)
+
+    def take_journal(self) -> list[tuple[str, str, str, float]]:
+        """The records made since the last take (journal on), for replay() elsewhere."""
+        with self._lock:
+            if self.journal is None:
+                return []
+            out, self.journal = self.journal, []
+        return out
+
+    def replay(self, entries: Sequence[tuple[str, str, str, float]]) -> None:
+        """Learn records another TailPolicy journalled (they are not journalled again here)."""
+        for e in entries:
+            self._add(e, journal=False)
 
     def tool_seconds(self, name: str) -> float | None:
         with self._lock:

@@ -1,14 +1,17 @@
 """bunshinrl.cluster on a real local Ray cluster of two nodes, each its own bunshin host (state
 root, cgroup parent, bridge, layer store), with real workspaces: the SDK and cache operations
 remotely, per-host isolation, prefix-affinity routing, identical results to a single host,
-a host actor killed mid-epoch, gc of a dead host, and replication of a hot snapshot."""
+a host actor killed mid-epoch, gc of a dead host, replication of a hot prefix (its snapshot
+through the object store or a shared directory), and Base, Spec and Full on the cluster."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -18,11 +21,15 @@ from cluster_support import local_cluster
 
 from bunshinfork.host import HostConfig, named_hosts
 from bunshinrl import (
+    DeterminismGuard,
     FinalAnswer,
+    RolloutCore,
     RolloutEngine,
     SampleContext,
     SnapshotBackend,
+    Speculator,
     Step,
+    TailPolicy,
     Task,
     ToolCall,
     ToolPrefixCache,
@@ -70,15 +77,21 @@ def cluster() -> Iterator[object]:
         yield c
 
 
-@pytest.fixture
-def pool(cluster: object) -> Iterator[RayWorkspacePool]:
-    p = RayWorkspacePool(cache_bytes=512 << 20)
+@contextlib.contextmanager
+def _pool(core: Callable[[], RolloutCore] | None = None) -> Iterator[RayWorkspacePool]:
+    p = RayWorkspacePool(core=core, cache_bytes=512 << 20)
     try:
         yield p
     finally:
         out = p.shutdown()
     assert set(out) == set(HOSTS)
     assert not named_hosts(), "a pool host's state root outlived the pool"
+
+
+@pytest.fixture
+def pool(cluster: object) -> Iterator[RayWorkspacePool]:
+    with _pool() as p:
+        yield p
 
 
 def _single_host(policy: Scripted, t: Task, epochs: int) -> list:
@@ -181,16 +194,107 @@ def test_a_host_killed_mid_epoch_loses_workspaces_not_the_epoch(pool: RayWorkspa
 
 
 @pytest.mark.parametrize("through", ["object-store", "shared-dir"])
-def test_a_hot_root_is_replicated_to_a_cold_host(pool: RayWorkspacePool, tmp_path: Path, through: str) -> None:
+def test_a_hot_prefix_is_replicated_to_a_cold_host(pool: RayWorkspacePool, tmp_path: Path, through: str) -> None:
     t = task(f"rep-{through[0]}")
     if through == "shared-dir":
         pool.replication = Replication(str(tmp_path))
     engine = ClusterEngine(Scripted(), pool, replicate_above=0)  # every host with the root counts as busy
-    results = [asyncio.run(engine.run_epoch([t], 3, e)) for e in range(2)]
-    (_, first, why0), (_, second, why1) = engine.stats.placements
+    results = [asyncio.run(engine.run_epoch([t], 3, 0))]
+    first = engine.stats.placements[0][1]
+    known = [[s.call for s in tl.steps] for tl in results[0].samples]
+    hot = max(known, key=len)
+    # The group's prefixes are on the busy host only: epoch 1 goes to the cold one, with the
+    # root state, the group's calls, and the state where the group branches (after COMMON).
+    assert [ray.get(pool.actor(h).lookup.remote(t.id, hot)) for h in (first, *set(HOSTS) - {first})] == \
+        [len(hot), -1]
+    results.append(asyncio.run(engine.run_epoch([t], 3, 1)))
+    (_, _, why0), (_, second, why1) = engine.stats.placements
     assert why0 == "least-loaded" and why1 == "replicated" and second != first
     assert engine.stats.replicated == 1 and engine.stats.bytes_moved > 1 << 20
-    assert ray.get(pool.actor(second).lookup.remote(t.id, [])) == 0
+    cold = ray.get(pool.actor(second).stats.remote())
+    assert cold["imported_bytes"] == engine.stats.bytes_moved
+    assert cold["cache"]["resident"] == 2  # the root's state and the hot prefix's
+    # Every call the group made (the verifier's too) is served on the cold host from what came:
+    # nothing ran there, and the observations and rewards are a single host's.
+    assert all(ray.get(pool.actor(second).lookup.remote(t.id, k)) == len(k) for k in known)
+    assert results[1].hit_rate == 1.0 and cold["cache"]["misses"] == 0
     local = _single_host(Scripted(), t, 2)
     for mine, theirs in zip(results, local, strict=True):
         assert mine.observations() == theirs.observations() and _rewards(mine) == _rewards(theirs)
+    # The moved state is the hot prefix's: a new call after it forks it there, replaying nothing.
+    replayed = ray.get(pool.actor(second).stats.remote())["cache"]["replayed_calls"]
+    ws, depth = ray.get(pool.actor(second).materialise.remote(t.id, [*COMMON, C("state")]))
+    assert depth == 3
+    state = ray.get(pool.actor(second).run.remote(ws, "ls /root/files; curl -s http://127.0.0.1:9000/value"))[1]
+    assert state.split() == ["a", "1"]
+    ray.get(pool.actor(second).destroy.remote(ws))
+    assert ray.get(pool.actor(second).stats.remote())["cache"]["replayed_calls"] == replayed
+
+
+# ---- Base, Spec and Full on the cluster ----
+
+def speculating_task() -> Task:
+    return Task("spec", "Bump the counter.", rl_support.tools(), rl_support.setup, verify=_verify,
+                fingerprint="cluster-test-counter-v1")
+
+
+class Predictable:
+    """Every epoch starts with a call of its own (so it is a real call, not a cache hit, in Full
+    too, and speculation starts after it); then samples 0 and 1 call the slow tool, sample 2 does
+    not: a selector fitted on epoch 0 predicts the slow call for all three, so in epoch 1 it is
+    adopted twice and rolled back once. Sample i thinks 0.1 s longer than sample i-1 (one order
+    of who runs a shared call first), 0.5 s more before the slow call."""
+
+    async def act(self, ctx: SampleContext, history: Sequence[Step]) -> Action:
+        await asyncio.sleep(0.1 + 0.1 * ctx.sample + (0.5 if len(history) == 1 else 0))
+        second = C("bump", {"n": 1}) if ctx.sample == 2 else C("slow", {"s": 0.4})
+        script = [C("touch", {"name": f"e{ctx.epoch}"}), second, C("state")]
+        return script[len(history)] if len(history) < len(script) else FinalAnswer("done")
+
+
+def make_core(config: str) -> RolloutCore:
+    """The one core a single host and every host of the pool run: Base, Spec or Full."""
+    guard = DeterminismGuard()
+    cache = ToolPrefixCache(SnapshotBackend(), 512 << 20, guard=guard) if config == "full" else None
+    spec = Speculator(depth=2, min_probability=0.0, tail=TailPolicy(slow_tool_seconds=0.3)) \
+        if config in ("spec", "full") else None
+    return RolloutCore(cache=cache, speculator=spec, guard=guard)
+
+
+async def _two_epochs(engine: RolloutEngine | ClusterEngine, t: Task) -> list:
+    out = [await engine.run_epoch([t], 3, 0)]
+    engine.fit_selector()
+    out.append(await engine.run_epoch([t], 3, 1))
+    return out
+
+
+@pytest.mark.parametrize("config", ["base", "spec", "full"])
+def test_base_spec_and_full_on_the_cluster_match_one_host(cluster: object, config: str) -> None:
+    t = speculating_task()
+    with _pool(functools.partial(make_core, config)) as pool:
+        mine = asyncio.run(_two_epochs(ClusterEngine(Predictable(), pool), t))
+    local_core = make_core(config)
+    local = RolloutEngine(Predictable(), core=local_core)
+    try:
+        theirs = asyncio.run(_two_epochs(local, t))
+    finally:
+        asyncio.run(local.close())
+        if local_core.cache is not None:
+            local_core.cache.close()
+    for m, o in zip(mine, theirs, strict=True):
+        assert m.trajectories() == o.trajectories() and m.observations() == o.observations()
+        assert _rewards(m) == _rewards(o) and None not in _rewards(m).values()
+        assert not any(s.errors for s in m.samples), [s.errors for s in m.samples]
+    adopted = [sum(s.count("spec_hit") for s in r.samples) for r in mine]
+    rolled_back = [sum(s.count("spec_miss") for s in r.samples) for r in mine]
+    if config == "base":
+        assert mine[1].speculation is None and adopted == rolled_back == [0, 0]
+        return
+    # Nothing to predict from before the selector has seen an epoch; after it, the hosts ran
+    # the predicted calls in forks while the driver's policy reasoned.
+    assert adopted[0] == rolled_back[0] == 0 and mine[1].speculation["launched"] >= 1
+    assert adopted[1] >= 1
+    if config == "spec":  # every sample ran its first call for real and speculated after it
+        assert adopted[1] == 2 and rolled_back[1] == 1
+    else:
+        assert mine[1].cache_hits > 0

@@ -150,6 +150,24 @@ def test_prediction_respects_determinism_and_tail() -> None:
     assert spec.predict("t", 0, [], TOOLS) == []  # a fast sample: not in the tail
 
 
+def test_tail_timings_travel_between_policies_once() -> None:
+    """The hosts of a pool learn each other's timings: a journal taken from one, replayed into
+    another, is known there as if recorded there, and not journalled a second time."""
+    slow = ToolCall("slow", {"s": 1})
+    a, b = TailPolicy(slow_tool_seconds=0.5), TailPolicy(slow_tool_seconds=0.5)
+    assert a.take_journal() == []  # journalling is off until a journal is set
+    a.record_call(slow, 0.1)
+    a.journal, b.journal = [], []
+    a.record_call(slow, 0.9)
+    a.record_rollout("t", 0, 3.0)
+    entries = a.take_journal()
+    assert len(entries) == 2 and a.take_journal() == []
+    assert not b.is_slow(slow)
+    b.replay(entries)
+    assert b.is_slow(slow) and b.call_seconds(slow) == 0.9 and a.call_seconds(slow) == 0.5
+    assert b.take_journal() == []
+
+
 def test_speculation_refuses_networked_workspaces() -> None:
     fake = SimpleNamespace(id="ws-x", info=lambda: SimpleNamespace(network={"mode": "bridge"}))
     with pytest.raises(SpeculationError):

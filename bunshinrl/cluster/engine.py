@@ -12,9 +12,19 @@ workspace's memory):
   2. then a host holding the task's root state (the group's snapshot);
   3. then the least loaded host.
 routing="random" picks a host at random instead (the benchmark's baseline).
-A hot root on a busy host can be replicated (replicate_above): its snapshot is saved there and
-loaded on the least loaded host without it (Snapshot.save / load, through Ray's object store
-or a shared directory: RayWorkspacePool.replication).
+A hot prefix on a busy host can be replicated (replicate_above): the group's known trajectories
+as that host holds them are grafted onto the least loaded host holding less of them, with the
+snapshot of the deepest state the busy host retains on the group's hot prefix (where its
+trajectories branch: what a sample whose next call is new forks), and the task's root state if
+the cold host has none: Snapshot.save there, Snapshot.load on the cold host, through Ray's
+object store or a shared directory (RayWorkspacePool.replication). The cold host's cache then
+serves those calls as the busy host's would.
+
+Whatever each host's core runs (pool.core: Base, the cache, Spec or Full), it runs there as it
+would on a single host: speculative branches fork, are adopted and roll back in the host
+actor, beside the workspace they branch from. fit_selector() trains the next-call selector on
+every trajectory of the pool, as RolloutEngine.fit_selector does on one host's, and gives it,
+with every host's tool timings (the tail policy's), to every host.
 
 A host that dies mid-epoch loses its workspaces, not its samples: each of them restarts on
 another live host from the deepest prefix of its steps that host holds (the others run again
@@ -31,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..policy import FinalAnswer, Policy, SampleContext, Step, calls_of
+from ..selector import SelectorReport, Trajectory, train_selector
 from ..signature import ToolCall
 from ..task import Task
 from ..timeline import EpochResult, SampleTimeline
@@ -65,6 +76,7 @@ class ClusterEngine:
         self.replicate_above = replicate_above
         self.stats = ClusterStats()
         self._known: dict[tuple[str, int], list[ToolCall]] = {}  # (task, sample) -> last trajectory's calls
+        self.history: list[Trajectory] = []  # every finished trajectory: the selector's training data
         self._registered: set[tuple[str, str]] = set()
         self._load: dict[str, int] = {}
 
@@ -109,27 +121,36 @@ class ClusterEngine:
         deep, has_root, _ = key(best)
         reason = "prefix" if deep > 0 else "snapshot" if has_root else "least-loaded"
         if has_root and self.replicate_above is not None and self._load.get(best, 0) >= self.replicate_above:
-            cold = [h for h in live if max(depths[h]) < 0]
-            if cold:
-                target = min(cold, key=lambda h: self._load.get(h, 0))
-                await self.replicate(task, best, target)
-                return Placement(target, "replicated")
+            colder = [h for h in live if h != best and key(h)[:2] < key(best)[:2]]
+            if colder:
+                target = min(colder, key=lambda h: self._load.get(h, 0))
+                held = list(dict.fromkeys(tuple(p)[:d] for p, d in zip(prefixes, depths[best], strict=False)
+                                          if d > 0))
+                try:
+                    await self.replicate(task, best, target, [hot_prefix(held), *held])
+                    return Placement(target, "replicated")
+                except ray.exceptions.RayActorError:
+                    pass  # one of the two died: the group goes where it would have (or the next lookup sees)
         return Placement(best, reason)
 
-    async def replicate(self, task: Task, src: str, dst: str) -> int:
-        """Copy the task's root state from host src to host dst; returns the bytes moved."""
+    async def replicate(self, task: Task, src: str, dst: str, prefixes: Sequence[Sequence[ToolCall]] = ()) -> int:
+        """Make host dst hold what host src holds of the task: its root state if dst has none,
+        and the given prefixes (the first is the hot one: the snapshot of the deepest state src
+        retains on it travels). Returns the bytes moved."""
         await self._register([task])
-        snap_id = await self._remote(src, "root_snapshot", task.id)
-        if snap_id is None:
-            raise LookupError(f"host {src} holds no resident root state of {task.id}")
-        saved = await self._remote(src, "export_snapshot", snap_id, self.pool.replication.shared_dir)
-        new_id = await self._remote(dst, "import_snapshot", saved)
-        await self._remote(dst, "adopt_root", task.id, new_id)
-        moved = len(saved) if isinstance(saved, bytes) else 0
-        if not isinstance(saved, bytes):
-            from bunshinfork.state import tree_bytes
-
-            moved = tree_bytes(saved)
+        shared_dir = self.pool.replication.shared_dir
+        paths = [list(p) for p in prefixes]
+        moved = 0
+        if await self._remote(dst, "lookup", task.id, []) < 0:
+            root = await self._remote(src, "export_prefix", task.id, [], shared_dir)
+            if root["saved"] is None:
+                raise LookupError(f"host {src} holds no resident root state of {task.id}")
+            await self._remote(dst, "graft", task.id, [], root)
+            moved += _size(root["saved"])
+        if any(paths):
+            exported = await self._remote(src, "export_prefix", task.id, paths, shared_dir, False)
+            await self._remote(dst, "graft", task.id, paths, exported)
+            moved += _size(exported["saved"])
         self.stats.replicated += 1
         self.stats.bytes_moved += moved
         return moved
@@ -137,11 +158,55 @@ class ClusterEngine:
     # ---- an epoch ----
 
     async def run_epoch(self, tasks: Sequence[Task], group_size: int, epoch: int = 0) -> EpochResult:
+        """Every group of the epoch, each on the host placement picks; returns once all have
+        finished and every host has drained its background work (captures, speculative
+        teardowns). cache and speculation: the hosts' counters, summed."""
         t0 = time.monotonic()
         await self._register(tasks)
         groups = await asyncio.gather(*(self._run_group(t, group_size, epoch) for t in tasks))
         samples = [s for g in groups for s in g]
-        return EpochResult(epoch, time.monotonic() - t0, samples, [])
+        seconds = time.monotonic() - t0
+        result = EpochResult(epoch, seconds, samples, [])
+        self.history += result.trajectories()
+        stats = await asyncio.gather(*(self._drained_stats(h) for h in self.pool.hosts))
+        for part in ("cache", "speculation"):
+            shards = [s[part] for s in stats if s is not None and s.get(part) is not None]
+            setattr(result, part, _sum(shards) if shards else None)
+        return result
+
+    async def _drained_stats(self, host: str) -> dict[str, Any] | None:
+        import ray
+
+        try:
+            await self._remote(host, "drain")
+            return await self._remote(host, "stats")
+        except ray.exceptions.RayActorError:
+            self.pool.mark_dead(host)
+            return None
+
+    def fit_selector(self, held_out_epochs: Sequence[int] = ()) -> SelectorReport | None:
+        """Train the speculator's selector on every trajectory the pool has run (between
+        epochs), as RolloutEngine.fit_selector does on one host's, and give it to every host
+        with the other hosts' tool timings. None without any trajectory yet."""
+        import ray
+
+        timings = {}
+        for h in self.pool.hosts:
+            try:
+                timings[h] = ray.get(self.pool.actor(h).take_timings.remote(), timeout=self.pool.start_timeout)
+            except ray.exceptions.RayActorError:
+                self.pool.mark_dead(h)
+        sel, report = None, None
+        if self.history:
+            sel, report = train_selector(sorted(self.history, key=lambda t: (t.epoch, t.task_id, t.sample)),
+                                         held_out_epochs=held_out_epochs)
+        for h in timings:
+            others = [e for g, t in timings.items() if g != h for e in t]
+            try:
+                ray.get(self.pool.actor(h).learn.remote(sel, others), timeout=self.pool.start_timeout)
+            except ray.exceptions.RayActorError:
+                self.pool.mark_dead(h)
+        return report
 
     async def _run_group(self, task: Task, group_size: int, epoch: int) -> list[SampleTimeline]:
         import ray
@@ -213,3 +278,43 @@ class ClusterEngine:
             self._load[p.host] = self._load.get(p.host, 0) + 1
             history[:] = steps
             return p.host, rid
+
+
+def hot_prefix(prefixes: Sequence[Sequence[ToolCall]]) -> tuple[ToolCall, ...]:
+    """The longest prefix two of `prefixes` share: where the group's trajectories branch, the
+    state a sample whose next call is new there forks. With a single prefix, that one."""
+    if len(prefixes) == 1:
+        return tuple(prefixes[0])
+    best: tuple[ToolCall, ...] = ()
+    for i, a in enumerate(prefixes):
+        for b in prefixes[i + 1:]:
+            n = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            if n > len(best):
+                best = tuple(a[:n])
+    return best
+
+
+def _size(saved: bytes | str | None) -> int:
+    """Bytes of a saved snapshot as it travelled: a tar through the object store, or a directory."""
+    if saved is None:
+        return 0
+    if isinstance(saved, bytes):
+        return len(saved)
+    from bunshinfork.state import tree_bytes
+
+    return tree_bytes(saved)
+
+
+def _sum(shards: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The hosts' counters as one pool's: numbers summed, lists joined (each item once)."""
+    out: dict[str, Any] = {}
+    for shard in shards:
+        for k, v in shard.items():
+            if isinstance(v, bool) or not isinstance(v, int | float | list):
+                out.setdefault(k, v)
+            elif isinstance(v, list):
+                seen = out.setdefault(k, [])
+                seen += [x for x in v if x not in seen]
+            else:
+                out[k] = out.get(k, 0) + v
+    return out

@@ -6,8 +6,15 @@ the actor's runtime_env before bunshinfork is imported). It owns the host's work
 snapshots and its shard of the prefix cache, and serves three kinds of remote calls:
 
     the SDK's     create, run, write_file, read_file, snapshot, fork, destroy, release
-    the cache's   lookup (how deep a prefix it holds), materialise, record
-    the core's    start_group / start / call / finish / close: a Rollout stepped remotely
+    the cache's   lookup (how deep a prefix it holds), materialise, record, and
+                  export_prefix / graft (a held prefix, its snapshot included, to another host)
+    the core's    start_group / start / call / finish / close: a Rollout stepped remotely, and
+                  learn (the pool's selector and tool timings, for the speculator)
+
+The host's RolloutCore is made here by the pool's `core` factory, so it is whatever a single
+host would run: Base (no cache, no speculator), the cache, Spec or Full. Speculation, its forks
+and its rollbacks happen in this process, on the host that owns the sample's workspace, while
+the driver's policy reasons.
 
 Workspaces and snapshots are named by their ids across the wire; nothing of bunshinfork's
 own objects leaves the process. Every method is a coroutine, so the actor is an asyncio actor
@@ -23,7 +30,7 @@ import secrets
 import shutil
 import tarfile
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,27 +43,38 @@ from ..backend import SharedSnapshot, SnapshotBackend
 from ..cache import ToolPrefixCache
 from ..core import Rollout, RolloutCore
 from ..policy import SampleContext, Step
+from ..selector import ToolSelector
 from ..signature import ToolCall
 from ..task import Task
 from ..timeline import SampleTimeline
+from ..tree import Node
+
+CoreFactory = Callable[[], RolloutCore]
+
+
+class NoCache(RuntimeError):
+    """A cache operation on a host whose core runs without a prefix cache (Base, Spec)."""
 
 
 class WorkspaceHost:
-    def __init__(self, name: str, cache_bytes: int = 1 << 30, memory: str = "auto") -> None:
+    def __init__(self, name: str, cache_bytes: int = 1 << 30, memory: str = "auto",
+                 core: CoreFactory | None = None) -> None:
         expected = HostConfig.named(name)
         if expected != HOST:
             raise RuntimeError(f"host {name}: this process is {HOST}, not {expected}; start it with "
                                "runtime_env={'env_vars': HostConfig.named(name).env()}")
         self.name = name
         state.run_root()
-        self.cache = ToolPrefixCache(SnapshotBackend(), cache_bytes)
-        self.core = RolloutCore(cache=self.cache, memory=memory)
+        # Made here, after the host's environment: a core's cache and snapshots are this host's.
+        self.core = core() if core is not None else \
+            RolloutCore(cache=ToolPrefixCache(SnapshotBackend(), cache_bytes), memory=memory)
+        self.cache = self.core.cache
+        self.core.tail.journal = []  # the pool's other hosts learn this one's timings (learn())
         self.tasks: dict[str, Task] = {}
         self.workspaces: dict[str, Workspace] = {}
         self.snapshots: dict[str, Snapshot] = {}
         self.rollouts: dict[str, Rollout] = {}
-        self.imported: dict[str, SharedSnapshot] = {}  # replicated roots, by snapshot id
-        self.roots: dict[str, SharedSnapshot] = {}  # the cache's root states asked for (export)
+        self.imported: dict[str, SharedSnapshot] = {}  # loaded by import_snapshot, by snapshot id
         self.counters = {"imported_bytes": 0, "exported_bytes": 0}
 
     async def ping(self) -> dict[str, Any]:
@@ -109,9 +127,12 @@ class WorkspaceHost:
     async def export_snapshot(self, snap_id: str, shared_dir: str | None = None) -> bytes | str:
         """A saved copy of a snapshot (Snapshot.save): the bytes of its tar, for Ray's object
         store, or, with shared_dir, a directory there that every host can read."""
-        snap = self._snapshot(snap_id)
+        snap = self.snapshots.get(snap_id) or self.imported[snap_id].snap
+        return await self._save(snap, shared_dir)
+
+    async def _save(self, snap: Snapshot, shared_dir: str | None) -> bytes | str:
         if shared_dir is not None:
-            dest = Path(shared_dir) / f"{snap_id}-{secrets.token_hex(4)}"
+            dest = Path(shared_dir) / f"{snap.id}-{secrets.token_hex(4)}"
             await run_blocking(lambda: snap.save(dest).result())
             self.counters["exported_bytes"] += state.tree_bytes(dest)
             return str(dest)
@@ -126,6 +147,11 @@ class WorkspaceHost:
 
     async def import_snapshot(self, saved: bytes | str) -> str:
         """A snapshot saved by another host's export_snapshot, loaded here; returns its id here."""
+        shared = await self._load(saved)
+        self.imported[shared.snap.id] = shared
+        return shared.snap.id
+
+    async def _load(self, saved: bytes | str) -> SharedSnapshot:
         if isinstance(saved, bytes):
             dest = state.run_root() / f"import-{secrets.token_hex(6)}"
             try:
@@ -140,16 +166,24 @@ class WorkspaceHost:
             dest = Path(saved)
             snap = await run_blocking(Snapshot.load, dest)
             self.counters["imported_bytes"] += state.tree_bytes(dest)
-        shared = SharedSnapshot(snap, owned_dir=dest)
-        self.imported[snap.id] = shared
-        return snap.id
-
-    def _snapshot(self, snap_id: str) -> Snapshot:
-        if snap_id in self.snapshots:
-            return self.snapshots[snap_id]
-        return (self.roots.get(snap_id) or self.imported[snap_id]).snap
+        return SharedSnapshot(snap, owned_dir=dest)
 
     # ---- the prefix cache's shard ----
+
+    def _cache(self) -> ToolPrefixCache:
+        if self.cache is None:
+            raise NoCache(f"host {self.name} runs its rollouts without a prefix cache")
+        return self.cache
+
+    def _held(self, root: Node, calls: Sequence[ToolCall]) -> list[Node]:
+        """The nodes of the completed prefix of `calls` this shard holds below `root`, root first."""
+        path = [root]
+        for c in calls:
+            child = self._cache().tree.child(path[-1], c)
+            if child is None or not child.done:
+                break
+            path.append(child)
+        return path
 
     async def register(self, tasks: Sequence[Task]) -> None:
         for t in tasks:
@@ -157,64 +191,112 @@ class WorkspaceHost:
 
     async def lookup(self, task_id: str, calls: Sequence[ToolCall]) -> int:
         """How many of `calls` this shard holds as a completed prefix of the task's tree: -1
-        without the task's root, 0 with only the root. Counts no hit (routing asks every host)."""
-        task = self.tasks[task_id]
-        node = self.cache.root(task_id, await self.core.digest(task))
-        if node is None:
+        without the task's root (or without a cache), 0 with only the root. Counts no hit
+        (routing asks every host)."""
+        if self.cache is None:
             return -1
-        depth = 0
-        for c in calls:
-            child = self.cache.tree.child(node, c)
-            if child is None or not child.done or child.result.exception() is not None:
-                break
-            node, depth = child, depth + 1
-        return depth
-
-    async def root_snapshot(self, task_id: str) -> str | None:
-        """The id of the snapshot of the task's initialized workspace this shard holds, if resident."""
-        node = self.cache.root(task_id, await self.core.digest(self.tasks[task_id]))
-        if node is None or not node.resident or not isinstance(node.payload, SharedSnapshot):
-            return None
-        self.roots[node.payload.snap.id] = node.payload
-        return node.payload.snap.id
-
-    async def adopt_root(self, task_id: str, snap_id: str) -> None:
-        """Make an imported snapshot the task's root state here (a replicated hot prefix)."""
-        shared = self.imported.pop(snap_id)
-        self.cache.add_root(task_id, await self.core.digest(self.tasks[task_id]), shared)
+        root = self.cache.root(task_id, await self.core.digest(self.tasks[task_id]))
+        return -1 if root is None else len(self._held(root, calls)) - 1
 
     async def materialise(self, task_id: str, calls: Sequence[ToolCall]) -> tuple[str, int]:
         """A new workspace in the state of the deepest prefix of `calls` held here, and its depth."""
-        task = self.tasks[task_id]
-        root = await self.core._root(task)
-        node, depth = root, 0
-        for c in calls:
-            child = self.cache.tree.child(node, c)
-            if child is None or not child.done:
-                break
-            node, depth = child, depth + 1
-        ws = await self.cache.materialize(node, task.engine_tools)
+        task, cache = self.tasks[task_id], self._cache()
+        path = self._held(await self.core._root(task), calls)
+        ws = await cache.materialize(path[-1], task.engine_tools)
         self.workspaces[ws.id] = ws
-        return ws.id, depth
+        return ws.id, len(path) - 1
 
     async def record(self, task_id: str, calls: Sequence[ToolCall], observation: str, ws_id: str,
                      exec_seconds: float = 0.0) -> bool:
         """Record that `calls[-1]`, run after the prefix `calls[:-1]` (which must be held here),
         observed `observation`, in the state workspace `ws_id` is in now. False when the shard
         already had it."""
-        root = await self.core._root(self.tasks[task_id])
-        parent = root
-        for c in calls[:-1]:
-            child = self.cache.tree.child(parent, c)
-            if child is None or not child.done:
-                raise KeyError(f"{task_id}: the prefix {list(calls[:-1])} is not held on host {self.name}")
-            parent = child
-        node, mine = self.cache.begin(parent, calls[-1])
+        cache = self._cache()
+        path = self._held(await self.core._root(self.tasks[task_id]), calls[:-1])
+        if len(path) < len(calls):
+            raise KeyError(f"{task_id}: the prefix {list(calls[:-1])} is not held on host {self.name}")
+        node, mine = cache.begin(path[-1], calls[-1])
         if not mine:
             return False
-        if self.cache.complete(node, observation, exec_seconds):
-            self.cache.attach(node, await run_blocking(SharedSnapshot.take, self.workspaces[ws_id]))
+        if cache.complete(node, observation, exec_seconds):
+            cache.attach(node, await run_blocking(SharedSnapshot.take, self.workspaces[ws_id]))
         return True
+
+    async def export_prefix(self, task_id: str, paths: Sequence[Sequence[ToolCall]], shared_dir: str | None = None,
+                            with_root: bool = True) -> dict[str, Any]:
+        """What another host needs to serve these prefixes as this shard does (graft()): the
+        recorded steps (observation, seconds) of each one's held part, and a saved copy of the
+        snapshot of the deepest resident node on the first, the hot one (the root only if
+        with_root). {"steps": [[(str, float)]], "at": that node's depth or -1, "saved": ...}"""
+        cache = self._cache()
+        root = cache.root(task_id, await self.core.digest(self.tasks[task_id]))
+        if root is None:
+            raise LookupError(f"host {self.name} holds no state of task {task_id}")
+        held = [self._held(root, p) for p in paths]
+        shared: SharedSnapshot | None = None
+        at = -1
+        with cache._lock:  # the reference is taken before eviction could release the state
+            for n in reversed(held[0] if held else [root]):
+                if isinstance(n.payload, SharedSnapshot) and (with_root or n.parent is not None):
+                    shared, at = n.payload.acquire(), n.depth
+                    break
+        saved = None
+        if shared is not None:
+            try:
+                saved = await self._save(shared.snap, shared_dir)
+            finally:
+                await shared.release_async()
+        steps = [[(n.result.result(), n.exec_seconds) for n in path[1:]] for path in held]
+        return {"steps": steps, "at": at, "saved": saved}
+
+    async def graft(self, task_id: str, paths: Sequence[Sequence[ToolCall]], exported: dict[str, Any]) -> int:
+        """Hold what another host's export_prefix(task_id, paths) gave: its steps become this
+        shard's nodes (as if they had run here), its snapshot the state of its node (the root's
+        state when that is the root). The task's root must be held here unless that snapshot is
+        it. The nodes between keep no state: a miss below them forks the nearest resident
+        ancestor and replays. Returns the depth at which a state came (-1: none)."""
+        cache = self._cache()
+        digest = await self.core.digest(self.tasks[task_id])
+        at = exported["at"]
+        shared = await self._load(exported["saved"]) if exported["saved"] is not None else None
+        try:
+            if at == 0 and shared is not None:
+                root: Node | None = cache.add_root(task_id, digest, shared)
+                shared = None
+            else:
+                root = cache.root(task_id, digest)
+            if root is None:
+                raise LookupError(f"host {self.name} holds no root state of task {task_id} to graft below")
+            for i, (calls, steps) in enumerate(zip(paths, exported["steps"], strict=True)):
+                node = root
+                for call, (observation, seconds) in zip(calls, steps, strict=False):
+                    node, mine = cache.begin(node, call)
+                    payload = None
+                    if i == 0 and node.depth == at:
+                        payload, shared = shared, None
+                    if mine:
+                        if cache.complete(node, observation, seconds) or payload is not None:
+                            cache.attach(node, payload)
+                    elif payload is not None:
+                        cache.attach(node, payload)  # a state already resident here keeps its own
+        finally:
+            if shared is not None:
+                await shared.release_async()
+        return at
+
+    # ---- speculation across the pool ----
+
+    async def take_timings(self) -> list[tuple[str, str, str, float]]:
+        """The tool and rollout timings this host's tail policy recorded since the last take."""
+        return self.core.tail.take_journal()
+
+    async def learn(self, selector: ToolSelector | None, timings: Sequence[tuple[str, str, str, float]]) -> None:
+        """The pool's next-call selector (fitted by the driver on every host's trajectories, as
+        a single host fits its own) and the other hosts' timings: this host then speculates as a
+        single host that had run every sample would."""
+        if selector is not None and self.core.speculator is not None:
+            self.core.speculator.selector = selector
+        self.core.tail.replay(timings)
 
     # ---- rollouts, stepped remotely ----
 
@@ -275,8 +357,9 @@ class WorkspaceHost:
         for rid in list(self.rollouts):
             with contextlib.suppress(Exception):
                 await self.close(rid)
-        await self.core.drain()
-        await run_blocking(self.cache.close)
+        await self.core.close()  # drains, and releases the initialized snapshots keep_initial kept
+        if self.cache is not None:
+            await run_blocking(self.cache.close)
         for ws in self.workspaces.values():
             with contextlib.suppress(Exception):
                 await run_blocking(ws.destroy)
@@ -327,15 +410,11 @@ def reap() -> dict[str, list[str]]:
     died) is destroyed, then bunshinfork's gc runs: on a named host, only its own state root,
     cgroup parent, bridge and layer store are touched."""
     destroyed = []
-    for ws_id in state.all_ids():
-        try:
-            rec = state.Record.load(ws_id)
-        except (OSError, ValueError, TypeError):
-            continue
+    for rec in state.records():
         if rec.status == "running" and not rec.creator_alive() and rec.creator_pid != os.getpid():
             with contextlib.suppress(Exception):
-                Workspace.connect(ws_id).destroy()
-                destroyed.append(ws_id)
+                Workspace.connect(rec.id).destroy()
+                destroyed.append(rec.id)
     out = pipeline.gc()
     out["reaped"] = destroyed
     return out

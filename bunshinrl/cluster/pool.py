@@ -17,7 +17,7 @@ from typing import Any
 
 from bunshinfork.host import HostConfig
 
-from .host import WorkspaceHost
+from .host import CoreFactory, WorkspaceHost
 
 RESOURCE_PREFIX = "bunshin-host-"
 
@@ -47,10 +47,14 @@ class Replication:
 
 class RayWorkspacePool:
     """The hosts' actors. `hosts` defaults to every bunshin host in the cluster (ray.init()
-    first). cache_bytes: each host's prefix-cache shard capacity."""
+    first). core: what each host runs its rollouts on, a function returning a RolloutCore,
+    called on the host (it travels there by value, as Ray's tasks do): Base, the cache, Spec or
+    Full, exactly as a single host's RolloutEngine(core=...) would; default: a prefix cache of
+    cache_bytes per host (the host's shard) and no speculation."""
 
-    def __init__(self, hosts: Sequence[str] | None = None, *, cache_bytes: int = 1 << 30, memory: str = "auto",
-                 replication: Replication | None = None, start_timeout: float = 120.0) -> None:
+    def __init__(self, hosts: Sequence[str] | None = None, *, core: CoreFactory | None = None,
+                 cache_bytes: int = 1 << 30, memory: str = "auto", replication: Replication | None = None,
+                 start_timeout: float = 120.0) -> None:
         import ray
 
         if not ray.is_initialized():
@@ -59,6 +63,7 @@ class RayWorkspacePool:
         if not names:
             raise RuntimeError(f"no Ray node offers a {RESOURCE_PREFIX}NAME resource: start nodes with "
                                f"--resources '{{\"{RESOURCE_PREFIX}a\": 1}}'")
+        self.core = core
         self.cache_bytes = cache_bytes
         self.memory = memory
         self.replication = replication or Replication()
@@ -75,7 +80,7 @@ class RayWorkspacePool:
         # node, held there by the node's own resource.
         return cls.options(resources=host_resources(name), num_cpus=0, max_restarts=0, max_concurrency=256,
                            runtime_env={"env_vars": HostConfig.named(name).env()}).remote(
-            name, self.cache_bytes, self.memory)
+            name, self.cache_bytes, self.memory, self.core)
 
     @property
     def hosts(self) -> list[str]:
