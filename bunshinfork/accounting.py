@@ -33,10 +33,8 @@ from pathlib import Path
 from . import memory as engines
 from .cgroups import Cgroup
 from .contract import Captured
-from .fs.store import fs_magic
+from .fs.store import TMPFS_MAGIC, fs_magic
 from .state import CgroupState, FsState, Record
-
-TMPFS_MAGIC = 0x01021994
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 from . import state
 from .cgroups import leftover_cgroups
 from .cgroups.watchdog import LOG_NAME
-from .fs import btrfs, store
+from .fs import btrfs, quota, store
 from .fs.btrfs import btrfsutil
 from .memory import ksm
 from .network import leftover_interfaces, nat
@@ -152,14 +151,9 @@ def subvolumes() -> set[str]:
 
 
 def qgroups() -> set[str]:
-    """The layer store's qgroups (none while its quotas are disabled)."""
-    if not store.mounted():
-        return set()
-    r = subprocess.run(["btrfs", "qgroup", "show", "--raw", str(store.STORE)],
-                       capture_output=True, text=True, timeout=30, check=False)
-    if r.returncode != 0:
-        return set()  # quotas not enabled
-    return {line.split()[0] for line in r.stdout.splitlines() if line[:1].isdigit()}
+    """The layer store's qgroups whose subvolume is gone (those of live subvolumes are counted as
+    subvolumes; none while its quotas are disabled)."""
+    return set(quota.stale(store.STORE)) if store.mounted() else set()
 
 
 def ksm_boost_holders() -> set[str]:

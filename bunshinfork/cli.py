@@ -146,6 +146,7 @@ def _create_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rootfs", help="'host' (default), 'debian', 'docker:IMAGE' or an absolute directory")
     p.add_argument("--hostname", help="host name inside the workspace (default: its id)")
     p.add_argument("--memory", metavar="SIZE", help="memory limit, e.g. 512M or 2G")
+    p.add_argument("--disk", metavar="SIZE", help="what the workspace may write (its layer, /tmp, /dev/shm), e.g. 1G")
     p.add_argument("--pids", metavar="N", type=int, help="maximum number of processes")
     p.add_argument("--network", choices=spec.NETWORK_MODES, help="network mode (default: none)")
     p.add_argument("--nat", action="store_true", help="masquerade a bridge network to the host's uplink")
@@ -161,6 +162,8 @@ def _create(args: argparse.Namespace) -> int:
     if args.memory is not None:
         # Parsed here so the error names the flag the user typed, not the spec field.
         overrides["memory_limit"] = spec.parse_size(args.memory, "--memory")
+    if args.disk is not None:
+        overrides["disk_limit"] = spec.parse_size(args.disk, "--disk")
     for flag, field_name in (("rootfs", "rootfs"), ("hostname", "hostname"), ("pids", "pids_limit"),
                              ("network", "network"), ("storage_dir", "storage_dir")):
         value = getattr(args, flag)

@@ -162,6 +162,7 @@ class SpawnConfig:
     ksm_merge: bool = False
     privileged: bool = False
     seccomp_bpf: bytes = b""  # loaded just before the init is exec'd (empty: none)
+    tmpfs_size: int = 0  # size= of /tmp and /dev/shm in bytes (0: tmpfs's defaults)
 
 
 def spawn(cfg: SpawnConfig) -> Spawned:
@@ -177,6 +178,7 @@ def spawn(cfg: SpawnConfig) -> Spawned:
     keep.append(bpf)
     c.seccomp_bpf = bpf
     c.seccomp_len = len(cfg.seccomp_bpf)
+    c.tmpfs_size = cfg.tmpfs_size
     pidfd = ffi.new("int *")
     sync_fd = ffi.new("int *")
     err_fd = ffi.new("int *")

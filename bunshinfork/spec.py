@@ -13,6 +13,8 @@ _HOSTNAME = re.compile(r"^[a-zA-Z0-9]([a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?$")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*$")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 MIN_MEMORY = 16 << 20
+MIN_DISK = 1 << 20  # below this overlayfs's own work files and a shell's history do not fit
+MAX_DISK = 1 << 60  # a qgroup limit and tmpfs's size= are 64-bit; past an exbibyte is a typo
 
 
 def parse_size(value: int | str | None, what: str) -> int | None:
@@ -46,6 +48,13 @@ class WorkspaceSpec:
       subvolume (see storage.setup_btrfs_loop). Default: the state root's tmpfs.
     ksm: opt every process into kernel samepage merging (prctl PR_SET_MEMORY_MERGE), so the
       "ksm" fork engine can merge a source with its clones. ksmd only runs during fork bursts.
+    disk_limit: what the workspace may write, in bytes or a string like '512M': its private
+      layer is held to it (a btrfs simple-quota limit on its subvolume, or a tmpfs of that size
+      where layers live on the state root's tmpfs), and so is each of its tmpfs mounts (/tmp,
+      /dev/shm). Past it, writes fail with EDQUOT (btrfs) or ENOSPC (tmpfs) inside the
+      workspace only. A file of the snapshot it was forked from counts only for the blocks the
+      workspace rewrites (its copy-up shares the extents by reflink); a root file system file
+      counts whole once modified. A fork inherits it. None: unbounded.
     privileged: keep every capability and an unmasked /proc. By default root inside a workspace
       has Docker's default capability set (no CAP_SYS_ADMIN, CAP_SYS_MODULE, CAP_MKNOD, ...)
       and /proc/sys, /proc/sysrq-trigger and friends are read-only or masked.
@@ -54,6 +63,7 @@ class WorkspaceSpec:
     rootfs: str = "host"
     hostname: str | None = None
     memory_limit: int | str | None = None
+    disk_limit: int | str | None = None
     pids_limit: int | None = None
     network: str = "none"
     nat: bool = False
@@ -83,6 +93,11 @@ class WorkspaceSpec:
         mem = parse_size(self.memory_limit, "memory_limit")
         if mem is not None and mem < MIN_MEMORY:
             raise SpecError(f"memory_limit {mem} bytes is below the {MIN_MEMORY >> 20} MiB a workspace needs")
+        disk = parse_size(self.disk_limit, "disk_limit")
+        if disk is not None and disk < MIN_DISK:
+            raise SpecError(f"disk_limit {disk} bytes is below the {MIN_DISK >> 20} MiB a workspace needs")
+        if disk is not None and disk > MAX_DISK:
+            raise SpecError(f"disk_limit {disk} bytes is past {MAX_DISK} (1 EiB); use None for no limit")
         if self.pids_limit is not None and (
             isinstance(self.pids_limit, bool) or not isinstance(self.pids_limit, int) or self.pids_limit < 4
         ):
@@ -96,7 +111,7 @@ class WorkspaceSpec:
         for k, v in self.env.items():
             if not isinstance(k, str) or not k or "=" in k or "\0" in k or not isinstance(v, str) or "\0" in v:
                 raise SpecError(f"env entry {k!r}={v!r} is invalid: names are non-empty without '=' or NUL")
-        return WorkspaceSpec(**{**asdict(self), "memory_limit": mem})
+        return WorkspaceSpec(**{**asdict(self), "memory_limit": mem, "disk_limit": disk})
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -54,6 +54,7 @@ class WorkspaceInfo:
     memory_limit: int | None
     pids_limit: int | None
     parent: str | None = None
+    disk_limit: int | None = None  # bytes its layer, /tmp and /dev/shm may each hold
     # Seconds per stage of building it: for a clone, its fork profile (the snapshot's freeze,
     # dump and holders as "snapshot.*", then layer, cgroup, mount, each CRIU restore phase as
     # "criu.*", the memory engine's share and readiness), and each subsystem's total.
@@ -196,7 +197,7 @@ class Workspace:
             storage=fs.layer.kind if fs and fs.layer else "", network=rec.network.info() if rec.network else {},
             cgroup_version=rec.cgroups.version if rec.cgroups else "",
             memory_limit=limit if isinstance(limit, int) else None, pids_limit=rec.spec.pids_limit,
-            parent=rec.parent, timings=dict(rec.timings),
+            parent=rec.parent, disk_limit=rec.spec.disk_limit, timings=dict(rec.timings),
         )
 
     def memory(self) -> MemoryStats:

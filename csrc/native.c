@@ -133,9 +133,19 @@ static const struct {
 	{"urandom", 1, 9}, {"tty", 5, 0}, {"ptmx", 5, 2},
 };
 
-static void child_setup_dev(int efd, const char *root)
+/* size= of a workspace tmpfs: its disk_limit where it has one, else `dflt` (empty: tmpfs's own). */
+static void tmpfs_opts(char *buf, size_t len, const struct bn_spawn_cfg *cfg, const char *dflt)
 {
-	char path[4096], step[160];
+	if (cfg->tmpfs_size)
+		snprintf(buf, len, "mode=1777,size=%llu", cfg->tmpfs_size);
+	else
+		snprintf(buf, len, "mode=1777%s", dflt);
+}
+
+static void child_setup_dev(int efd, const struct bn_spawn_cfg *cfg)
+{
+	const char *root = cfg->root;
+	char path[4096], step[160], opts[96];
 	child_mount(efd, root, "dev", "tmpfs", MS_NOSUID | MS_STRICTATIME, "mode=755,size=65536k");
 	for (size_t i = 0; i < sizeof(devices) / sizeof(devices[0]); i++) {
 		snprintf(path, sizeof(path), "%s/dev/%s", root, devices[i].name);
@@ -148,7 +158,8 @@ static void child_setup_dev(int efd, const char *root)
 	/* A private devpts instance: /dev/ptmx resolves through its sibling pts/. */
 	child_mount(efd, root, "dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
 		    "newinstance,ptmxmode=0666,mode=0620,gid=5");
-	child_mount(efd, root, "dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=50%");
+	tmpfs_opts(opts, sizeof(opts), cfg, ",size=50%");
+	child_mount(efd, root, "dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, opts);
 	static const char *links[][2] = {{"/proc/self/fd", "fd"}, {"/proc/self/fd/0", "stdin"},
 					 {"/proc/self/fd/1", "stdout"}, {"/proc/self/fd/2", "stderr"}};
 	for (size_t i = 0; i < 4; i++) {
@@ -246,7 +257,7 @@ static void child_load_seccomp(int efd, const struct bn_spawn_cfg *cfg)
 
 static void child_main(const struct bn_spawn_cfg *cfg, int sync_rd, int efd)
 {
-	char c, path[4096];
+	char c, path[4096], opts[96];
 	/* Wait until the parent has placed us in our cgroups. */
 	if (read(sync_rd, &c, 1) != 1)
 		_exit(126);
@@ -262,10 +273,11 @@ static void child_main(const struct bn_spawn_cfg *cfg, int sync_rd, int efd)
 		report(efd, "mount overlay root");
 	/* /proc first: CRIU needs it mounted before the old root goes away. */
 	child_mount(efd, cfg->root, "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
-	child_setup_dev(efd, cfg->root);
+	child_setup_dev(efd, cfg);
 	if (!cfg->privileged)
 		child_mask_proc(efd, cfg->root);
-	child_mount(efd, cfg->root, "tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777");
+	tmpfs_opts(opts, sizeof(opts), cfg, "");
+	child_mount(efd, cfg->root, "tmp", "tmpfs", MS_NOSUID | MS_NODEV, opts);
 	if (cfg->mount_sysfs)
 		child_mount(efd, cfg->root, "sys", "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
 			    NULL);

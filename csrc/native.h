@@ -12,6 +12,7 @@ struct bn_spawn_cfg {
 	int privileged;          /* keep every capability and an unmasked /proc */
 	const unsigned char *seccomp_bpf; /* struct sock_filter[] loaded just before exec, or NULL */
 	int seccomp_len;         /* its length in bytes */
+	unsigned long long tmpfs_size; /* size= of /tmp and /dev/shm in bytes (0: tmpfs's defaults) */
 };
 
 /* Clone the workspace's first process. It blocks until bn_spawn_release() is

@@ -20,7 +20,7 @@ from .. import native, state
 from ..contract import Build, Capture, Check, Held, Mount, Part
 from ..errors import ForkError
 from ..state import FsState, Layer
-from . import frozen, identity, layers, rootfs, store
+from . import btrfs, frozen, identity, layers, quota, rootfs, store
 from .btrfs import loop_devices_for, setup_btrfs_loop, teardown_btrfs_loop
 from .store import StorageWarning
 
@@ -72,12 +72,12 @@ def _overlay(fs: FsState) -> str:
 
 class FsPart(Part):
     name = "fs"
-    probes = (check_overlayfs, check_btrfs, store.check_store)
+    probes = (check_overlayfs, check_btrfs, store.check_store, quota.check_quotas)
 
     def prepare(self, b: Build) -> None:
         rec = b.rec
         root_fs = rootfs.resolve(rec.spec.rootfs)
-        layer = layers.create_layer(rec.id, rec.spec.storage_dir)
+        layer = layers.create_layer(rec.id, rec.spec.storage_dir, rec.spec.disk_limit)
         rec.fs = FsState(root_fs, layer)
         rec.save()
         identity.seed(Path(layer.upper), rec.hostname, root_fs)
@@ -124,7 +124,7 @@ class FsPart(Part):
         assert src is not None and src.layer is not None
         rec = b.rec
         with b.stage("fs.layer"):
-            layer = layers.create_layer(rec.id, rec.spec.storage_dir)
+            layer = layers.create_layer(rec.id, rec.spec.storage_dir, rec.spec.disk_limit)
             rec.fs = FsState(src.rootfs, layer, (src.layer, *src.lowers))
             rec.save()
             identity.write_identity(Path(layer.upper), rec.hostname)
@@ -162,8 +162,8 @@ class FsPart(Part):
                 frozen.drop_unused(fs.lowers, exclude=held.meta.id, own=fs.layer)
 
     def gc(self) -> list[str]:
-        """Layers under the default storage roots whose workspace left no record, and frozen
-        layers nothing uses."""
+        """Layers under the default storage roots whose workspace left no record, frozen
+        layers nothing uses, and the layer store's qgroups that outlived their subvolumes."""
         roots = [r for r in (store.ensure(), store.fallback_root()) if r is not None]
         removed = []
         now = time.time()
@@ -175,7 +175,10 @@ class FsPart(Part):
                             and now - path.stat().st_mtime > ORPHAN_AGE:
                         layers.remove_layer(layers.at(path))
                         removed.append(str(path))
-        return removed + frozen.orphans(roots)
+        removed += frozen.orphans(roots)
+        if roots and btrfs.is_btrfs(roots[0]):
+            removed += [f"qgroup {q}" for q in quota.settle(roots[0])]
+        return removed
 
 
 def _detach(point: Path) -> None:

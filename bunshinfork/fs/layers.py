@@ -14,9 +14,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from .. import native
 from ..errors import SpecError
 from ..state import Layer
-from . import store
+from . import quota, store
 from .btrfs import btrfsutil, is_btrfs
 
 SNAPSHOTS = "snapshots"  # frozen layers, beside the workspaces' layers of one storage root
@@ -32,13 +33,33 @@ def storage_root(storage_dir: str | None) -> Path:
     return p / "bunshin-layers"
 
 
-def create_layer(ws_id: str, storage_dir: str | None) -> Layer:
+def create_layer(ws_id: str, storage_dir: str | None, disk_limit: int | None = None) -> Layer:
+    """A new empty layer, held to `disk_limit` bytes: a qgroup limit on btrfs, a tmpfs of that
+    size on a tmpfs root (the state root's, where there is no layer store)."""
     root = storage_root(storage_dir)
     root.mkdir(parents=True, exist_ok=True)
     path = root / ws_id
     if is_btrfs(root):
         btrfsutil.create_subvolume(str(path))
         layer = Layer("btrfs", str(path))
+        if disk_limit is not None:
+            try:
+                quota.limit(str(path), disk_limit)
+            except BaseException:
+                remove_layer(layer)
+                raise
+    elif disk_limit is not None and store.fs_magic(root) == store.TMPFS_MAGIC:
+        path.mkdir()
+        layer = Layer("dir", str(path))
+        try:
+            native.mount("bunshin-layer", str(path), "tmpfs", native.MS_NOSUID | native.MS_NODEV,
+                         f"size={disk_limit},mode=755")
+        except BaseException:
+            remove_layer(layer)
+            raise
+    elif disk_limit is not None:
+        raise SpecError(f"disk_limit needs layers on btrfs or tmpfs, and {root} is on neither; "
+                        "put storage_dir on btrfs (see 'bunshin storage setup')")
     else:
         path.mkdir()
         layer = Layer("dir", str(path))
@@ -53,7 +74,12 @@ def remove_layer(lay: Layer) -> None:
     if lay.kind == "btrfs":
         # Overlay's work dir holds a root-owned 000 directory; subvolume deletion copes with it.
         btrfsutil.delete_subvolume(lay.path, recursive=True)
+        if quota.mode(Path(lay.path).parent) is not None:
+            # The qgroups of subvolumes dropped since, whose last extents went with them.
+            quota.sweep(Path(lay.path).parent)
     else:
+        if os.path.ismount(lay.path):  # a disk_limit's tmpfs
+            native.umount2(lay.path, native.MNT_DETACH)
         shutil.rmtree(lay.path)
 
 

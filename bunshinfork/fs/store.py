@@ -27,9 +27,10 @@ from . import btrfs
 STORE = HOST.layer_store
 IMAGE = STORE.with_name(STORE.name + ".img")
 DEFAULT_SIZE = 32 << 30
+TMPFS_MAGIC = 0x01021994
 # statfs magics of file systems an image must not be looped from: a second kernel's view of
 # the host's disk (9p, the guest's overlay root), or memory (tmpfs) where direct I/O is impossible.
-_NO_IMAGE_FS = {0x01021997: "9p", 0x794C7630: "overlay", 0x01021994: "tmpfs", 0x858458F6: "ramfs",
+_NO_IMAGE_FS = {0x01021997: "9p", 0x794C7630: "overlay", TMPFS_MAGIC: "tmpfs", 0x858458F6: "ramfs",
                 0x6969: "nfs", 0x65735546: "fuse"}
 
 

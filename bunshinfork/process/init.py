@@ -44,7 +44,7 @@ def spawn(rec: Record, root: str, overlay_opts: str, cgroup: Cgroup, ksm_merge: 
     sp = native.spawn(native.SpawnConfig(
         ns_flags=NS_FLAGS, root=root, overlay_opts=overlay_opts, hostname=rec.hostname, init_path=IN_WORKSPACE,
         mount_sysfs=spec.mount_sysfs, ksm_merge=ksm_merge, privileged=spec.privileged,
-        seccomp_bpf=b"" if spec.privileged else seccomp_profile.bpf(),
+        seccomp_bpf=b"" if spec.privileged else seccomp_profile.bpf(), tmpfs_size=spec.disk_limit or 0,
     ))
     init = InitState(sp.pid, proc_starttime(sp.pid) or 0)
     rec.process = init
