@@ -13,7 +13,7 @@ from .. import native
 from ..cgroups import Cgroup
 from ..contract import Build
 from ..errors import BunshinError
-from . import criu
+from . import cgyard, criu
 from .options import restore_opts
 
 # Called with each restore's live criu.Session right after it starts; failure-injection tests use
@@ -74,7 +74,8 @@ def restore_tree(b: Build) -> int:
                         os.kill(p, signal.SIGKILL)
 
     try:
-        opts = restore_opts(b.source.images, wfd, str(b.root.path), cg.hierarchy_paths(), fresh_net)
+        opts = restore_opts(b.source.images, wfd, str(b.root.path), cg.hierarchy_paths(), fresh_net,
+                            cgyard.of(b.source.dir))
         started = time.time()
         try:
             resp = criu.request("restore", opts, on_notify, keep_fds=(wfd,), ksm_merge=b.ksm_merge,
