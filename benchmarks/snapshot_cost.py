@@ -16,7 +16,10 @@ host's MemAvailable is no measure on a shared machine: it swings by hundreds of 
 two snapshots.) A complete snapshot of the
 same workspace (incremental=False) is taken before and after the chain as the reference.
 Then forks of one clone (and of --forks clones at once) from the complete snapshot and from
-the chain's tip, interleaved over --reps, each with its stage profile (Workspace.info().timings).
+the chain's tip, interleaved over --reps, each with its stage profile (Workspace.info().timings);
+and --parallel clones of the complete snapshot forked together (snap.fork(n)) against as many
+forked one after another (`parallel_fork`: the ratio of the two, and how many CRIU restores
+ran at one moment, from the clones' restore windows).
 The summary gives every figure as its median and range over seeds (and snapshots), and the
 README's table.
 
@@ -102,9 +105,32 @@ def fork_once(snap: Snapshot, n: int) -> dict[str, Any]:
             "profile": profile}
 
 
+def overlap(windows: list[tuple[float, float]]) -> int:
+    """The most CRIU restores running at one moment."""
+    edges = sorted([(a, 1) for a, _ in windows] + [(b, -1) for _, b in windows])
+    now = most = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
+
+
+def parallel_once(snap: Snapshot, n: int, concurrent: bool) -> dict[str, Any]:
+    """n clones of `snap`: forked together (snap.fork(n)) or one after another."""
+    t0 = time.monotonic()
+    clones = snap.fork(n) if concurrent else [c for _ in range(n) for c in snap.fork(1)]
+    took = time.monotonic() - t0
+    ok = [c for c in clones if isinstance(c, Workspace)]
+    windows = [w for c in ok if (w := c.info().restore_window) is not None]
+    for c in ok:
+        c.destroy()
+    return {"concurrent": concurrent, "clones": n, "seconds": took, "failed": len(clones) - len(ok),
+            "restores_at_once": overlap(windows)}
+
+
 def run_engine(engine: str, seed: int, size_mib: int, dirty_mib: float, count: int, forks: list[int],
-               reps: int) -> dict:
-    out: dict[str, Any] = {"engine": engine, "seed": seed, "snapshots": [], "forks": []}
+               reps: int, parallel: int = 0) -> dict:
+    out: dict[str, Any] = {"engine": engine, "seed": seed, "snapshots": [], "forks": [], "parallel": []}
     with Workspace.create(ksm=engine == "ksm") as src:
         procs = populate(src, size_mib, seed=seed)
         print(f"[{engine}] source: {procs} processes, pss {src.memory().pss / 2**20:.0f} MiB", flush=True)
@@ -145,6 +171,13 @@ def run_engine(engine: str, seed: int, size_mib: int, dirty_mib: float, count: i
                                    **fork_once(snap, n)}
                             out["forks"].append(row)
                             print(f"[{engine}] fork {n} from {which}: {row['seconds']:.2f}s", flush=True)
+                    if parallel > 1 and (engine == "cow" or parallel * size_mib * 2 < meminfo()["MemAvailable"] >> 20):
+                        # Together and one after another, the order alternated by rep.
+                        for concurrent in ((True, False) if rep % 2 == 0 else (False, True)):
+                            row = {"rep": rep, **parallel_once(full, parallel, concurrent)}
+                            out["parallel"].append(row)
+                            print(f"[{engine}] {parallel} clones {'together' if concurrent else 'in turn'}: "
+                                  f"{row['seconds']:.2f}s, {row['restores_at_once']} restores at once", flush=True)
         finally:
             for s in chain_snaps:
                 s.release()
@@ -170,6 +203,10 @@ def summarize_engine(runs: list[dict]) -> dict:
         if f["from"] == "complete":
             for k, v in f["profile"].items():
                 stages[k].append(v)
+    # Clones forked together against the same number forked one after another, per rep.
+    par = [r.get("parallel", []) for r in runs]
+    pairs = [(a, b) for rows in par for a in rows if a["concurrent"] and not a["failed"]
+             for b in rows if not b["concurrent"] and b["rep"] == a["rep"] and not b["failed"]]
     many: dict[str, list[float]] = defaultdict(list)
     for r in runs:
         for f in r["forks"]:
@@ -186,6 +223,13 @@ def summarize_engine(runs: list[dict]) -> dict:
         "fork_seconds": {w: _spread([f["seconds"] for f in forks1 if f["from"] == w]) for w in ("complete", "tip")},
         "fork_many_seconds": {k: _spread(v) for k, v in many.items()},
         "fork_profile_median": {k: statistics.median(v) for k, v in sorted(stages.items())},
+        "parallel_fork": {
+            "clones": pairs[0][0]["clones"] if pairs else None,
+            "together_seconds": _spread([a["seconds"] for a, _ in pairs]),
+            "in_turn_seconds": _spread([b["seconds"] for _, b in pairs]),
+            "ratio": _spread([a["seconds"] / b["seconds"] for a, b in pairs]),
+            "restores_at_once": _spread([a["restores_at_once"] for a, _ in pairs]),
+        },
     }
 
 
@@ -236,6 +280,8 @@ def main() -> int:
     ap.add_argument("--engines", default="copy,ksm")
     ap.add_argument("--forks", default="1,4", help="clones per fork")
     ap.add_argument("--reps", type=int, default=2, help="forks of each kind per seed")
+    ap.add_argument("--parallel", type=int, default=4,
+                    help="clones forked together and one after another from the complete snapshot (0: none)")
     ap.add_argument("--seeds", type=int, default=2,
                     help="fresh sources per engine (heap content seeded), engines interleaved in rotated order")
     ap.add_argument("--out", required=True)
@@ -247,7 +293,8 @@ def main() -> int:
     results = []
     for seed in range(args.seeds):
         for e in engines[seed % len(engines):] + engines[:seed % len(engines)]:
-            results.append(run_engine(e, seed, args.size_mib, args.dirty_mib, args.snapshots, forks, args.reps))
+            results.append(run_engine(e, seed, args.size_mib, args.dirty_mib, args.snapshots, forks, args.reps,
+                                      args.parallel))
     summary = summarize(results, criu.dirty_tracking())
     doc = {"args": vars(args), "summary": summary, "results": results,
            "machine": {"cpus": os.cpu_count(), "mem_total_bytes": meminfo()["MemTotal"], "kernel": os.uname().release}}

@@ -94,6 +94,12 @@ def set_hostname_in(pid: int, name: str) -> None:
     _check(lib.bn_set_hostname_in(pid, name.encode()), f"set hostname of {pid}")
 
 
+def loopback_up_in(pid: int) -> None:
+    """Bring up the loopback interface in the network namespace of `pid` (the kernel gives it
+    127.0.0.1/8 and ::1)."""
+    _check(lib.bn_loopback_up_in(pid), f"bring up lo of {pid}")
+
+
 def _neg_errno(rc: int, what: str) -> int:
     if rc < 0:
         raise OSError(-rc, f"{what}: {os.strerror(-rc)}")

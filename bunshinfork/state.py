@@ -280,6 +280,9 @@ class Record:
     # Seconds per subsystem while it was built ("fs"), and per stage within one ("fs.layer"); a
     # clone's also name the snapshot's stages ("snapshot.freeze").
     timings: dict[str, float] = field(default_factory=dict)
+    # A clone's CRIU restore, from the start of CRIU to its answer, in wall-clock seconds: how
+    # the restores of clones forked together overlap.
+    restore_window: tuple[float, float] | None = None
     lifetime: Lifetime = field(default_factory=Lifetime)
     # E2B's sandbox metadata and the template it was created from (sandbox.py).
     metadata: dict[str, str] = field(default_factory=dict)

@@ -59,6 +59,8 @@ class WorkspaceInfo:
     # dump and holders as "snapshot.*", then layer, cgroup, mount, each CRIU restore phase as
     # "criu.*", the memory engine's share and readiness), and each subsystem's total.
     timings: dict[str, float] = field(default_factory=dict)
+    # A clone's CRIU restore (wall clock: started, answered); None for a created workspace.
+    restore_window: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -198,6 +200,7 @@ class Workspace:
             cgroup_version=rec.cgroups.version if rec.cgroups else "",
             memory_limit=limit if isinstance(limit, int) else None, pids_limit=rec.spec.pids_limit,
             parent=rec.parent, disk_limit=rec.spec.disk_limit, timings=dict(rec.timings),
+            restore_window=rec.restore_window,
         )
 
     def memory(self) -> MemoryStats:

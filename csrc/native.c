@@ -11,6 +11,7 @@
 #include <linux/sched.h>
 #include <linux/seccomp.h>
 #include <net/if.h>
+#include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdint.h>
@@ -53,39 +54,68 @@ int bn_prctl(int option, unsigned long a2, unsigned long a3, unsigned long a4, u
 	return prctl(option, a2, a3, a4, a5);
 }
 
-/* Set the hostname inside another process's UTS namespace. setns() is done in a forked
- * child so the calling (possibly multi-threaded) process never changes namespace. The
- * child is made with the raw syscall: fork() would run every library's atfork handlers in
- * this multi-threaded process (OpenBLAS's, under numpy, deadlocked parallel forks), and
- * the child makes system calls only. */
-int bn_set_hostname_in(int pid, const char *name)
+/* Work inside another process's UTS or network namespace, done by a thread of our own that
+ * enters it (setns changes only the calling thread's UTS and network namespaces) and ends
+ * there: the calling (multi-threaded) process never changes namespace, and nothing is forked
+ * (a fork of this process costs milliseconds per clone, and would run every library's atfork
+ * handlers: OpenBLAS's, under numpy, deadlocked parallel forks). */
+struct ns_job {
+	int fd, nstype, err;
+	const char *hostname; /* CLONE_NEWUTS: the name to set */
+};
+
+static int loopback_up(void)
+{
+	int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+	struct ifreq ifr;
+	if (s < 0)
+		return -1;
+	memset(&ifr, 0, sizeof(ifr));
+	strcpy(ifr.ifr_name, "lo");
+	int rc = ioctl(s, SIOCGIFFLAGS, &ifr);
+	if (rc == 0) {
+		ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+		rc = ioctl(s, SIOCSIFFLAGS, &ifr);
+	}
+	int e = errno;
+	close(s);
+	errno = e;
+	return rc;
+}
+
+static void *ns_job_run(void *arg)
+{
+	struct ns_job *j = arg;
+	int rc = setns(j->fd, j->nstype);
+	if (rc == 0)
+		rc = j->nstype == CLONE_NEWUTS ? sethostname(j->hostname, strlen(j->hostname)) : loopback_up();
+	j->err = rc < 0 ? errno : 0;
+	return NULL;
+}
+
+static int in_ns_of(int pid, int nstype, const char *ns, const char *hostname)
 {
 	char path[64];
-	snprintf(path, sizeof(path), "/proc/%d/ns/uts", pid);
-	int fd = open(path, O_RDONLY | O_CLOEXEC);
-	if (fd < 0)
+	snprintf(path, sizeof(path), "/proc/%d/ns/%s", pid, ns);
+	struct ns_job j = {.fd = open(path, O_RDONLY | O_CLOEXEC), .nstype = nstype, .hostname = hostname};
+	if (j.fd < 0)
 		return -1;
-	pid_t child = (pid_t)syscall(SYS_clone, SIGCHLD, 0, NULL, NULL, 0);
-	if (child < 0) {
-		close(fd);
-		return -1;
-	}
-	if (child == 0) {
-		if (setns(fd, CLONE_NEWUTS) < 0 || sethostname(name, strlen(name)) < 0)
-			_exit(errno & 0xff);
-		_exit(0);
-	}
-	close(fd);
-	int status;
-	while (waitpid(child, &status, 0) < 0)
-		if (errno != EINTR)
-			return -1;
-	if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-		errno = WIFEXITED(status) ? WEXITSTATUS(status) : ECHILD;
+	pthread_t t;
+	int rc = pthread_create(&t, NULL, ns_job_run, &j);
+	if (rc == 0)
+		rc = pthread_join(t, NULL);
+	else
+		j.err = rc;
+	close(j.fd);
+	if (j.err) {
+		errno = j.err;
 		return -1;
 	}
 	return 0;
 }
+
+int bn_set_hostname_in(int pid, const char *name) { return in_ns_of(pid, CLONE_NEWUTS, "uts", name); }
+int bn_loopback_up_in(int pid) { return in_ns_of(pid, CLONE_NEWNET, "net", NULL); }
 
 /* ---- child side of bn_spawn: raw syscalls and stack buffers only ---- */
 

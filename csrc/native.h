@@ -31,6 +31,8 @@ int bn_mount(const char *source, const char *target, const char *fstype, unsigne
 int bn_umount2(const char *target, int flags);
 int bn_prctl(int option, unsigned long a2, unsigned long a3, unsigned long a4, unsigned long a5);
 int bn_set_hostname_in(int pid, const char *name);
+/* Bring up the loopback interface of `pid`'s network namespace. */
+int bn_loopback_up_in(int pid);
 
 /* ptrace syscall injection (csrc/inject.c). Negative returns are -errno. */
 int bn_ptrace_seize(int pid);

@@ -23,7 +23,7 @@ from ..cgroups import Cgroup
 from ..contract import Capture
 from ..errors import CriuError
 from ..state import Lineage, SnapshotMeta
-from . import chain, criu, forkcheck, pages
+from . import cgyard, chain, criu, forkcheck, pages
 from .images import dump_stats, rearm_expired_timerfds
 from .options import dump_opts
 
@@ -96,12 +96,18 @@ def dump_tree(c: Capture) -> None:
     rec.save()
     for step in c.after_dump:
         step()
-    # Image fix-ups need not hold the source frozen.
+    # Image fix-ups need not hold the source frozen, nor what every clone's restore reuses.
     c.after_thaw.append(lambda: rearm_expired_timerfds(images))
+    c.after_thaw.append(lambda: _prepare_yard(c))
     if c.delta and c.dedupe:
         c.after_thaw.append(lambda: _dedupe(c, lineage))
     else:
         _record_parent(c)
+
+
+def _prepare_yard(c: Capture) -> None:
+    with c.stage("cgyard"):
+        cgyard.prepare(c.snap.dir, c.snap.images)
 
 
 def _tracked_candidate(c: Capture, lineage: Lineage) -> bool:

@@ -13,7 +13,7 @@ from .. import native
 from ..cgroups import Cgroup
 from ..contract import Build
 from ..errors import BunshinError
-from . import criu
+from . import cgyard, criu
 from .options import restore_opts
 
 # Called with each restore's live criu.Session right after it starts; failure-injection tests use
@@ -49,6 +49,8 @@ def restore_tree(b: Build) -> int:
     restored_init: list[int] = []
     failed: list[BaseException] = []
     clock = _PhaseClock(b.rec.timings)
+    spec = b.source.meta.spec
+    fresh_net = not spec.privileged and spec.network == "none"
 
     def on_notify(script: str, pid: int) -> None:
         clock.mark(script)
@@ -56,6 +58,8 @@ def restore_tree(b: Build) -> int:
         # killed, a later step failing) only we can reap it.
         if script == "setup-namespaces" and pid > 0:
             restored_init.append(pid)
+            if fresh_net:
+                native.loopback_up_in(pid)
         elif script == "pre-resume" and b.pre_resume:
             pids = cg.pids()
             try:
@@ -70,11 +74,14 @@ def restore_tree(b: Build) -> int:
                         os.kill(p, signal.SIGKILL)
 
     try:
-        opts = restore_opts(b.source.images, wfd, str(b.root.path), cg.hierarchy_paths())
+        opts = restore_opts(b.source.images, wfd, str(b.root.path), cg.hierarchy_paths(), fresh_net,
+                            cgyard.of(b.source.dir))
+        started = time.time()
         try:
             resp = criu.request("restore", opts, on_notify, keep_fds=(wfd,), ksm_merge=b.ksm_merge,
                                 log=work / "restore.log", session_hook=RESTORE_HOOK)
             clock.mark(None)
+            b.rec.restore_window = (started, time.time())
         except BunshinError as e:
             # Tasks killed for a failed pre-resume step can fail CRIU's detach: name the first cause.
             if failed:
