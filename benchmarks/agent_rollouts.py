@@ -9,6 +9,8 @@ Tasks (each with a verifier that reads the final workspace):
          runs (seconds each), the reward reads build/test.log
   shop   bunshinrl.envs.webshop: PostgreSQL + the shop + headless Chromium; search, add to cart,
          check out; the reward reads the orders in SQL
+  gui    bunshinrl.envs.gui: the X11 desktop (Xvfb + openbox + Mousepad); find and focus the
+         editor, replace the text, save, check the title; the reward reads the saved file
 The agent (benchmarks/agent_policy.py) is closed-loop: its candidates come from what it observed;
 its reasoning time comes from the documented GPU-server latency model, printed before the run.
 
@@ -60,6 +62,7 @@ from agent_policy import (
     Server,
     StochasticAgent,
     coding_candidates,
+    gui_candidates,
     shop_candidates,
 )
 
@@ -74,7 +77,7 @@ from bunshinrl import (
     Task,
     ToolPrefixCache,
 )
-from bunshinrl.envs import coding, webshop
+from bunshinrl.envs import coding, gui, webshop
 from bunshinrl.speculator import PLACEMENTS
 
 DEFAULT_PLACEMENT = Speculator().placement
@@ -82,6 +85,8 @@ DEFAULT_PLACEMENT = Speculator().placement
 MiB = 1 << 20
 CONFIGS = ("CRIU", "Base", "Spec", "Full")
 SHOP_ORDERS = ({"MUG-BLU": 2, "TEA-GRN": 1}, {"TEA-GRN": 1}, {"MUG-BLU": 1})
+GUI_TARGETS = ("Meeting moved to Friday 10:00", "Ship it on Friday", "Lunch at noon in room 4")
+FAMILIES = ("code", "shop", "gui")
 
 
 # ---- tasks ----
@@ -99,9 +104,14 @@ def build_tasks(families: list[str], seed: int, code_tasks: int) -> tuple[list[T
         t = dataclasses.replace(webshop.make_env(items=items), id=f"shop-{seed}")
         tasks.append(t)
         cands[t.id] = shop_candidates(items, webshop.DEFAULT_NAME, webshop.DEFAULT_ADDRESS)
-    unknown = set(families) - {"code", "shop"}
+    if "gui" in families:
+        target = GUI_TARGETS[seed % len(GUI_TARGETS)]
+        t = dataclasses.replace(gui.make_env(target=target, apps=("editor",)), id=f"gui-{seed}")
+        tasks.append(t)
+        cands[t.id] = gui_candidates(target)
+    unknown = set(families) - set(FAMILIES)
     if unknown:
-        raise SystemExit(f"unknown task families {sorted(unknown)}; use code, shop")
+        raise SystemExit(f"unknown task families {sorted(unknown)}; use {', '.join(FAMILIES)}")
     return tasks, cands
 
 
@@ -440,7 +450,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--placements", default=DEFAULT_PLACEMENT,
                     help=f"speculation placements to compare, of {','.join(PLACEMENTS)}: each one but the "
                          f"default ({DEFAULT_PLACEMENT}, Spec's) adds a configuration Spec@PLACEMENT")
-    ap.add_argument("--families", help="comma-separated: code, shop")
+    ap.add_argument("--families", help="comma-separated: code, shop, gui")
     ap.add_argument("--code-tasks", type=int)
     ap.add_argument("--group-size", type=int)
     ap.add_argument("--epochs", type=int)
@@ -453,7 +463,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--slow-seconds", type=float, default=1.0, help="a call this slow is a 'slow tool'")
     a = ap.parse_args()
     quick = {"seeds": 1, "families": "code,shop", "code_tasks": 1, "group_size": 3, "epochs": 3}
-    full = {"seeds": 3, "families": "code,shop", "code_tasks": 2, "group_size": 4, "epochs": 3}
+    full = {"seeds": 3, "families": "code,shop,gui", "code_tasks": 2, "group_size": 4, "epochs": 3}
     for k, v in (quick if a.quick else full).items():
         if getattr(a, k) is None:
             setattr(a, k, v)

@@ -29,6 +29,7 @@ LatencyModel = agent_policy.LatencyModel
 Server = agent_policy.Server
 StochasticAgent = agent_policy.StochasticAgent
 coding_candidates = agent_policy.coding_candidates
+gui_candidates = agent_policy.gui_candidates
 shop_candidates = agent_policy.shop_candidates
 
 
@@ -78,6 +79,27 @@ def test_candidates_follow_the_observations() -> None:
     page = [Step(first, "http://shop/search?q=tea\n\nGreen Tea (100 g)\nTea · $4.50")]
     add = ToolCall("click", {"selector": "button[aria-label='Add Green Tea (100 g) to cart']"})
     assert shop("shop-0", page)[0] == add
+
+
+def test_gui_candidates_follow_the_window_titles() -> None:
+    C = ToolCall
+    gui = gui_candidates("Ship it")
+    assert gui("gui-0", [])[0] == C("list_windows")
+    windows = "0x1 at (0, 0) size 640x480 'notes.txt - Mousepad'\n0x2 at (9, 9) size 80x24 'Terminal'"
+    seen = [Step(C("list_windows"), windows)]
+    assert gui("gui-0", seen) == [C("activate_window", {"title": "Mousepad"}),
+                                  C("activate_window", {"title": "Terminal"})]
+    wrong = [*seen, Step(C("activate_window", {"title": "Terminal"}), "activated 'Terminal'")]
+    assert gui("gui-0", wrong)[0] == C("activate_window", {"title": "Mousepad"})
+    typed = [*seen, Step(C("activate_window", {"title": "Mousepad"}), "activated 'notes.txt - Mousepad'"),
+             Step(C("key", {"combo": "ctrl+a"}), "pressed ctrl+a"), Step(C("type_text", {"text": "Ship it"}), "typed")]
+    assert gui("gui-0", typed[:-1])[0] == C("type_text", {"text": "Ship it"})
+    saved = [*typed, Step(C("key", {"combo": "ctrl+s"}), "pressed ctrl+s")]
+    assert gui("gui-0", saved)[0] == C("list_windows")
+    # The title still marks the file modified: save again; once it does not, the task is done.
+    dirty = [*saved, Step(C("list_windows"), "0x1 at (0, 0) size 640x480 '*notes.txt - Mousepad'")]
+    assert gui("gui-0", dirty)[0] == C("key", {"combo": "ctrl+s"})
+    assert isinstance(gui("gui-0", [*saved, Step(C("list_windows"), windows)])[0], FinalAnswer)
 
 
 def test_one_real_epoch_of_base_on_the_coding_task() -> None:
