@@ -305,24 +305,36 @@ def summary(seeds: dict[int, dict[str, Any]], epochs: int) -> dict[str, Any]:
     return {n: {"epoch_seconds": _spread([statistics.mean(s[n]["epoch_seconds"][e] for e in later) for s in vals]),
                 "oracle_seconds": _spread([statistics.mean(s[n]["oracle_seconds"][e] for e in later) for s in vals]),
                 "peak_memory_mib": _spread([s[n]["peak_memory_bytes"] / MiB for s in vals]),
-                "hit_rate_last_epoch": _spread([s[n]["hit_rate_per_epoch"]["total"][e3] for s in vals]),
+                "hit_rate_epoch3": _spread([s[n]["hit_rate_per_epoch"]["total"][e3] for s in vals]),
                 "reward": _spread([statistics.mean(r for r in s[n]["reward_per_epoch"] if r is not None)
                                    for s in vals]),
                 "errors": sum(len(s[n]["errors"]) for s in vals), "epochs": later}
             for n in names}
 
 
-def placements(summ: dict[str, Any]) -> dict[str, Any]:
-    """Epoch time and peak memory per speculation placement ("Spec" is the default's)."""
+def placements(seeds: dict[int, dict[str, Any]], summ: dict[str, Any], epochs: int) -> dict[str, Any]:
+    """Epoch time and peak memory per speculation placement ("Spec" is the default's), and each
+    other placement's ratios to the default's, paired within every seed."""
     out: dict[str, Any] = {}
     for n, v in summ.items():
         kind, _, p = n.partition("@")
         if kind == "Spec":
-            out.setdefault(p or DEFAULT_PLACEMENT, {"config": n, "epoch_seconds": v["epoch_seconds"],
-                                                    "peak_memory_mib": v["peak_memory_mib"]})
-    if len(out) > 1:
-        fastest = min(out, key=lambda p: out[p]["epoch_seconds"]["mean"])
-        out["shorter_epoch"] = fastest
+            stats = [s[n].get("speculation") or {} for s in seeds.values()]
+            out.setdefault(p or DEFAULT_PLACEMENT, {
+                "config": n, "epoch_seconds": v["epoch_seconds"], "peak_memory_mib": v["peak_memory_mib"],
+                # chains launched, calls adopted and chains mismatched, over all epochs and seeds
+                "speculation": {k: sum(x.get(k, 0) for x in stats) for k in ("launched", "hits", "mismatches")}})
+    if len(out) > 1 and DEFAULT_PLACEMENT in out:
+        later = _later(epochs)
+        for p, v in out.items():
+            if p != DEFAULT_PLACEMENT:
+                a, b = v["config"], out[DEFAULT_PLACEMENT]["config"]
+                v["epoch_ratio_to_default"] = _spread([
+                    statistics.mean(s[a]["epoch_seconds"][e] for e in later)
+                    / statistics.mean(s[b]["epoch_seconds"][e] for e in later) for s in seeds.values()])
+                v["peak_memory_ratio_to_default"] = _spread([s[a]["peak_memory_bytes"] / s[b]["peak_memory_bytes"]
+                                                             for s in seeds.values()])
+        out["shorter_epoch"] = min(out, key=lambda p: out[p]["epoch_seconds"]["mean"])
         out["default"] = DEFAULT_PLACEMENT
     return out
 
@@ -488,7 +500,7 @@ def finish(out: Path, seeds: dict[int, dict[str, Any]], meta: dict[str, Any]) ->
         "seeds": {str(k): {n: v for n, v in s.items() if n != "_series"} for k, s in seeds.items()},
         "series": {str(k): s["_series"] for k, s in seeds.items()},
         "summary": summ,
-        "placements": placements(summ),
+        "placements": placements(seeds, summ, epochs),
         "targets": tg,
         "figures": figures,
     }
@@ -497,7 +509,7 @@ def finish(out: Path, seeds: dict[int, dict[str, Any]], meta: dict[str, Any]) ->
     for n, v in summ.items():
         e, m = v["epoch_seconds"], v["peak_memory_mib"]
         print(f"  {n:16s} epoch {e['mean']:6.1f} s [{e['min']:.1f}, {e['max']:.1f}]  peak {m['mean']:7.1f} MiB "
-              f"[{m['min']:.1f}, {m['max']:.1f}]  hit rate {v['hit_rate_last_epoch']['mean']:5.1%}  "
+              f"[{m['min']:.1f}, {m['max']:.1f}]  hit rate {v['hit_rate_epoch3']['mean']:5.1%}  "
               f"errors {v['errors']}")
     print("placements: " + json.dumps(result["placements"]))
     print("targets (reached vs target):")
