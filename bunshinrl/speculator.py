@@ -44,6 +44,11 @@ Placement = Literal["live", "fork_first"]
 PLACEMENTS: tuple[Placement, ...] = ("live", "fork_first")
 
 
+def _check_placement(placement: str) -> None:
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, not {placement!r}")
+
+
 @dataclass(frozen=True)
 class SpecHit:
     observation: str
@@ -74,8 +79,7 @@ class SpeculativeBranch:
 
     def __init__(self, owner: Speculator, ws: Workspace, snapshot: SharedSnapshot, calls: Sequence[ToolCall],
                  tools: Mapping[str, Tool], placement: Placement = "live") -> None:
-        if placement not in PLACEMENTS:
-            raise ValueError(f"placement must be one of {PLACEMENTS}, not {placement!r}")
+        _check_placement(placement)
         loop = asyncio.get_running_loop()
         self._owner = owner
         self.calls = list(calls)
@@ -317,8 +321,7 @@ class Speculator:
                  min_probability: float = 0.5, placement: Placement = "live") -> None:
         if depth < 1:
             raise ValueError("depth must be >= 1")
-        if placement not in PLACEMENTS:
-            raise ValueError(f"placement must be one of {PLACEMENTS}, not {placement!r}")
+        _check_placement(placement)
         self.placement = placement
         self.selector = selector
         self.depth = depth
