@@ -275,14 +275,8 @@ class Soak:
                 if criu:
                     self.kill(self.rng.choice(criu), "criu (restore or pre-dump)", frozen)
             elif kind == "init":
-                inits = []
-                for ws_id in state.all_ids():
-                    try:
-                        rec = Record.load(ws_id)
-                    except (FileNotFoundError, ValueError):
-                        continue
-                    if rec.process is not None and rec.creator_pid in pids:
-                        inits.append(rec.process.pid)
+                inits = [rec.process.pid for rec in state.records()
+                         if rec.process is not None and rec.creator_pid in pids]
                 if inits:
                     self.kill(self.rng.choice(inits), "init", frozen)
 

@@ -240,10 +240,9 @@ def _listed(include_dead: bool) -> list[WorkspaceInfo]:
     if not include_dead:
         return [info for info in Workspace.list() if info.state != "dead"]
     out = []
-    for ws_id in state.all_ids():
-        with contextlib.suppress(FileNotFoundError, ValueError, TypeError, BunshinError):
-            rec = state.Record.load(ws_id)
-            if rec.status in ("running", "creating"):
+    for rec in state.records():
+        if rec.status in ("running", "creating"):
+            with contextlib.suppress(BunshinError):
                 out.append(Workspace(rec).info())
     return out
 

@@ -183,11 +183,7 @@ def collect() -> list[str]:
     left on the host, and a workspace whose init outlived its deadline (frozen ones wait until
     they are resumed). Every create, connect, list and gc runs it: there is no daemon."""
     removed = []
-    for ws_id in state.all_ids():
-        try:
-            rec = Record.load(ws_id)
-        except (FileNotFoundError, ValueError):
-            continue
+    for rec in state.records():
         if rec.status != "running" or not lifetime.ended(rec):
             continue
         if rec.init_alive() and rec.cgroups is not None:
@@ -196,7 +192,7 @@ def collect() -> list[str]:
                     continue
         with contextlib.suppress(BunshinError):
             release(Build(rec))
-            removed.append(ws_id)
+            removed.append(rec.id)
     return removed
 
 

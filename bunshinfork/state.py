@@ -303,6 +303,18 @@ class Record:
         return proc_starttime(self.creator_pid) is not None
 
 
+def records(exclude: str | None = None) -> Iterator[Record]:
+    """Every readable workspace record, by id. One being removed or half written (a creator
+    that died before saving it) is skipped: only gc, which reads ids, deals with those."""
+    for ws_id in all_ids():
+        if ws_id == exclude:
+            continue
+        try:
+            yield Record.load(ws_id)
+        except (OSError, ValueError):
+            continue
+
+
 @dataclass
 class SnapshotMeta:
     """A snapshot: what it was taken from and with, and each subsystem's captured state."""

@@ -146,10 +146,9 @@ class Workspace:
     def list() -> list[WorkspaceInfo]:
         pipeline.collect()
         out = []
-        for ws_id in state.all_ids():
-            with contextlib.suppress(FileNotFoundError, ValueError, BunshinError):
-                rec = Record.load(ws_id)
-                if rec.status == "running":
+        for rec in state.records():
+            if rec.status == "running":
+                with contextlib.suppress(BunshinError):
                     out.append(Workspace(rec).info())
         return out
 

@@ -123,13 +123,9 @@ def my_workspaces() -> set[str]:
     from bunshinfork import state
 
     mine = set()
-    for ws_id in state.all_ids():
-        try:
-            rec = state.Record.load(ws_id)
-        except (OSError, ValueError, TypeError):
-            continue
+    for rec in state.records():
         if rec.creator_pid == os.getpid() and rec.status != "destroyed":
-            mine.add(ws_id)
+            mine.add(rec.id)
     return mine
 
 

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from .. import state
-from ..state import FsState, Layer, Record, SnapshotMeta
+from ..state import FsState, Layer, SnapshotMeta
 from . import layers
 from .btrfs import btrfsutil, same_fs
 
@@ -205,13 +205,9 @@ def _references(exclude: str) -> set[str]:
     """Paths of the frozen layers any workspace or snapshot other than `exclude` (and other than
     those being released) stacks or holds."""
     refs: set[str] = set()
-    for ws_id in state.all_ids():
-        if ws_id == exclude or _releasing(ws_id):
-            continue
-        with contextlib.suppress(FileNotFoundError, ValueError):
-            rec = Record.load(ws_id)
-            if rec.fs is not None and rec.status != "destroyed":
-                refs.update(lay.path for lay in rec.fs.lowers)
+    for rec in state.records(exclude):
+        if rec.fs is not None and rec.status != "destroyed" and not _releasing(rec.id):
+            refs.update(lay.path for lay in rec.fs.lowers)
     for snap_id in state.snapshot_ids():
         if snap_id == exclude or _releasing(snap_id):
             continue

@@ -116,11 +116,7 @@ def _parse_alias(alias: str) -> dict[str, str]:
 def _records() -> dict[str, tuple[NetworkState, bool]]:
     """ws id -> (network state, alive) for every workspace record under the state root that has one."""
     out: dict[str, tuple[NetworkState, bool]] = {}
-    for ws_id in state.all_ids():
-        try:
-            rec = state.Record.load(ws_id)
-        except (OSError, ValueError, TypeError):
-            continue
+    for rec in state.records():
         if rec.network is None:
             continue
         if rec.status == "running":
@@ -129,7 +125,7 @@ def _records() -> dict[str, tuple[NetworkState, bool]]:
             alive = rec.creator_alive()
         else:
             alive = False
-        out[ws_id] = (rec.network, alive)
+        out[rec.id] = (rec.network, alive)
     return out
 
 

@@ -65,14 +65,33 @@ def new_opts() -> rpc.criu_opts:
     return opts
 
 
+# CRIU raises its own RLIMIT_NOFILE to fs.nr_open at the start of every action and logs an error
+# when it may not (a host whose capability bounding set lacks CAP_SYS_RESOURCE, as this one's
+# does). It then carries on with the current limit, so the line is in every log of such a host.
+# Being CRIU's first error, it became the reply's cr_errmsg and hid the real cause of a failure.
+NOISE = ("rlimit: Can't setup RLIMIT_NOFILE for self",)
+
+
+def is_noise(line: str) -> bool:
+    return any(n in line for n in NOISE)
+
+
 def log_tail(path: Path, lines: int = 25) -> str:
     """The error lines of a CRIU log, or its last lines when none is marked as an error."""
     try:
-        text = path.read_text(errors="replace").splitlines()
+        text = [ln for ln in path.read_text(errors="replace").splitlines() if not is_noise(ln)]
     except OSError:
         return f"(no log at {path})"
     errors = [ln for ln in text if "Error" in ln or "error" in ln.split(":", 1)[0]]
     return "\n".join((errors or text)[-lines:])
+
+
+def failure(kind: str, resp: rpc.criu_resp, log: Path | None) -> str:
+    """What a failed reply says: CRIU's first error that is not NOISE, then the log's errors."""
+    detail = "" if is_noise(resp.cr_errmsg) else resp.cr_errmsg
+    detail = detail or (os.strerror(resp.cr_errno) if resp.cr_errno else "")
+    tail = log_tail(log) if log is not None else ""
+    return f"criu {kind} failed{': ' + detail if detail else ''}\n{tail}".rstrip()
 
 
 class Session:
@@ -238,9 +257,7 @@ def request(kind: str, opts: rpc.criu_opts, on_notify: Notify | None = None, kee
     finally:
         sessions.forget(entry)  # once CRIU is reaped (Session.close)
     if not resp.success:
-        detail = resp.cr_errmsg or (os.strerror(resp.cr_errno) if resp.cr_errno else "")
-        tail = log_tail(log) if log is not None else ""
-        raise CriuError(f"criu {kind} failed{': ' + detail if detail else ''}\n{tail}".rstrip())
+        raise CriuError(failure(kind, resp, log))
     return resp
 
 

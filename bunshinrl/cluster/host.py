@@ -327,15 +327,11 @@ def reap() -> dict[str, list[str]]:
     died) is destroyed, then bunshinfork's gc runs: on a named host, only its own state root,
     cgroup parent, bridge and layer store are touched."""
     destroyed = []
-    for ws_id in state.all_ids():
-        try:
-            rec = state.Record.load(ws_id)
-        except (OSError, ValueError, TypeError):
-            continue
+    for rec in state.records():
         if rec.status == "running" and not rec.creator_alive() and rec.creator_pid != os.getpid():
             with contextlib.suppress(Exception):
-                Workspace.connect(ws_id).destroy()
-                destroyed.append(ws_id)
+                Workspace.connect(rec.id).destroy()
+                destroyed.append(rec.id)
     out = pipeline.gc()
     out["reaped"] = destroyed
     return out
