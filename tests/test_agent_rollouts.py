@@ -163,7 +163,7 @@ def test_merge_of_per_seed_runs_reports_mean_and_spread(tmp_path: Path) -> None:
     assert r["placements"]["fork_first"]["epoch_seconds"]["mean"] == 13.0
     assert r["placements"]["shorter_epoch"] == "live" and r["placements"]["live"]["config"] == "Spec"
     ratio = r["placements"]["fork_first"]["epoch_ratio_to_default"]  # paired within each seed
-    assert (ratio["min"], ratio["max"]) == (pytest.approx(13 / 14), pytest.approx(14 / 12))
+    assert (ratio["min"], ratio["max"]) == (pytest.approx(13 / 14, abs=1e-4), pytest.approx(12 / 10, abs=1e-4))
     assert r["targets"]["rewards_identical"] and (out / "fig10_hit_rate.png").exists()
     # A seed given twice is refused, not averaged in twice.
     again = subprocess.run([sys.executable, str(bench), "--merge", dirs[0], dirs[0], "--out", str(out)],
