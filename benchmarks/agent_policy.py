@@ -222,3 +222,43 @@ def shop_candidates(items: dict[str, int], name: str, address: str) -> Callable[
                 C("goto", {"url": "/"})]
 
     return candidates
+
+
+def gui_candidates(target: str, editor: str = "Mousepad") -> Callable[[str, Sequence[Step]], Candidates]:
+    """A desktop user's loop: find the editor's window, focus it, replace the text, save, and look
+    at the window title again until it no longer says the file is modified."""
+    typo = target[:-1] if len(target) > 1 else target + "."
+
+    def candidates(_task_id: str, history: Sequence[Step]) -> Candidates:
+        C = ToolCall
+        last = history[-1] if history else None
+        saved = any(h.call == C("key", {"combo": "ctrl+s"}) for h in history)
+        if len(history) >= 12:
+            return [FinalAnswer("giving up")]
+        if last is None or last.observation.startswith("ERROR"):
+            return [C("list_windows"), C("activate_window", {"title": editor})]
+        name, args = last.call.name, last.call.args
+        if name == "list_windows":
+            titles = [line for line in last.observation.splitlines() if editor.lower() in line.lower()]
+            if not titles:
+                return [C("list_windows")]
+            if saved and not any("'*" in t for t in titles):
+                return [FinalAnswer("saved"), C("list_windows")]
+            if saved:
+                return [C("key", {"combo": "ctrl+s"}), C("list_windows")]
+            others = [w.split("'")[1] for w in last.observation.splitlines() if "'" in w and w not in titles]
+            return [C("activate_window", {"title": editor})] + \
+                [C("activate_window", {"title": t}) for t in others[:1]]
+        if name == "activate_window":
+            if editor.lower() not in last.observation.lower():
+                return [C("activate_window", {"title": editor}), C("list_windows")]
+            return [C("key", {"combo": "ctrl+a"}), C("key", {"combo": "ctrl+End"})]
+        if name == "key" and args.get("combo") == "ctrl+a":
+            return [C("type_text", {"text": target}), C("type_text", {"text": typo})]
+        if name == "key" and args.get("combo") == "ctrl+End":
+            return [C("type_text", {"text": "\n" + target}), C("key", {"combo": "ctrl+a"})]
+        if name == "type_text":
+            return [C("key", {"combo": "ctrl+s"}), C("list_windows")]
+        return [C("list_windows"), C("key", {"combo": "ctrl+s"})]
+
+    return candidates

@@ -1,12 +1,16 @@
 """BunshinRL's rollout configurations on real agent workspaces (paper sections 5.2-5.3, Figs. 6-11).
 
-python benchmarks/agent_rollouts.py [--quick] --out DIR [--seeds 3] [--families code,shop]
+python benchmarks/agent_rollouts.py [--quick] --out DIR [--seeds 3 | --seed S] [--families code,shop]
+                                    [--placements live,fork_first]
+python benchmarks/agent_rollouts.py --merge DIR0 DIR1 DIR2 --out DIR   (per-seed runs -> one result)
 
 Tasks (each with a verifier that reads the final workspace):
   code   bunshinrl.envs.coding: a C project with a bug; `build` and `run_tests` are real gcc/make
          runs (seconds each), the reward reads build/test.log
   shop   bunshinrl.envs.webshop: PostgreSQL + the shop + headless Chromium; search, add to cart,
          check out; the reward reads the orders in SQL
+  gui    bunshinrl.envs.gui: the X11 desktop (Xvfb + openbox + Mousepad); find and focus the
+         editor, replace the text, save, check the title; the reward reads the saved file
 The agent (benchmarks/agent_policy.py) is closed-loop: its candidates come from what it observed;
 its reasoning time comes from the documented GPU-server latency model, printed before the run.
 
@@ -16,6 +20,9 @@ the order rotating per epoch), each with its own engine kept across epochs:
   Base  memory sharing only (--share-engine: ksm on this host, cow in a guest with the module)
   Spec  Base + speculative tool execution (selector retrained after every epoch)
   Full  Base + the tool-prefix cache + speculation
+  Spec@P  with --placements: Spec with the speculator's chain placed by P (live: in the sample's
+        workspace, forking on a mismatch; fork_first: in a fork, the sample's workspace kept for
+        the real call); "Spec" and "Full" use the speculator's default placement
 Parity: every configuration keeps its initialized task snapshots across epochs (Full in its
 cache's root, the others through keep_initial) and forks while the first step is reasoned
 (overlap_fork; Full's prefetch of a fresh root). epoch_seconds is the wall time of the whole
@@ -24,7 +31,10 @@ epoch, teardown and the cache's persistence included.
 DIR/agent_rollouts.json: per configuration and seed epoch_seconds, oracle_seconds (the longest
 rollout's reasoning alone), hit_rate_per_epoch (cache and speculation split), peak_memory_bytes
 (host-cost accounting of the configuration's workspaces and snapshots, sampled over the epoch),
-reward_per_epoch; rewards_identical across Base, Spec and Full; the targets with what was reached.
+reward_per_epoch; rewards_identical across Base, Spec and Full; summary: per configuration the
+mean and spread over seeds; placements: epoch time and peak memory per speculation placement;
+the targets with what was reached. --seed S runs one seed (a run short enough to hold the host
+lock for); --merge combines such runs' JSONs into one, figures included.
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ from agent_policy import (
     Server,
     StochasticAgent,
     coding_candidates,
+    gui_candidates,
     shop_candidates,
 )
 
@@ -66,11 +77,16 @@ from bunshinrl import (
     Task,
     ToolPrefixCache,
 )
-from bunshinrl.envs import coding, webshop
+from bunshinrl.envs import coding, gui, webshop
+from bunshinrl.speculator import PLACEMENTS
+
+DEFAULT_PLACEMENT = Speculator().placement
 
 MiB = 1 << 20
 CONFIGS = ("CRIU", "Base", "Spec", "Full")
 SHOP_ORDERS = ({"MUG-BLU": 2, "TEA-GRN": 1}, {"TEA-GRN": 1}, {"MUG-BLU": 1})
+GUI_TARGETS = ("Meeting moved to Friday 10:00", "Ship it on Friday", "Lunch at noon in room 4")
+FAMILIES = ("code", "shop", "gui")
 
 
 # ---- tasks ----
@@ -88,9 +104,14 @@ def build_tasks(families: list[str], seed: int, code_tasks: int) -> tuple[list[T
         t = dataclasses.replace(webshop.make_env(items=items), id=f"shop-{seed}")
         tasks.append(t)
         cands[t.id] = shop_candidates(items, webshop.DEFAULT_NAME, webshop.DEFAULT_ADDRESS)
-    unknown = set(families) - {"code", "shop"}
+    if "gui" in families:
+        target = GUI_TARGETS[seed % len(GUI_TARGETS)]
+        t = dataclasses.replace(gui.make_env(target=target, apps=("editor",)), id=f"gui-{seed}")
+        tasks.append(t)
+        cands[t.id] = gui_candidates(target)
+    unknown = set(families) - set(FAMILIES)
     if unknown:
-        raise SystemExit(f"unknown task families {sorted(unknown)}; use code, shop")
+        raise SystemExit(f"unknown task families {sorted(unknown)}; use {', '.join(FAMILIES)}")
     return tasks, cands
 
 
@@ -154,15 +175,18 @@ class ConfigRun:
 
 def make_config(name: str, tasks: list[Task], cands: dict[str, Any], agent_cfg: AgentConfig, model: LatencyModel,
                 store: Path, cache_mib: int, spec_depth: int, slow_seconds: float, share: str = "ksm") -> ConfigRun:
+    """name: one of CONFIGS, or Spec@PLACEMENT."""
+    kind, _, placement = name.partition("@")
     guard = DeterminismGuard()
     cache = spec = None
-    if name == "Full":
+    if kind == "Full":
         cache = ToolPrefixCache(SnapshotBackend(store / name), cache_mib * MiB, guard=guard,
                                 snapshot_every=2, snapshot_slower_than=slow_seconds)
-    if name in ("Spec", "Full"):
+    if kind in ("Spec", "Full"):
         tail = TailPolicy(slow_tool_seconds=slow_seconds, task_quantile=0.5,
-                          online_real_calls=2 if name == "Full" else None)
-        spec = Speculator(depth=spec_depth, min_probability=0.5, tail=tail)
+                          online_real_calls=2 if kind == "Full" else None)
+        spec = Speculator(depth=spec_depth, min_probability=0.5, tail=tail,
+                          placement=placement or DEFAULT_PLACEMENT)  # type: ignore[arg-type]
     server = Server(model)
     agent = StochasticAgent(agent_cfg, server, cands)
     memory = "copy" if name == "CRIU" else share
@@ -252,7 +276,7 @@ async def run_seed(seed: int, args: argparse.Namespace, agent_cfg: AgentConfig, 
             if r.cache is not None:
                 await asyncio.to_thread(r.cache.close)
     out = {n: summarize(r) for n, r in runs.items()}
-    trio = [n for n in ("Base", "Spec", "Full") if n in runs]
+    trio = [n for n in runs if n.partition("@")[0] in ("Base", "Spec", "Full")]
     out["rewards_identical"] = all(runs[trio[0]].epochs[e]["rewards"] == runs[n].epochs[e]["rewards"]
                                    for n in trio for e in range(args.epochs))
     out["_series"] = {n: {"memory": [x["memory"] for x in r.epochs], "running": [x["running"] for x in r.epochs]}
@@ -263,11 +287,60 @@ async def run_seed(seed: int, args: argparse.Namespace, agent_cfg: AgentConfig, 
 # ---- targets and figures ----
 
 def _spread(xs: list[float]) -> dict[str, float]:
-    return {"mean": round(statistics.mean(xs), 4), "min": round(min(xs), 4), "max": round(max(xs), 4)}
+    return {"mean": round(statistics.mean(xs), 4), "min": round(min(xs), 4), "max": round(max(xs), 4),
+            "n": len(xs)}
+
+
+def _later(epochs: int) -> list[int]:
+    """The epochs compared: all but the first, whose selector is untrained and cache empty."""
+    return list(range(1, epochs)) or [0]
+
+
+def summary(seeds: dict[int, dict[str, Any]], epochs: int) -> dict[str, Any]:
+    """Per configuration, the mean and spread over seeds (epoch figures: the mean of the later epochs)."""
+    later = _later(epochs)
+    vals = list(seeds.values())
+    names = [n for n in vals[0] if isinstance(vals[0][n], dict) and "epoch_seconds" in vals[0][n]]
+    e3 = min(2, epochs - 1)
+    return {n: {"epoch_seconds": _spread([statistics.mean(s[n]["epoch_seconds"][e] for e in later) for s in vals]),
+                "oracle_seconds": _spread([statistics.mean(s[n]["oracle_seconds"][e] for e in later) for s in vals]),
+                "peak_memory_mib": _spread([s[n]["peak_memory_bytes"] / MiB for s in vals]),
+                "hit_rate_epoch3": _spread([s[n]["hit_rate_per_epoch"]["total"][e3] for s in vals]),
+                "reward": _spread([statistics.mean(r for r in s[n]["reward_per_epoch"] if r is not None)
+                                   for s in vals]),
+                "errors": sum(len(s[n]["errors"]) for s in vals), "epochs": later}
+            for n in names}
+
+
+def placements(seeds: dict[int, dict[str, Any]], summ: dict[str, Any], epochs: int) -> dict[str, Any]:
+    """Epoch time and peak memory per speculation placement ("Spec" is the default's), and each
+    other placement's ratios to the default's, paired within every seed."""
+    out: dict[str, Any] = {}
+    for n, v in summ.items():
+        kind, _, p = n.partition("@")
+        if kind == "Spec":
+            stats = [s[n].get("speculation") or {} for s in seeds.values()]
+            out.setdefault(p or DEFAULT_PLACEMENT, {
+                "config": n, "epoch_seconds": v["epoch_seconds"], "peak_memory_mib": v["peak_memory_mib"],
+                # chains launched, calls adopted and chains mismatched, over all epochs and seeds
+                "speculation": {k: sum(x.get(k, 0) for x in stats) for k in ("launched", "hits", "mismatches")}})
+    if len(out) > 1 and DEFAULT_PLACEMENT in out:
+        later = _later(epochs)
+        for p, v in out.items():
+            if p != DEFAULT_PLACEMENT:
+                a, b = v["config"], out[DEFAULT_PLACEMENT]["config"]
+                v["epoch_ratio_to_default"] = _spread([
+                    statistics.mean(s[a]["epoch_seconds"][e] for e in later)
+                    / statistics.mean(s[b]["epoch_seconds"][e] for e in later) for s in seeds.values()])
+                v["peak_memory_ratio_to_default"] = _spread([s[a]["peak_memory_bytes"] / s[b]["peak_memory_bytes"]
+                                                             for s in seeds.values()])
+        out["shorter_epoch"] = min(out, key=lambda p: out[p]["epoch_seconds"]["mean"])
+        out["default"] = DEFAULT_PLACEMENT
+    return out
 
 
 def targets(seeds: dict[int, dict[str, Any]], epochs: int) -> dict[str, Any]:
-    later = list(range(1, epochs)) or [0]
+    later = _later(epochs)
 
     def ratio(a: str, b: str, key: str = "epoch_seconds") -> list[float]:
         return [statistics.mean(s[a][key][e] for e in later) / statistics.mean(s[b][key][e] for e in later)
@@ -306,7 +379,9 @@ def plots(out: Path, seeds: dict[int, dict[str, Any]], epochs: int, share: str) 
     colors = {"CRIU": "tab:red", "Base": "tab:gray", "Spec": "tab:orange", "Full": "tab:blue"}
     first = seeds[min(seeds)]
     series = first["_series"]
-    names = [n for n in CONFIGS if n in series]
+    names = list(series)
+    for n in names:
+        colors.setdefault(n, "tab:green")
     files = []
 
     def save(fig: Any, name: str) -> None:
@@ -342,15 +417,15 @@ def plots(out: Path, seeds: dict[int, dict[str, Any]], epochs: int, share: str) 
         ax.legend(fontsize=7)
     axes[0][0].set_ylabel("rollouts still running")
     save(fig, "fig8_rollouts_running.png")
-    trio = [n for n in ("Base", "Spec", "Full") if n in series]
+    trio = [n for n in names if n.partition("@")[0] in ("Base", "Spec", "Full")]
     memory_chart(trio, epochs - 1, f"Fig. 9: memory over epoch {epochs}", "fig9_memory_base_spec_full.png")
     fig, ax = plt.subplots(figsize=(5.5, 3.5))
     xs = list(range(1, epochs + 1))
-    for n in ("Spec", "Full"):
-        if n not in series:
+    for n in names:
+        if n.partition("@")[0] not in ("Spec", "Full"):
             continue
         for kind, style in (("cache", "-"), ("speculation", "--"), ("total", ":")):
-            if kind == "cache" and n == "Spec":
+            if kind == "cache" and n != "Full":
                 continue
             ys = [100 * statistics.mean(s[n]["hit_rate_per_epoch"][kind][e] for s in seeds.values())
                   for e in range(epochs)]
@@ -380,8 +455,14 @@ def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1 seed, code + shop, 3 samples x 3 epochs (CI)")
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--seeds", type=int)
-    ap.add_argument("--families", help="comma-separated: code, shop")
+    ap.add_argument("--seeds", type=int, help="run seeds 0..N-1")
+    ap.add_argument("--seed", type=int, help="run this one seed only (merge such runs with --merge)")
+    ap.add_argument("--merge", nargs="+", type=Path, metavar="DIR",
+                    help="combine the agent_rollouts.json of per-seed runs in these folders into --out")
+    ap.add_argument("--placements", default=DEFAULT_PLACEMENT,
+                    help=f"speculation placements to compare, of {','.join(PLACEMENTS)}: each one but the "
+                         f"default ({DEFAULT_PLACEMENT}, Spec's) adds a configuration Spec@PLACEMENT")
+    ap.add_argument("--families", help="comma-separated: code, shop, gui")
     ap.add_argument("--code-tasks", type=int)
     ap.add_argument("--group-size", type=int)
     ap.add_argument("--epochs", type=int)
@@ -394,17 +475,76 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--slow-seconds", type=float, default=1.0, help="a call this slow is a 'slow tool'")
     a = ap.parse_args()
     quick = {"seeds": 1, "families": "code,shop", "code_tasks": 1, "group_size": 3, "epochs": 3}
-    full = {"seeds": 3, "families": "code,shop", "code_tasks": 2, "group_size": 4, "epochs": 3}
+    full = {"seeds": 3, "families": "code,shop,gui", "code_tasks": 2, "group_size": 4, "epochs": 3}
     for k, v in (quick if a.quick else full).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
     a.families = [f for f in a.families.split(",") if f]
     a.configs = [c for c in a.configs.split(",") if c]
+    extra = [p for p in a.placements.split(",") if p]
+    if set(extra) - set(PLACEMENTS):
+        ap.error(f"unknown placements {sorted(set(extra) - set(PLACEMENTS))}; use {', '.join(PLACEMENTS)}")
+    a.configs += [f"Spec@{p}" for p in extra if p != DEFAULT_PLACEMENT and f"Spec@{p}" not in a.configs]
+    a.seed_list = [a.seed] if a.seed is not None else list(range(a.seeds))
     return a
+
+
+def finish(out: Path, seeds: dict[int, dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
+    """Targets, summary, figures and the JSON of `seeds` (each with its "_series")."""
+    epochs = meta["size"]["epochs"]
+    tg = targets(seeds, epochs)
+    summ = summary(seeds, epochs)
+    figures = plots(out, seeds, epochs, meta["share_engine"])
+    result = {
+        **meta,
+        "seeds": {str(k): {n: v for n, v in s.items() if n != "_series"} for k, s in seeds.items()},
+        "series": {str(k): s["_series"] for k, s in seeds.items()},
+        "summary": summ,
+        "placements": placements(seeds, summ, epochs),
+        "targets": tg,
+        "figures": figures,
+    }
+    (out / "agent_rollouts.json").write_text(json.dumps(result, indent=1))
+    print("per configuration, mean [min, max] over seeds " + str(sorted(seeds)) + ":")
+    for n, v in summ.items():
+        e, m = v["epoch_seconds"], v["peak_memory_mib"]
+        print(f"  {n:16s} epoch {e['mean']:6.1f} s [{e['min']:.1f}, {e['max']:.1f}]  peak {m['mean']:7.1f} MiB "
+              f"[{m['min']:.1f}, {m['max']:.1f}]  hit rate {v['hit_rate_epoch3']['mean']:5.1%}  "
+              f"errors {v['errors']}")
+    print("placements: " + json.dumps(result["placements"]))
+    print("targets (reached vs target):")
+    print(json.dumps(tg, indent=1))
+    return result
+
+
+def merge(dirs: list[Path], out: Path) -> int:
+    """One result from per-seed runs of one size (each dir holds an agent_rollouts.json)."""
+    parts = [json.loads((d / "agent_rollouts.json").read_text()) for d in dirs]
+    keys = ("latency_model", "agent", "share_engine")
+    size = {k: v for k, v in parts[0]["size"].items() if k != "seeds"}
+    for p in parts[1:]:
+        if {k: p[k] for k in keys} != {k: parts[0][k] for k in keys} or \
+                {k: v for k, v in p["size"].items() if k != "seeds"} != size:
+            raise SystemExit("--merge: the runs differ in size, model, agent or engine")
+    seeds: dict[int, dict[str, Any]] = {}
+    for p in parts:
+        for k, s in p["seeds"].items():
+            if int(k) in seeds:
+                raise SystemExit(f"--merge: seed {k} appears twice")
+            seeds[int(k)] = {**s, "_series": p["series"][k]}
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {**{k: parts[0][k] for k in keys}, "size": {**size, "seeds": sorted(seeds)},
+            "runs": [{"dir": str(d), "host": p["host"], "wall_seconds": p["wall_seconds"]}
+                     for d, p in zip(dirs, parts, strict=True)]}
+    finish(out, seeds, meta)
+    print(f"merged {len(parts)} runs into {out / 'agent_rollouts.json'}")
+    return 0
 
 
 async def main() -> int:
     args = parse()
+    if args.merge:
+        return merge(args.merge, args.out)
     model = DEFAULT_LATENCY
     agent_cfg = AgentConfig(explore0=args.explore, drift=args.drift)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -413,31 +553,24 @@ async def main() -> int:
     print(f"latency model: {model.describe()}")
     print(f"agent: explore {agent_cfg.explore0} + drift {agent_cfg.drift} x epoch; output tokens median "
           f"{agent_cfg.output_median} (sigma {agent_cfg.output_sigma}, max {agent_cfg.output_max}); seeds "
-          f"{list(range(args.seeds))}; families {args.families}; configs {args.configs} (interleaved)", flush=True)
+          f"{args.seed_list}; families {args.families}; configs {args.configs} (interleaved)", flush=True)
     t0 = time.monotonic()
     seeds: dict[int, dict[str, Any]] = {}
-    for seed in range(args.seeds):
+    for seed in args.seed_list:
         seeds[seed] = await run_seed(seed, args, agent_cfg, model, store)
-    tg = targets(seeds, args.epochs)
-    figures = plots(args.out, seeds, args.epochs, args.share_engine)
-    result = {
+    shutil.rmtree(store, ignore_errors=True)
+    meta = {
         "latency_model": {**dataclasses.asdict(model), "formula": model.describe()},
         "agent": dataclasses.asdict(agent_cfg),
         "share_engine": args.share_engine,
-        "size": {"seeds": args.seeds, "families": args.families, "code_tasks": args.code_tasks,
-                 "group_size": args.group_size, "epochs": args.epochs, "quick": args.quick},
-        "seeds": {str(k): {n: v for n, v in s.items() if n != "_series"} for k, s in seeds.items()},
-        "series_seed0": seeds[0]["_series"],
-        "targets": tg,
-        "figures": figures,
+        "size": {"seeds": args.seed_list, "families": args.families, "code_tasks": args.code_tasks,
+                 "group_size": args.group_size, "epochs": args.epochs, "quick": args.quick,
+                 "configs": args.configs},
         "host": {"cpus": os.cpu_count(), "load_average": os.getloadavg()},
         "wall_seconds": round(time.monotonic() - t0, 1),
     }
-    (args.out / "agent_rollouts.json").write_text(json.dumps(result, indent=1))
-    shutil.rmtree(store, ignore_errors=True)
-    print("targets (reached vs target):")
-    print(json.dumps(tg, indent=1))
-    print(f"wrote {args.out / 'agent_rollouts.json'} and {', '.join(figures)} in {result['wall_seconds']} s")
+    result = finish(args.out, seeds, meta)
+    print(f"wrote {args.out / 'agent_rollouts.json'} and {', '.join(result['figures'])} in {meta['wall_seconds']} s")
     return 0
 
 

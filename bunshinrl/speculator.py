@@ -7,6 +7,13 @@ running); the first mismatch aborts the chain, destroys the speculative workspac
 it wrote or started, and the real call runs from the state before the mismatched speculation: a
 fork of the pre-speculation snapshot, or of the checkpoint taken after the last adopted call.
 Only slow calls are chained: a checkpoint between two calls costs more than a fast call saves.
+
+Two placements of the chain (Speculator(placement=...)):
+  live        the chain runs in the sample's own workspace at once; a fork of the snapshot is
+              restored only when the first predicted call mismatches
+  fork_first  the paper's: the chain runs in a fork of the snapshot and the sample's workspace
+              stays untouched for the real call, so a first-call mismatch costs no restore, but
+              every speculation first waits for one
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import contextlib
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from bunshinfork import AsyncWorkspace, Workspace
 
@@ -31,6 +38,15 @@ from .tools import Tool
 
 class SpeculationError(RuntimeError):
     pass
+
+
+Placement = Literal["live", "fork_first"]
+PLACEMENTS: tuple[Placement, ...] = ("live", "fork_first")
+
+
+def _check_placement(placement: str) -> None:
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, not {placement!r}")
 
 
 @dataclass(frozen=True)
@@ -52,21 +68,27 @@ class SpeculativeBranch:
     """One chain of predicted calls, from the state the sample's workspace had at launch.
 
     Once that state is snapshotted, the workspace the sample had and any fork restored from the
-    snapshot are interchangeable copies of it. The chain runs in the workspace that exists
-    already, so it starts at once; a fork of the snapshot is restored only when a mismatch needs
-    the pre-speculation state back. With the roles the other way round every speculation would
-    first wait for a restore, which under CPU contention takes about as long as the policy
-    reasons, and predictions are mostly right (restoring for each would cost a restore per hit).
+    snapshot are interchangeable copies of it. With placement "live" the chain runs in the
+    workspace that exists already, so it starts at once, and a fork of the snapshot is restored
+    only when a mismatch needs the pre-speculation state back. With "fork_first" the chain runs in
+    a fork and the sample's workspace (`home`) is the pre-speculation state: every speculation
+    first waits for a restore, but a first-call mismatch hands `home` back without one.
     The branch owns the workspace and the snapshot until close(), which returns the workspace the
     sample continues with and discards the rest.
     """
 
     def __init__(self, owner: Speculator, ws: Workspace, snapshot: SharedSnapshot, calls: Sequence[ToolCall],
-                 tools: Mapping[str, Tool]) -> None:
+                 tools: Mapping[str, Tool], placement: Placement = "live") -> None:
+        _check_placement(placement)
         loop = asyncio.get_running_loop()
         self._owner = owner
         self.calls = list(calls)
-        self._live: Workspace | None = ws  # runs the chain
+        self.placement = placement
+        # The chain runs in _live; with fork_first it is restored by _run and _home waits for the
+        # real call, until call 0 is adopted (then it is stale and goes).
+        self._live: Workspace | None = ws if placement == "live" else None
+        self._home: Workspace | None = ws if placement == "fork_first" else None
+        self._home_destroy: asyncio.Future[None] | None = None
         self._snap: SharedSnapshot | None = snapshot  # the pre-speculation state, until call 0 resolves
         self._memory = snapshot.memory  # checkpoints fork like the state they branch from
         self._tools = tools
@@ -86,8 +108,19 @@ class SpeculativeBranch:
     # ---- the speculative chain ----
 
     async def _run(self) -> None:
+        if self._live is None:  # fork_first: the chain's workspace is a restore of the snapshot
+            assert self._snap is not None
+            try:
+                forked = await self._snap.fork_async()
+            except BaseException as e:
+                self._fail_from(0, e)
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+                return
+            self._live = forked  # a close() that came meanwhile leaves it to _cleanup
+            self._owner.workspaces.add(forked)
+            self._owner._track(self._release_snapshot())  # home is the rollback state; the snapshot is spent
         ws = self._live
-        assert ws is not None
         for j, call in enumerate(self.calls):
             if self._aborted:
                 return
@@ -153,6 +186,9 @@ class SpeculativeBranch:
         self._next = j + 1
         if j == 0:
             self._owner._track(self._release_snapshot())  # the pre-speculation state is history now
+            if self._home is not None:
+                home, self._home = self._home, None
+                self._home_destroy = asyncio.ensure_future(self._destroy(home))
         else:
             self._release_checkpoint(j - 1)
         return SpecHit(obs, took, waited, j)
@@ -195,6 +231,10 @@ class SpeculativeBranch:
         self._aborted = True
         if last < 0:
             self._kill_live()
+            if self._home is not None:  # fork_first: the untouched workspace is the rollback
+                home, self._home = self._home, None
+                self._owner.workspaces.discard(home)  # the caller's now
+                return home
             return await self._take_rollback()
         try:
             # The rollback point must exist before the speculative workspace may go.
@@ -241,9 +281,14 @@ class SpeculativeBranch:
         # Every step runs even if an earlier one fails: a skipped release would leak a snapshot.
         with contextlib.suppress(BaseException):
             await self._runner
-        if self._live_destroy is not None:
+        for pending in (self._live_destroy, self._home_destroy):
+            if pending is not None:
+                with contextlib.suppress(Exception):
+                    await pending
+        if self._home is not None:  # close() failed before handing it back
             with contextlib.suppress(Exception):
-                await self._live_destroy
+                await self._destroy(self._home)
+            self._home = None
         if self._live is not None:
             with contextlib.suppress(Exception):
                 await self._destroy(self._live)
@@ -267,14 +312,17 @@ class Speculator:
 
     memory: the memory engine of the snapshot launch() takes when it is given none (a branch's
     checkpoints use the engine of the state it started from). min_probability: shorter chains
-    rather than guesses the selector itself doubts.
+    rather than guesses the selector itself doubts. placement: where the chain runs (see the
+    module's docstring).
     """
 
     def __init__(self, selector: ToolSelector | None = None, *, depth: int = 2, memory: str = "auto",
                  tail: TailPolicy | None = None, guard: DeterminismGuard | None = None,
-                 min_probability: float = 0.5) -> None:
+                 min_probability: float = 0.5, placement: Placement = "live") -> None:
         if depth < 1:
             raise ValueError("depth must be >= 1")
+        _check_placement(placement)
+        self.placement = placement
         self.selector = selector
         self.depth = depth
         self.memory = memory
@@ -315,7 +363,7 @@ class Speculator:
         _check_isolated(ws)
         snap = snapshot.acquire() if snapshot is not None else await SharedSnapshot.take_async(ws, self.memory)
         self.stats["launched"] += 1
-        return SpeculativeBranch(self, ws, snap, calls, tools)
+        return SpeculativeBranch(self, ws, snap, calls, tools, self.placement)
 
     def _track(self, aw: Any) -> None:
         fut = asyncio.ensure_future(aw)

@@ -29,6 +29,7 @@ LatencyModel = agent_policy.LatencyModel
 Server = agent_policy.Server
 StochasticAgent = agent_policy.StochasticAgent
 coding_candidates = agent_policy.coding_candidates
+gui_candidates = agent_policy.gui_candidates
 shop_candidates = agent_policy.shop_candidates
 
 
@@ -80,6 +81,27 @@ def test_candidates_follow_the_observations() -> None:
     assert shop("shop-0", page)[0] == add
 
 
+def test_gui_candidates_follow_the_window_titles() -> None:
+    C = ToolCall
+    gui = gui_candidates("Ship it")
+    assert gui("gui-0", [])[0] == C("list_windows")
+    windows = "0x1 at (0, 0) size 640x480 'notes.txt - Mousepad'\n0x2 at (9, 9) size 80x24 'Terminal'"
+    seen = [Step(C("list_windows"), windows)]
+    assert gui("gui-0", seen) == [C("activate_window", {"title": "Mousepad"}),
+                                  C("activate_window", {"title": "Terminal"})]
+    wrong = [*seen, Step(C("activate_window", {"title": "Terminal"}), "activated 'Terminal'")]
+    assert gui("gui-0", wrong)[0] == C("activate_window", {"title": "Mousepad"})
+    typed = [*seen, Step(C("activate_window", {"title": "Mousepad"}), "activated 'notes.txt - Mousepad'"),
+             Step(C("key", {"combo": "ctrl+a"}), "pressed ctrl+a"), Step(C("type_text", {"text": "Ship it"}), "typed")]
+    assert gui("gui-0", typed[:-1])[0] == C("type_text", {"text": "Ship it"})
+    saved = [*typed, Step(C("key", {"combo": "ctrl+s"}), "pressed ctrl+s")]
+    assert gui("gui-0", saved)[0] == C("list_windows")
+    # The title still marks the file modified: save again; once it does not, the task is done.
+    dirty = [*saved, Step(C("list_windows"), "0x1 at (0, 0) size 640x480 '*notes.txt - Mousepad'")]
+    assert gui("gui-0", dirty)[0] == C("key", {"combo": "ctrl+s"})
+    assert isinstance(gui("gui-0", [*saved, Step(C("list_windows"), windows)])[0], FinalAnswer)
+
+
 def test_one_real_epoch_of_base_on_the_coding_task() -> None:
     fast = LatencyModel(tpot_table=((1, 1e-4), (64, 2e-4)), first_token_s=0.0, prefill_s_per_token=0.0)
     agent = StochasticAgent(AgentConfig(seed=0), Server(fast), {"code-fix-0": coding_candidates})
@@ -102,3 +124,48 @@ def test_one_real_epoch_of_base_on_the_coding_task() -> None:
     calls = [st for s in r.samples for st in s.steps if st.call.name == "run_tests"]
     assert calls and all("passed" in st.observation for st in calls)
     assert engine.core.kept_snapshots() == []
+
+
+def _seed_result(seed: int, spec_s: float, fork_s: float) -> dict:
+    """What one --seed run writes: three configurations over two epochs."""
+    def config(seconds: float, peak: int) -> dict:
+        return {"epoch_seconds": [seconds + 5, seconds], "oracle_seconds": [3.0, 3.0],
+                "hit_rate_per_epoch": {"cache": [0, 0], "speculation": [0, 0.5], "total": [0, 0.5]},
+                "peak_memory_bytes": peak, "reward_per_epoch": [1.0, 0.5], "errors": []}
+    series = {"memory": [[[0.0, 1 << 20]], [[0.0, 2 << 20]]], "running": [[[0.0, 2], [1.0, 0]]] * 2}
+    seeds = {"Base": config(20.0, 40 << 20), "Spec": config(spec_s, 41 << 20),
+             "Spec@fork_first": config(fork_s, 43 << 20)}
+    return {"latency_model": {"formula": "f"}, "agent": {"seed": 0}, "share_engine": "ksm",
+            "size": {"seeds": [seed], "families": ["code"], "epochs": 2, "quick": True},
+            "seeds": {str(seed): {**seeds, "rewards_identical": True}},
+            "series": {str(seed): {n: series for n in seeds}}, "host": {}, "wall_seconds": 1.0}
+
+
+def test_merge_of_per_seed_runs_reports_mean_and_spread(tmp_path: Path) -> None:
+    import json
+    import subprocess
+
+    dirs = []
+    for seed, (spec_s, fork_s) in enumerate([(10.0, 12.0), (14.0, 13.0), (12.0, 14.0)]):
+        d = tmp_path / f"seed{seed}"
+        d.mkdir()
+        (d / "agent_rollouts.json").write_text(json.dumps(_seed_result(seed, spec_s, fork_s)))
+        dirs.append(str(d))
+    bench = Path(__file__).resolve().parent.parent / "benchmarks" / "agent_rollouts.py"
+    out = tmp_path / "merged"
+    subprocess.run([sys.executable, str(bench), "--merge", *dirs, "--out", str(out)], check=True,
+                   capture_output=True, timeout=120)
+    r = json.loads((out / "agent_rollouts.json").read_text())
+    assert r["size"]["seeds"] == [0, 1, 2] and sorted(r["seeds"]) == ["0", "1", "2"]
+    spec = r["summary"]["Spec"]["epoch_seconds"]  # the later epoch of each seed
+    assert spec == {"mean": 12.0, "min": 10.0, "max": 14.0, "n": 3}
+    assert r["summary"]["Base"]["peak_memory_mib"]["mean"] == 40.0
+    assert r["placements"]["fork_first"]["epoch_seconds"]["mean"] == 13.0
+    assert r["placements"]["shorter_epoch"] == "live" and r["placements"]["live"]["config"] == "Spec"
+    ratio = r["placements"]["fork_first"]["epoch_ratio_to_default"]  # paired within each seed
+    assert (ratio["min"], ratio["max"]) == (pytest.approx(13 / 14, abs=1e-4), pytest.approx(12 / 10, abs=1e-4))
+    assert r["targets"]["rewards_identical"] and (out / "fig10_hit_rate.png").exists()
+    # A seed given twice is refused, not averaged in twice.
+    again = subprocess.run([sys.executable, str(bench), "--merge", dirs[0], dirs[0], "--out", str(out)],
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode != 0 and "twice" in again.stderr

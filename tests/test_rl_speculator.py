@@ -39,14 +39,14 @@ async def _until_completed(branch, n: int) -> None:  # type: ignore[no-untyped-d
     raise AssertionError(f"the speculative chain did not finish {n} calls")
 
 
-def _with_workspace(body) -> None:  # type: ignore[no-untyped-def]
+def _with_workspace(body, placement: str = "live") -> None:  # type: ignore[no-untyped-def]
     before = set(my_snapshots())
 
     async def main() -> None:
         ws = await asyncio.to_thread(Workspace.create)
         await asyncio.to_thread(ENV.setup, ws)
         pre = await asyncio.to_thread(SharedSnapshot.take, ws)
-        spec = Speculator(memory="ksm")
+        spec = Speculator(memory="ksm", placement=placement)  # type: ignore[arg-type]
         try:
             await body(ws, pre, spec)
         finally:
@@ -59,7 +59,11 @@ def _with_workspace(body) -> None:  # type: ignore[no-untyped-def]
     assert set(my_snapshots()) == before
 
 
-def test_mismatched_speculation_leaves_no_trace() -> None:
+PLACEMENTS = pytest.mark.parametrize("placement", ["live", "fork_first"])
+
+
+@PLACEMENTS
+def test_mismatched_speculation_leaves_no_trace(placement: str) -> None:
     async def body(ws: Workspace, pre: SharedSnapshot, spec: Speculator) -> None:
         predicted = [ToolCall("sleeper", {"id": 1}), ToolCall("bump", {"n": 100}), ToolCall("touch", {"name": "spec"})]
         branch = await spec.launch(ws, predicted, TOOLS)
@@ -68,14 +72,17 @@ def test_mismatched_speculation_leaves_no_trace() -> None:
         assert await branch.resolve(actual) is None
         rollback = await branch.close()
         try:
-            # Nothing adopted: a copy of the pre-speculation state; the workspace that ran the
-            # chain is gone with everything it wrote and started.
-            assert rollback is not ws
+            # Nothing adopted: the pre-speculation state (a restored copy with "live", the
+            # untouched workspace with "fork_first"); the workspace that ran the chain is gone
+            # with everything it wrote and started.
+            assert (rollback is ws) == (placement == "fork_first")
             obs = await TOOLS["touch"].run(rollback, actual.args)
             after = await TOOLS["state"].run(rollback, {})
             fresh_obs, fresh_after = await _fresh(pre, [actual])
             assert (obs, after) == (fresh_obs[0], fresh_after)
             assert "sleeper" not in after and "spec" not in after and after.startswith("0\n")
+            await spec.drain()  # the chain's workspace is torn down; the rollback lives on
+            assert rollback.is_running()
         finally:
             await asyncio.to_thread(rollback.destroy)
         await spec.drain()
@@ -83,10 +90,11 @@ def test_mismatched_speculation_leaves_no_trace() -> None:
         assert branch.wasted_seconds > 0  # it really ran before being discarded
         assert spec.stats["mismatches"] == 1 and spec.stats["hits"] == 0
 
-    _with_workspace(body)
+    _with_workspace(body, placement)
 
 
-def test_partial_match_rolls_back_to_the_checkpoint_after_the_last_adopted_call() -> None:
+@PLACEMENTS
+def test_partial_match_rolls_back_to_the_checkpoint_after_the_last_adopted_call(placement: str) -> None:
     async def body(ws: Workspace, pre: SharedSnapshot, spec: Speculator) -> None:
         a, b, c = (ToolCall("touch", {"name": n}) for n in "abc")
         branch = await spec.launch(ws, [ToolCall("bump", {"n": 4}), a, b], TOOLS)
@@ -106,11 +114,14 @@ def test_partial_match_rolls_back_to_the_checkpoint_after_the_last_adopted_call(
             assert after == fresh_after and "b" not in after.split()
         finally:
             await asyncio.to_thread(ws2.destroy)
+        await spec.drain()
+        assert not ws.is_running()  # with fork_first too: stale once call 0 was adopted
 
-    _with_workspace(body)
+    _with_workspace(body, placement)
 
 
-def test_full_match_adopts_the_speculative_workspace() -> None:
+@PLACEMENTS
+def test_full_match_adopts_the_speculative_workspace(placement: str) -> None:
     async def body(ws: Workspace, pre: SharedSnapshot, spec: Speculator) -> None:
         calls = [ToolCall("slow", {"s": 1.5}), ToolCall("bump", {"n": 2})]
         branch = await spec.launch(ws, calls, TOOLS)
@@ -124,14 +135,21 @@ def test_full_match_adopts_the_speculative_workspace() -> None:
         assert await branch.resolve(calls[1]) is not None and branch.exhausted
         adopted = await branch.close()
         try:
-            assert adopted is ws
+            assert (adopted is ws) == (placement == "live")
+            await spec.drain()
+            assert adopted.is_running() and (placement == "live" or not ws.is_running())
             fresh_obs, fresh_after = await _fresh(pre, calls)
             assert await TOOLS["state"].run(adopted, {}) == fresh_after
             assert hit.observation == fresh_obs[0]
         finally:
             await asyncio.to_thread(adopted.destroy)
 
-    _with_workspace(body)
+    _with_workspace(body, placement)
+
+
+def test_unknown_placement_is_a_typed_error() -> None:
+    with pytest.raises(ValueError, match="placement"):
+        Speculator(placement="elsewhere")  # type: ignore[arg-type]
 
 
 def test_prediction_respects_determinism_and_tail() -> None:
