@@ -69,11 +69,15 @@ def _chunks(data: WriteData) -> Iterator[bytes]:
             yield bytes(chunk)
 
 
-def _metadata(path: str) -> dict[str, str] | None:
-    """E2B's user.e2b.* attributes of the file at `path` (a /proc/self/fd/... path)."""
+def _metadata(where: str | int) -> dict[str, str] | None:
+    """E2B's user.e2b.* attributes of the file at `where` (a /proc/self/fd/... path, or an open fd)."""
     try:
-        names = [n for n in os.listxattr(path, follow_symlinks=False) if n.startswith(METADATA_PREFIX)]
-        out = {n[len(METADATA_PREFIX):]: os.getxattr(path, n, follow_symlinks=False).decode() for n in names}
+        if isinstance(where, int):
+            names = [n for n in os.listxattr(where) if n.startswith(METADATA_PREFIX)]
+            out = {n[len(METADATA_PREFIX):]: os.getxattr(where, n).decode() for n in names}
+        else:
+            names = [n for n in os.listxattr(where, follow_symlinks=False) if n.startswith(METADATA_PREFIX)]
+            out = {n[len(METADATA_PREFIX):]: os.getxattr(where, n, follow_symlinks=False).decode() for n in names}
     except OSError:
         return None
     return out or None
@@ -156,13 +160,17 @@ class Files:
     def _entry(self, dirfd: int, name: str, path: str) -> EntryInfo:
         st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
         target = os.readlink(name, dir_fd=dirfd) if stat.S_ISLNK(st.st_mode) else None
+        return self._describe(st, name, path, target, f"/proc/self/fd/{dirfd}/{name}")
+
+    def _describe(self, st: os.stat_result, name: str, path: str, target: str | None,
+                  xattrs: str | int) -> EntryInfo:
         owners, groups = self.accounts.names()
         return EntryInfo(
             name=name, type=_kind(st.st_mode), path=path, size=st.st_size, mode=stat.S_IMODE(st.st_mode),
             permissions=stat.filemode(st.st_mode)[1:], owner=owners.get(st.st_uid, str(st.st_uid)),
             group=groups.get(st.st_gid, str(st.st_gid)),
             modified_time=datetime.datetime.fromtimestamp(st.st_mtime, datetime.UTC),
-            symlink_target=target, metadata=_metadata(f"/proc/self/fd/{dirfd}/{name}"),
+            symlink_target=target, metadata=_metadata(xattrs),
         )
 
     def _info_at(self, root: int, p: str) -> EntryInfo:
@@ -268,7 +276,9 @@ class Files:
                     view = view[n:]
             for key, value in (metadata or {}).items():
                 os.setxattr(fd, METADATA_PREFIX + key.lower(), value.encode())
-        return self._info_at(root, p)
+            # Described from the fd written, not by path: a workspace process may consume the file
+            # (read and unlink it) the moment it appears, and the write still happened.
+            return self._describe(os.fstat(fd), posixpath.basename(p), p, None, fd)
 
     def write(self, path: str, data: WriteData, user: str | None = None, request_timeout: float | None = None,
               gzip: bool = False, use_octet_stream: bool | None = None, metadata: dict[str, str] | None = None,

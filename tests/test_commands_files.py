@@ -276,6 +276,18 @@ def test_write_creates_parents(ws: Workspace) -> None:
     assert [e.type for e in ws.files.list("/srv/a/b")] == ["dir"]
 
 
+def test_write_of_a_file_consumed_at_once_still_reports_it(ws: Workspace) -> None:
+    """A workspace process that takes a request file as soon as it appears (reads and unlinks
+    it, as agents' watchers and the sparse-file holder do) does not turn a write into an error."""
+    ws.commands.run("exec python3 -c \"import os\nwhile True:\n    try: os.unlink('/tmp/inbox/ask')\n"
+                    "    except FileNotFoundError: pass\"", background=True)
+    run_ok(ws, "mkdir -p /tmp/inbox")
+    for i in range(30):
+        info = ws.files.write("/tmp/inbox/ask", "x" * i, metadata={"n": str(i)})
+        assert (info.name, info.path, info.type, info.size, info.metadata) == (
+            "ask", "/tmp/inbox/ask", "file", i, {"n": str(i)})
+
+
 def test_list_exists_make_dir_remove(ws: Workspace) -> None:
     assert ws.files.make_dir("/data/sub") is True
     assert ws.files.make_dir("/data/sub") is False
