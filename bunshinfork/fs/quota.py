@@ -143,6 +143,7 @@ def sweep(root: str | os.PathLike[str]) -> list[str]:
     fd = _fd(root)
     try:
         for q in empty:
+            # QGROUP_CREATE with create=0 removes the qgroup (the ioctl does both).
             with contextlib.suppress(OSError):  # EBUSY: a drop still under way charges it
                 fcntl.ioctl(fd, BTRFS_IOC_QGROUP_CREATE, bytearray(struct.pack("=QQ", 0, int(q[2:]))))
                 removed.append(q)
