@@ -296,6 +296,17 @@ def _later(epochs: int) -> list[int]:
     return list(range(1, epochs)) or [0]
 
 
+def _epoch_ratios(seeds: dict[int, dict[str, Any]], a: str, b: str, later: list[int]) -> list[float]:
+    """Per seed, configuration a's mean epoch time over `later` over b's: paired within the seed."""
+    return [statistics.mean(s[a]["epoch_seconds"][e] for e in later)
+            / statistics.mean(s[b]["epoch_seconds"][e] for e in later) for s in seeds.values()]
+
+
+def _peak_ratios(seeds: dict[int, dict[str, Any]], a: str, b: str) -> list[float]:
+    """Per seed, configuration a's peak memory over b's."""
+    return [s[a]["peak_memory_bytes"] / s[b]["peak_memory_bytes"] for s in seeds.values()]
+
+
 def summary(seeds: dict[int, dict[str, Any]], epochs: int) -> dict[str, Any]:
     """Per configuration, the mean and spread over seeds (epoch figures: the mean of the later epochs)."""
     later = _later(epochs)
@@ -329,11 +340,8 @@ def placements(seeds: dict[int, dict[str, Any]], summ: dict[str, Any], epochs: i
         for p, v in out.items():
             if p != DEFAULT_PLACEMENT:
                 a, b = v["config"], out[DEFAULT_PLACEMENT]["config"]
-                v["epoch_ratio_to_default"] = _spread([
-                    statistics.mean(s[a]["epoch_seconds"][e] for e in later)
-                    / statistics.mean(s[b]["epoch_seconds"][e] for e in later) for s in seeds.values()])
-                v["peak_memory_ratio_to_default"] = _spread([s[a]["peak_memory_bytes"] / s[b]["peak_memory_bytes"]
-                                                             for s in seeds.values()])
+                v["epoch_ratio_to_default"] = _spread(_epoch_ratios(seeds, a, b, later))
+                v["peak_memory_ratio_to_default"] = _spread(_peak_ratios(seeds, a, b))
         out["shorter_epoch"] = min(out, key=lambda p: out[p]["epoch_seconds"]["mean"])
         out["default"] = DEFAULT_PLACEMENT
     return out
@@ -341,31 +349,25 @@ def placements(seeds: dict[int, dict[str, Any]], summ: dict[str, Any], epochs: i
 
 def targets(seeds: dict[int, dict[str, Any]], epochs: int) -> dict[str, Any]:
     later = _later(epochs)
-
-    def ratio(a: str, b: str, key: str = "epoch_seconds") -> list[float]:
-        return [statistics.mean(s[a][key][e] for e in later) / statistics.mean(s[b][key][e] for e in later)
-                for s in seeds.values()]
-
     out: dict[str, Any] = {}
     vals = list(seeds.values())
     if all(k in vals[0] for k in ("Base", "Full")):
-        out["full_speedup_vs_base"] = {**_spread([1 / x for x in ratio("Full", "Base")]), "target": 1.2,
-                                       "paper": 1.22, "epochs": later}
+        out["full_speedup_vs_base"] = {**_spread([1 / x for x in _epoch_ratios(seeds, "Full", "Base", later)]),
+                                       "target": 1.2, "paper": 1.22, "epochs": later}
         full_over_oracle = [statistics.mean(s["Full"]["epoch_seconds"][e] / max(s["Full"]["oracle_seconds"][e], 1e-9)
                                             for e in later) for s in vals]
         out["full_vs_oracle"] = {**_spread(full_over_oracle), "target_at_most": 1.25}
-        out["full_peak_memory_vs_base"] = {**_spread([s["Full"]["peak_memory_bytes"] / s["Base"]["peak_memory_bytes"]
-                                                      for s in vals]), "target_at_most": 1.1, "paper": 1.014}
+        out["full_peak_memory_vs_base"] = {**_spread(_peak_ratios(seeds, "Full", "Base")), "target_at_most": 1.1,
+                                           "paper": 1.014}
         e3 = min(2, epochs - 1)
         out["full_hit_rate_epoch3"] = {**_spread([s["Full"]["hit_rate_per_epoch"]["total"][e3] for s in vals]),
                                        "target": 0.65, "aim": 0.70, "epoch": e3 + 1}
     if all(k in vals[0] for k in ("Base", "CRIU")):
-        out["base_peak_memory_vs_criu"] = {**_spread([s["Base"]["peak_memory_bytes"] / s["CRIU"]["peak_memory_bytes"]
-                                                      for s in vals]), "target_at_most": 0.6,
+        out["base_peak_memory_vs_criu"] = {**_spread(_peak_ratios(seeds, "Base", "CRIU")), "target_at_most": 0.6,
                                            "note": "the target is for cow in a guest; this host forks with ksm, "
                                                    "whose merging lags the fork (ksmd scans at its own pace)"}
     if all(k in vals[0] for k in ("Base", "Spec")):
-        out["spec_speedup_vs_base"] = _spread([1 / x for x in ratio("Spec", "Base")])
+        out["spec_speedup_vs_base"] = _spread([1 / x for x in _epoch_ratios(seeds, "Spec", "Base", later)])
     out["rewards_identical"] = all(s["rewards_identical"] for s in vals)
     return out
 
