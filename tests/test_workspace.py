@@ -84,7 +84,7 @@ def test_memory_accounting(ws: Workspace) -> None:
     m = wait_for(lambda: (s := ws.memory()).uss >= 50 * MiB and s, timeout=10)
     assert m.pss >= m.uss and m.shared > 0
     assert m.rss >= m.uss
-    assert m.cgroup_usage >= 50 * MiB
+    assert m.cgroup_usage >= 50 * MiB and m.host.anon >= 50 * MiB
     # init, the spawn shim, python
     assert m.processes >= 3
     assert set(m.per_process) == set(ws._cgroup().pids())
@@ -378,6 +378,20 @@ def test_workspace_limits_need_v2_controllers(monkeypatch: pytest.MonkeyPatch) -
         pytest.skip("this host's v2 hierarchy has a memory controller")
     with pytest.raises(CgroupError, match="memory controller"):
         Workspace.create(cgroup="v2", memory_limit="64M")
+
+
+@pytest.mark.guest
+def test_cgroup_v2_accounts_memory_without_a_limit() -> None:
+    """On a cgroup v2 host (the guest) the memory controller is enabled for accounting even when
+    no limit asks for it: without it memory.stat is absent and a workspace reads as costing 0."""
+    root = cgroups.CGROUP_ROOT
+    if not cgroups._is_cgroup2(root) or "memory" not in (root / "cgroup.controllers").read_text().split():
+        pytest.skip("needs a cgroup v2 root with the memory controller (the guest)")
+    with Workspace.create() as w:
+        assert w.info().memory_limit is None
+        _bg(w, "exec python3 -c 'import os, time; b = os.urandom(50 << 20); time.sleep(300)'")
+        m = wait_for(lambda: (s := w.memory()).host.anon >= 50 * MiB and s, timeout=30)
+        assert m.cgroup_usage >= 50 * MiB
 
 
 @pytest.fixture

@@ -133,6 +133,14 @@ class Cgroup:
                 for c in wanted:
                     _write(root / "cgroup.subtree_control", f"+{c}")
                     _write(parent / "cgroup.subtree_control", f"+{c}")
+                # Accounting wants the controllers even without a limit (as podman and Docker
+                # enable them): without memory, memory.stat is absent and the host-cost accounting
+                # would read a workspace as costing nothing. Best effort, since nothing asked for it.
+                for c in V1_CONTROLLERS:
+                    if c in available and c not in wanted:
+                        with contextlib.suppress(CgroupError):
+                            _write(root / "cgroup.subtree_control", f"+{c}")
+                            _write(parent / "cgroup.subtree_control", f"+{c}")
                 d = parent / name
                 d.mkdir(exist_ok=False)
                 cg.paths[UNIFIED] = str(d)
