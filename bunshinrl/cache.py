@@ -60,14 +60,24 @@ class ToolPrefixCache:
     layers, plus for copy-on-write snapshots the pages their sources wrote since, measured again
     before every eviction). snapshot_every > 1 makes snapshots sparse: only every n-th depth, and calls slower
     than snapshot_slower_than seconds, are captured; the rest are replayed when needed.
+    snapshot_policy="cost" chooses by cost instead: a node is captured when replaying the calls it
+    would save (its own and those of its uncaptured ancestors up to the nearest captured one)
+    takes at least as long as a capture does, measured (capture_seconds, from note_capture). A
+    capture freezes the sample's workspace, so it is paid on the sample's path whenever it
+    outlasts the next reasoning step, while a replay runs beside reasoning (a prefetch).
     background=False persists states synchronously (deterministic tests).
     """
 
     def __init__(self, backend: StateBackend[Any], capacity_bytes: int, *, guard: DeterminismGuard | None = None,
                  snapshot_every: int = 1, snapshot_slower_than: float | None = None,
-                 background: bool = True) -> None:
+                 snapshot_policy: str = "depth", background: bool = True) -> None:
         if snapshot_every < 1:
             raise ValueError("snapshot_every must be >= 1")
+        if snapshot_policy not in ("depth", "cost"):
+            raise ValueError(f"snapshot_policy must be 'depth' or 'cost', not {snapshot_policy!r}")
+        self.snapshot_policy = snapshot_policy
+        # A first guess until captures are measured: about what one of a small workspace takes here.
+        self.capture_seconds = 0.5
         self.backend = backend
         self.tree = PrefixTree()
         self.lru = AncestorLRU(capacity_bytes)
@@ -149,9 +159,29 @@ class ToolPrefixCache:
             return node, True
 
     def should_capture(self, node: Node) -> bool:
-        if node.parent is None or self.snapshot_every == 1 or node.depth % self.snapshot_every == 0:
+        if node.parent is None:
+            return True
+        if self.snapshot_policy == "cost":
+            return self.replay_seconds(node) >= self.capture_seconds
+        if self.snapshot_every == 1 or node.depth % self.snapshot_every == 0:
             return True
         return self.snapshot_slower_than is not None and node.exec_seconds >= self.snapshot_slower_than
+
+    def replay_seconds(self, node: Node) -> float:
+        """What rebuilding `node` by replay would take were it not captured: its call and those of
+        its uncaptured ancestors, back to the nearest captured one."""
+        with self._lock:
+            total = node.exec_seconds
+            a = node.parent
+            while a is not None and a.sparse:
+                total += a.exec_seconds
+                a = a.parent
+            return total
+
+    def note_capture(self, seconds: float) -> None:
+        """How long a capture of a sample's workspace took (the cost policy weighs it)."""
+        with self._lock:
+            self.capture_seconds = _ewma(self.capture_seconds, seconds)
 
     def complete(self, node: Node, observation: str, exec_seconds: float) -> bool:
         """Record the observation; True when the caller should capture the state and attach() it."""
@@ -437,6 +467,8 @@ class ToolPrefixCache:
                 "resident_bytes": self.lru.resident_bytes,
                 "capacity_bytes": self.lru.capacity,
                 "disk_stored_bytes": sum(n.disk_bytes for n in nodes),
+                "captured": sum(not n.sparse for n in nodes),
+                "capture_seconds": round(self.capture_seconds, 3),
             }
 
     def check(self) -> list[str]:

@@ -630,7 +630,10 @@ class Rollout:
     async def _post_call(self, ws: Workspace, capture: Node | None, chain: list[ToolCall]) -> Live | Speculating:
         core = self.core
         try:
+            t = time.monotonic()
             snap = await SharedSnapshot.take_async(ws, core.memory)
+            if capture is not None and core.cache is not None:
+                core.cache.note_capture(time.monotonic() - t)
         except Exception as e:
             self.timeline.errors.append(f"capture failed: {e!r}")
             if capture is not None and core.cache is not None:

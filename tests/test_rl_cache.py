@@ -181,3 +181,52 @@ def test_nondeterministic_tools_are_never_served_and_replay_detects_liars() -> N
             cache.close()
 
     asyncio.run(main())
+
+
+def test_cost_policy_captures_where_the_replay_saved_outweighs_a_capture() -> None:
+    """snapshot_policy="cost": a state is captured once replaying what it saves (its call and its
+    uncaptured ancestors') takes as long as a capture; the rest are rebuilt by replay."""
+    env = counter_task()
+    tools = env.tools
+
+    async def run(cache: ToolPrefixCache, parent, call: ToolCall, ws: Workspace, took: float):  # type: ignore[no-untyped-def]
+        node, created = cache.begin(parent, call)
+        assert created
+        obs = await tools[call.name].run(ws, call.args)
+        if cache.complete(node, obs, took):
+            cache.attach(node, await asyncio.to_thread(SharedSnapshot.take, ws))
+        return node
+
+    async def main() -> None:
+        ws = Workspace.create()
+        env.setup(ws)
+        cache = ToolPrefixCache(SnapshotBackend(None), capacity_bytes=1 << 40, snapshot_policy="cost",
+                                background=False)
+        try:
+            cache.note_capture(3.0)
+            assert 0.5 < cache.capture_seconds < 3.0  # a moving average of measured captures
+            cache.capture_seconds = 1.0
+            root = cache.add_root("task", "tmpl", await asyncio.to_thread(SharedSnapshot.take, ws))
+            n1 = await run(cache, root, ToolCall("bump", {"n": 1}), ws, 0.4)
+            n2 = await run(cache, n1, ToolCall("bump", {"n": 2}), ws, 0.4)
+            n3 = await run(cache, n2, ToolCall("touch", {"name": "a"}), ws, 0.4)  # 1.2 s of replay saved
+            n4 = await run(cache, n3, ToolCall("bump", {"n": 3}), ws, 0.3)
+            n5 = await run(cache, n4, ToolCall("touch", {"name": "b"}), ws, 2.0)  # slow on its own
+            assert [n.sparse for n in (n1, n2, n3, n4, n5)] == [True, True, False, True, False]
+            assert cache.replay_seconds(n2) == pytest.approx(0.8) and cache.replay_seconds(n4) == pytest.approx(0.3)
+            assert cache.stats()["captured"] == 3  # the root, n3 and n5
+            plan = cache.plan(n4)
+            assert plan.source is n3 and [n.call for n in plan.replay] == [ToolCall("bump", {"n": 3})]
+            rebuilt = await cache.materialize(n4, tools)
+            try:
+                await tools["touch"].run(rebuilt, {"name": "b"})
+                assert await tools["state"].run(rebuilt, {}) == await tools["state"].run(ws, {})
+            finally:
+                await asyncio.to_thread(rebuilt.destroy)
+        finally:
+            await asyncio.to_thread(ws.destroy)
+            cache.close()
+
+    asyncio.run(main())
+    with pytest.raises(ValueError, match="snapshot_policy"):
+        ToolPrefixCache(SnapshotBackend(None), 1 << 20, snapshot_policy="every")
