@@ -1,7 +1,7 @@
 """BunshinRL's rollout configurations on real agent workspaces (paper sections 5.2-5.3, Figs. 6-11).
 
 python benchmarks/agent_rollouts.py [--quick] --out DIR [--seeds 3 | --seed S] [--families code,shop]
-                                    [--placements live,fork_first]
+                                    [--placements live,fork_first] [--snapshot-policies cost,depth]
 python benchmarks/agent_rollouts.py --merge DIR0 DIR1 DIR2 --out DIR   (per-seed runs -> one result)
 
 Tasks (each with a verifier that reads the final workspace):
@@ -23,6 +23,9 @@ the order rotating per epoch), each with its own engine kept across epochs:
   Spec@P  with --placements: Spec with the speculator's chain placed by P (live: in the sample's
         workspace, forking on a mismatch; fork_first: in a fork, the sample's workspace kept for
         the real call); "Spec" and "Full" use the speculator's default placement
+  Full@S  with --snapshot-policies: Full whose cache captures states by policy S (depth: every
+        other depth and every slow call; cost: when the replay a capture saves takes as long as
+        a capture, measured); "Full" uses cost
 Parity: every configuration keeps its initialized task snapshots across epochs (Full in its
 cache's root, the others through keep_initial) and forks while the first step is reasoned
 (overlap_fork; Full's prefetch of a fresh root). epoch_seconds is the wall time of the whole
@@ -31,8 +34,11 @@ epoch, teardown and the cache's persistence included.
 DIR/agent_rollouts.json: per configuration and seed epoch_seconds, oracle_seconds (the longest
 rollout's reasoning alone), hit_rate_per_epoch (cache and speculation split), peak_memory_bytes
 (host-cost accounting of the configuration's workspaces and snapshots, sampled over the epoch),
-reward_per_epoch; rewards_identical across Base, Spec and Full; summary: per configuration the
+reward_per_epoch, phases_per_epoch (where each epoch's time went: the seconds per event kind of
+the rollout that finished last and of all rollouts, and the time after the last rollout);
+rewards_identical across Base, Spec and Full; summary: per configuration the
 mean and spread over seeds; placements: epoch time and peak memory per speculation placement;
+snapshot_policies: the same (and captures) per prefix-cache snapshot policy;
 the targets with what was reached. --seed S runs one seed (a run short enough to hold the host
 lock for); --merge combines such runs' JSONs into one, figures included.
 """
@@ -81,6 +87,8 @@ from bunshinrl.envs import coding, gui, webshop
 from bunshinrl.speculator import PLACEMENTS
 
 DEFAULT_PLACEMENT = Speculator().placement
+SNAPSHOT_POLICIES = ("depth", "cost")
+DEFAULT_SNAPSHOT_POLICY = "cost"
 
 MiB = 1 << 20
 CONFIGS = ("CRIU", "Base", "Spec", "Full")
@@ -180,13 +188,16 @@ def make_config(name: str, tasks: list[Task], cands: dict[str, Any], agent_cfg: 
     guard = DeterminismGuard()
     cache = spec = None
     if kind == "Full":
+        # depth: every other depth and every slow call captured; cost: a state is captured when the
+        # replay it saves takes as long as a capture (ToolPrefixCache's snapshot_policy).
+        policy = placement or DEFAULT_SNAPSHOT_POLICY
         cache = ToolPrefixCache(SnapshotBackend(store / name), cache_mib * MiB, guard=guard,
-                                snapshot_every=2, snapshot_slower_than=slow_seconds)
+                                snapshot_every=2, snapshot_slower_than=slow_seconds, snapshot_policy=policy)
     if kind in ("Spec", "Full"):
         tail = TailPolicy(slow_tool_seconds=slow_seconds, task_quantile=0.5,
                           online_real_calls=2 if kind == "Full" else None)
         spec = Speculator(depth=spec_depth, min_probability=0.5, tail=tail,
-                          placement=placement or DEFAULT_PLACEMENT)  # type: ignore[arg-type]
+                          placement=placement if kind == "Spec" and placement else DEFAULT_PLACEMENT)  # type: ignore[arg-type]
     server = Server(model)
     agent = StochasticAgent(agent_cfg, server, cands)
     memory = "copy" if name == "CRIU" else share
@@ -195,6 +206,25 @@ def make_config(name: str, tasks: list[Task], cands: dict[str, Any], agent_cfg: 
     engine = RolloutEngine(agent, cache=cache, speculator=spec, guard=guard, memory=memory,
                            keep_initial=True, overlap_fork=True)
     return ConfigRun(name, engine, server, own, cache)
+
+
+PHASES = ("setup", "reason", "tool", "cache_hit", "audit", "materialize", "post_wait", "spec_hit", "spec_miss")
+
+
+def phases(r: EpochResult, epoch_seconds: float) -> dict[str, Any]:
+    """Where an epoch's time went: per event kind, the seconds of the rollout that finished last
+    (the critical path) and the sum over all rollouts, and the time after the last rollout
+    (teardown, the cache's persistence) that the epoch still paid."""
+    if not r.samples:
+        return {}
+    last = max(r.samples, key=lambda t: t.finished)
+    return {
+        "critical_path": {k: round(last.seconds(k), 3) for k in PHASES},
+        "critical_path_calls": {"real": last.count("tool"), "cache_hits": last.count("cache_hit"),
+                                "spec_hits": last.count("spec_hit")},
+        "all_rollouts": {k: round(sum(t.seconds(k) for t in r.samples), 3) for k in PHASES},
+        "after_last_rollout": round(epoch_seconds - r.seconds, 3),
+    }
 
 
 async def run_epoch(run: ConfigRun, group: int, epoch: int) -> dict[str, Any]:
@@ -228,12 +258,17 @@ async def run_epoch(run: ConfigRun, group: int, epoch: int) -> dict[str, Any]:
         "rewards": rewards,
         "errors": [e for s in r.samples for e in s.errors],
         "wasted_speculation_seconds": round(r.wasted_seconds, 3),
+        "phases": phases(r, seconds),
     }
     run.epochs.append(row)
     print(f"  {run.name:4s} epoch {epoch}: {seconds:6.1f} s (oracle {row['oracle_seconds']:5.1f} s)  hit rate "
           f"{row['hit_rate']:5.1%} (cache {r.cache_hits}, spec {r.spec_hits} of {calls})  peak "
           f"{row['peak_memory_bytes'] / MiB:7.1f} MiB  reward {row['reward']}  errors {len(row['errors'])}",
           flush=True)
+    if row["phases"]:
+        path = row["phases"]["critical_path"]
+        print("        last rollout: " + "  ".join(f"{k} {v:.1f}" for k, v in path.items() if v)
+              + f"  | after it {row['phases']['after_last_rollout']:.1f} s", flush=True)
     return row
 
 
@@ -252,6 +287,7 @@ def summarize(run: ConfigRun) -> dict[str, Any]:
         "tool_calls_per_epoch": [e["tool_calls"] for e in ep],
         "wasted_speculation_seconds_per_epoch": [e["wasted_speculation_seconds"] for e in ep],
         "errors": [x for e in ep for x in e["errors"]],
+        "phases_per_epoch": [e["phases"] for e in ep],
         "cache": run.results[-1].cache if run.results else None,
         "speculation": run.results[-1].speculation if run.results else None,
     }
@@ -347,7 +383,31 @@ def placements(seeds: dict[int, dict[str, Any]], summ: dict[str, Any], epochs: i
     return out
 
 
-def targets(seeds: dict[int, dict[str, Any]], epochs: int) -> dict[str, Any]:
+def snapshot_policies(seeds: dict[int, dict[str, Any]], summ: dict[str, Any], epochs: int) -> dict[str, Any]:
+    """Epoch time, peak memory and captures per prefix-cache snapshot policy ("Full" is the
+    default's), and each other policy's ratios to the default's, paired within every seed."""
+    out: dict[str, Any] = {}
+    for n, v in summ.items():
+        kind, _, p = n.partition("@")
+        if kind == "Full":
+            caches = [s[n].get("cache") or {} for s in seeds.values()]
+            out[p or DEFAULT_SNAPSHOT_POLICY] = {
+                "config": n, "epoch_seconds": v["epoch_seconds"], "peak_memory_mib": v["peak_memory_mib"],
+                "hit_rate_epoch3": v["hit_rate_epoch3"],
+                # states captured, replayed calls and states persisted, over all epochs and seeds
+                "cache": {k: sum(c.get(k, 0) for c in caches) for k in ("captured", "replayed_calls", "persisted")}}
+    if len(out) > 1 and DEFAULT_SNAPSHOT_POLICY in out:
+        later = _later(epochs)
+        for p, v in out.items():
+            if p != DEFAULT_SNAPSHOT_POLICY:
+                a, b = v["config"], out[DEFAULT_SNAPSHOT_POLICY]["config"]
+                v["epoch_ratio_to_default"] = _spread(_epoch_ratios(seeds, a, b, later))
+                v["peak_memory_ratio_to_default"] = _spread(_peak_ratios(seeds, a, b))
+        out["default"] = DEFAULT_SNAPSHOT_POLICY
+    return out
+
+
+def targets(seeds: dict[int, dict[str, Any]], epochs: int, share: str = "ksm") -> dict[str, Any]:
     later = _later(epochs)
     out: dict[str, Any] = {}
     vals = list(seeds.values())
@@ -363,9 +423,13 @@ def targets(seeds: dict[int, dict[str, Any]], epochs: int) -> dict[str, Any]:
         out["full_hit_rate_epoch3"] = {**_spread([s["Full"]["hit_rate_per_epoch"]["total"][e3] for s in vals]),
                                        "target": 0.65, "aim": 0.70, "epoch": e3 + 1}
     if all(k in vals[0] for k in ("Base", "CRIU")):
-        out["base_peak_memory_vs_criu"] = {**_spread(_peak_ratios(seeds, "Base", "CRIU")), "target_at_most": 0.6,
-                                           "note": "the target is for cow in a guest; this host forks with ksm, "
-                                                   "whose merging lags the fork (ksmd scans at its own pace)"}
+        per_epoch = [[s["Base"]["peak_memory_bytes_per_epoch"][e] / max(s["CRIU"]["peak_memory_bytes_per_epoch"][e], 1)
+                      for s in vals] for e in range(epochs)]
+        out["base_peak_memory_vs_criu"] = {
+            **_spread(_peak_ratios(seeds, "Base", "CRIU")), "target_at_most": 0.6, "engine": share,
+            "per_epoch": [_spread(r) for r in per_epoch],
+            **({"note": "the target is for cow in a guest; ksm merges the clones only as ksmd scans, "
+                        "after the fork"} if share == "ksm" else {})}
     if all(k in vals[0] for k in ("Base", "Spec")):
         out["spec_speedup_vs_base"] = _spread([1 / x for x in _epoch_ratios(seeds, "Spec", "Base", later)])
     out["rewards_identical"] = all(s["rewards_identical"] for s in vals)
@@ -464,6 +528,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--placements", default=DEFAULT_PLACEMENT,
                     help=f"speculation placements to compare, of {','.join(PLACEMENTS)}: each one but the "
                          f"default ({DEFAULT_PLACEMENT}, Spec's) adds a configuration Spec@PLACEMENT")
+    ap.add_argument("--snapshot-policies", default=DEFAULT_SNAPSHOT_POLICY,
+                    help=f"prefix-cache snapshot policies to compare, of {','.join(SNAPSHOT_POLICIES)}: each one "
+                         f"but the default ({DEFAULT_SNAPSHOT_POLICY}, Full's) adds a configuration Full@POLICY")
     ap.add_argument("--families", help="comma-separated: code, shop, gui")
     ap.add_argument("--code-tasks", type=int)
     ap.add_argument("--group-size", type=int)
@@ -487,6 +554,14 @@ def parse() -> argparse.Namespace:
     if set(extra) - set(PLACEMENTS):
         ap.error(f"unknown placements {sorted(set(extra) - set(PLACEMENTS))}; use {', '.join(PLACEMENTS)}")
     a.configs += [f"Spec@{p}" for p in extra if p != DEFAULT_PLACEMENT and f"Spec@{p}" not in a.configs]
+    pols = [p for p in a.snapshot_policies.split(",") if p]
+    if set(pols) - set(SNAPSHOT_POLICIES):
+        ap.error(f"unknown snapshot policies {sorted(set(pols) - set(SNAPSHOT_POLICIES))}; use "
+                 f"{', '.join(SNAPSHOT_POLICIES)}")
+    a.configs += [f"Full@{p}" for p in pols if p != DEFAULT_SNAPSHOT_POLICY and f"Full@{p}" not in a.configs]
+    known = {*CONFIGS, *(f"Spec@{p}" for p in PLACEMENTS), *(f"Full@{p}" for p in SNAPSHOT_POLICIES)}
+    if bad := [c for c in a.configs if c not in known]:
+        ap.error(f"unknown configurations {bad}")
     a.seed_list = [a.seed] if a.seed is not None else list(range(a.seeds))
     return a
 
@@ -494,7 +569,7 @@ def parse() -> argparse.Namespace:
 def finish(out: Path, seeds: dict[int, dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
     """Targets, summary, figures and the JSON of `seeds` (each with its "_series")."""
     epochs = meta["size"]["epochs"]
-    tg = targets(seeds, epochs)
+    tg = targets(seeds, epochs, meta["share_engine"])
     summ = summary(seeds, epochs)
     figures = plots(out, seeds, epochs, meta["share_engine"])
     result = {
@@ -503,6 +578,7 @@ def finish(out: Path, seeds: dict[int, dict[str, Any]], meta: dict[str, Any]) ->
         "series": {str(k): s["_series"] for k, s in seeds.items()},
         "summary": summ,
         "placements": placements(seeds, summ, epochs),
+        "snapshot_policies": snapshot_policies(seeds, summ, epochs),
         "targets": tg,
         "figures": figures,
     }
@@ -514,6 +590,7 @@ def finish(out: Path, seeds: dict[int, dict[str, Any]], meta: dict[str, Any]) ->
               f"[{m['min']:.1f}, {m['max']:.1f}]  hit rate {v['hit_rate_epoch3']['mean']:5.1%}  "
               f"errors {v['errors']}")
     print("placements: " + json.dumps(result["placements"]))
+    print("snapshot policies: " + json.dumps(result["snapshot_policies"]))
     print("targets (reached vs target):")
     print(json.dumps(tg, indent=1))
     return result
