@@ -19,7 +19,8 @@ learning runs use a batching server (--max-num-seqs).
 DIR/grpo_llm.json: reward_per_epoch (trained, mean over seeds), random_reward_per_epoch,
 learning (final reward per seed vs baseline, margin vs spread), weight_syncs (one per epoch,
 each with the version the server reported), logprob_drift, tokens_trained, configs (Base, Spec,
-Full with identical_to_base). DIR/grpo_llm.png plots them. Exit status 1 if a configuration
+Full with identical_to_base), leaks (host objects the finished runs left, by kind: warned
+about, and `bunshin gc` removes them). DIR/grpo_llm.png plots them. Exit status 1 if a configuration
 diverged from Base or training did not beat the baseline by more than the seeds' spread.
 """
 
@@ -33,10 +34,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bunshinfork import census
 from bunshinrl.grpo import experiment
 from bunshinrl.grpo.tasks import suite
 
 QUICK_TASKS = ("files-ab", "service-pong", "fix-both")
+# Host objects a finished run must not leave (not processes or fds: torch and the server's
+# client keep their own while this process lives).
+LEAK_KINDS = ("mounts", "cgroups", "state dirs", "subvolumes", "loop devices", "network namespaces",
+              "cow holders", "KSM boost holders")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         print(experiment.format_row(name, current_seed, row), flush=True)
 
     t0 = time.monotonic()
+    # What the runs leave on the host once they are done (the engines and the server closed).
+    before = {k: census.PROBES[k]() for k in LEAK_KINDS}
     trained: list[experiment.Run] = []
     random: list[experiment.Run] = []
     extra: dict[str, experiment.Run] = {}
@@ -105,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             if name != "Base":
                 extra[name] = experiment.run(lab, name, tasks, config_epochs, grpo, current_seed, log)
         server_seconds = lab.server_seconds
+    left = {k: len(census.PROBES[k]() - before[k]) for k in LEAK_KINDS}
     runs = {"Base": base, **extra}
     summary = {n: experiment.config_summary(r, None if n == "Base" else base) for n, r in runs.items()}
     verdict = experiment.learning(trained, random)
@@ -131,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                           "max": max(drifts) if drifts else None},
         "tokens_trained": learner.series("tokens_trained"),
         "configs": summary,
+        "leaks": left,
     }
     path = experiment.write_report(args.out, "grpo_llm.json", report)
     png = experiment.plot(trained, random, runs, args.out / "grpo_llm.png",
@@ -150,6 +160,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:5s} reward {' '.join(f'{r:.2f}' for r in s['reward_per_epoch'])}  hit rate "
               f"{' '.join(f'{h:.0%}' for h in s['hit_rate_per_epoch'])}{same}")
     print(f"wrote {path} and {png} ({time.monotonic() - t0:.0f}s)")
+    if any(left.values()):
+        print(f"WARNING: the runs left {', '.join(f'{v} {k}' for k, v in left.items() if v)} behind "
+              "(`bunshin gc` removes them)", file=sys.stderr)
+    else:
+        print("leaks: none (" + ", ".join(LEAK_KINDS) + ")")
     failed = [n for n, s in summary.items() if s["identical_to_base"] is False]
     if failed:
         print(f"ERROR: {', '.join(failed)} diverged from Base", file=sys.stderr)
