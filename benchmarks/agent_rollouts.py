@@ -192,7 +192,8 @@ def make_config(name: str, tasks: list[Task], cands: dict[str, Any], agent_cfg: 
         # replay it saves takes as long as a capture (ToolPrefixCache's snapshot_policy).
         policy = placement or DEFAULT_SNAPSHOT_POLICY
         cache = ToolPrefixCache(SnapshotBackend(store / name), cache_mib * MiB, guard=guard,
-                                snapshot_every=2, snapshot_slower_than=slow_seconds, snapshot_policy=policy)
+                                snapshot_every=2, snapshot_slower_than=slow_seconds,
+                                snapshot_policy=policy)  # type: ignore[arg-type]
     if kind in ("Spec", "Full"):
         tail = TailPolicy(slow_tool_seconds=slow_seconds, task_quantile=0.5,
                           online_real_calls=2 if kind == "Full" else None)

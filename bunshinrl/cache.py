@@ -16,7 +16,7 @@ import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from bunshinfork import AsyncWorkspace, Workspace
 
@@ -27,6 +27,8 @@ from .lru import AncestorLRU
 from .signature import ToolCall
 from .tools import Tool
 from .tree import Node, PrefixTree
+
+SnapshotPolicy = Literal["depth", "cost"]
 
 
 class ReplayDiverged(RuntimeError):
@@ -70,7 +72,7 @@ class ToolPrefixCache:
 
     def __init__(self, backend: StateBackend[Any], capacity_bytes: int, *, guard: DeterminismGuard | None = None,
                  snapshot_every: int = 1, snapshot_slower_than: float | None = None,
-                 snapshot_policy: str = "depth", background: bool = True) -> None:
+                 snapshot_policy: SnapshotPolicy = "depth", background: bool = True) -> None:
         if snapshot_every < 1:
             raise ValueError("snapshot_every must be >= 1")
         if snapshot_policy not in ("depth", "cost"):

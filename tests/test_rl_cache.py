@@ -229,4 +229,4 @@ def test_cost_policy_captures_where_the_replay_saved_outweighs_a_capture() -> No
 
     asyncio.run(main())
     with pytest.raises(ValueError, match="snapshot_policy"):
-        ToolPrefixCache(SnapshotBackend(None), 1 << 20, snapshot_policy="every")
+        ToolPrefixCache(SnapshotBackend(None), 1 << 20, snapshot_policy="every")  # type: ignore[arg-type]
