@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import json
 import os
@@ -297,6 +298,12 @@ class Record:
 
     @classmethod
     def load(cls, ws_id: str) -> Record:
+        """The record of `ws_id`. An id that cannot name one (empty, a path, a NUL, longer than a
+        file name) names none: FileNotFoundError, which callers report as no such workspace,
+        rather than the OSError its path would raise or a path outside the state root."""
+        if not ws_id or ws_id in (".", "..") or "/" in ws_id or "\0" in ws_id \
+                or len(ws_id.encode("utf-8", "surrogateescape")) > 255:
+            raise FileNotFoundError(errno.ENOENT, "no workspace record", ws_id)
         return load(cls, RUN_ROOT / ws_id / "state.json")
 
     def init_alive(self) -> bool:

@@ -28,7 +28,7 @@ from bunshinfork import state
 from bunshinfork.cgroups import leftover_cgroups
 from bunshinfork.cli import main
 from bunshinfork.commands import CommandResult
-from bunshinfork.errors import BunshinError
+from bunshinfork.errors import BunshinError, WorkspaceNotFound
 from bunshinfork.process.restore import _children
 from bunshinfork.spec import WorkspaceSpec
 from bunshinfork.workspace import Workspace
@@ -280,3 +280,23 @@ def test_odd_command_lines_exit_cleanly(planted: Workspace, argv: list[str]) -> 
     # `bunshin create` in-process keeps the new workspace's pidfd (a real CLI process exits).
     checked(run, pidfds=False)
     assert planted.is_running()
+
+
+@pytest.mark.parametrize("ws_id", ["x" * 5000, "..", "../ws", "", "a\0b", "ws-\udcff" * 80])
+def test_ids_that_cannot_name_a_workspace_name_none(ws_id: str) -> None:
+    """Found by the command-line example above: `bunshin rm` of a 5000-byte id raised the
+    OSError of its too-long path (ENAMETOOLONG) instead of saying there is no such workspace."""
+    with pytest.raises(WorkspaceNotFound):
+        Workspace.connect(ws_id)
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        try:
+            rc = main(["rm", ws_id])
+        except SystemExit as e:
+            rc = e.code
+    # The CLI refuses what is not an id's form as a usage error (podman's 125); an id of the
+    # right form (the long one) is looked up, and names no workspace (status 1).
+    said = err.getvalue()
+    if ws_id.isalnum():
+        assert rc == 1 and "no workspace" in said, said
+    else:
+        assert (rc, "no workspace" in said or "is not a workspace id" in said) in ((1, True), (125, True)), said
