@@ -162,9 +162,12 @@ def test_gui_fork_clones_have_their_own_display() -> None:
 
         with family(gui, 2) as (a, b):
             members = {"source": gui, "a": a, "b": b}
-            # (Compared with the source's now: mousepad adds watches of its own accord, so the
-            # count before the fork may be smaller than at the freeze.)
-            assert len(editor_watches(a)) == len(editor_watches(b)) == len(editor_watches(gui))
+            # Each clone holds at least the watches the source held before the fork. Not equality
+            # with any member's count now: mousepad adds watches of its own accord, before the
+            # freeze and after it, in the source and in each clone (a CI run saw the source at 4
+            # and the clones at 2, the source's 2 new ones made after the fork).
+            now = {n: editor_watches(m) for n, m in members.items()}
+            assert all(len(w) >= len(watched) for w in now.values()), (watched, now)
             # The X server's state is forked with it: the same windows under the same ids.
             ids = {n: sorted(w.id for w in m.windows()) for n, m in members.items()}
             assert ids["a"] == ids["source"] == ids["b"], ids
