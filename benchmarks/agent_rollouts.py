@@ -372,16 +372,25 @@ def placements(seeds: dict[int, dict[str, Any]], summ: dict[str, Any], epochs: i
                 "config": n, "epoch_seconds": v["epoch_seconds"], "peak_memory_mib": v["peak_memory_mib"],
                 # chains launched, calls adopted and chains mismatched, over all epochs and seeds
                 "speculation": {k: sum(x.get(k, 0) for x in stats) for k in ("launched", "hits", "mismatches")}})
-    if len(out) > 1 and DEFAULT_PLACEMENT in out:
-        later = _later(epochs)
-        for p, v in out.items():
-            if p != DEFAULT_PLACEMENT:
-                a, b = v["config"], out[DEFAULT_PLACEMENT]["config"]
-                v["epoch_ratio_to_default"] = _spread(_epoch_ratios(seeds, a, b, later))
-                v["peak_memory_ratio_to_default"] = _spread(_peak_ratios(seeds, a, b))
+    if _paired_to_default(seeds, out, DEFAULT_PLACEMENT, epochs):
         out["shorter_epoch"] = min(out, key=lambda p: out[p]["epoch_seconds"]["mean"])
         out["default"] = DEFAULT_PLACEMENT
     return out
+
+
+def _paired_to_default(seeds: dict[int, dict[str, Any]], out: dict[str, Any], default: str, epochs: int) -> bool:
+    """Give each variant in `out` (by name; its "config" the configuration) its epoch-time and
+    peak-memory ratios to the default's, paired within every seed; False when there is nothing
+    to pair (one variant, or no default)."""
+    if len(out) < 2 or default not in out:
+        return False
+    later = _later(epochs)
+    for p, v in out.items():
+        if p != default:
+            a, b = v["config"], out[default]["config"]
+            v["epoch_ratio_to_default"] = _spread(_epoch_ratios(seeds, a, b, later))
+            v["peak_memory_ratio_to_default"] = _spread(_peak_ratios(seeds, a, b))
+    return True
 
 
 def snapshot_policies(seeds: dict[int, dict[str, Any]], summ: dict[str, Any], epochs: int) -> dict[str, Any]:
@@ -397,13 +406,7 @@ def snapshot_policies(seeds: dict[int, dict[str, Any]], summ: dict[str, Any], ep
                 "hit_rate_epoch3": v["hit_rate_epoch3"],
                 # states captured, replayed calls and states persisted, over all epochs and seeds
                 "cache": {k: sum(c.get(k, 0) for c in caches) for k in ("captured", "replayed_calls", "persisted")}}
-    if len(out) > 1 and DEFAULT_SNAPSHOT_POLICY in out:
-        later = _later(epochs)
-        for p, v in out.items():
-            if p != DEFAULT_SNAPSHOT_POLICY:
-                a, b = v["config"], out[DEFAULT_SNAPSHOT_POLICY]["config"]
-                v["epoch_ratio_to_default"] = _spread(_epoch_ratios(seeds, a, b, later))
-                v["peak_memory_ratio_to_default"] = _spread(_peak_ratios(seeds, a, b))
+    if _paired_to_default(seeds, out, DEFAULT_SNAPSHOT_POLICY, epochs):
         out["default"] = DEFAULT_SNAPSHOT_POLICY
     return out
 
