@@ -17,14 +17,26 @@ pytestmark = pytest.mark.usefixtures("no_own_leaks")
 
 
 async def _run(cache: ToolPrefixCache, tools, parent, call: ToolCall, ws: Workspace,  # type: ignore[no-untyped-def]
-               incremental: bool = True):
-    """What the engine does on a miss: run the call on `ws` and record the resulting node."""
+               incremental: bool = True, took: float = 0.5):
+    """What the engine does on a miss: run the call on `ws` and record the resulting node, as
+    if the call took `took` seconds."""
     node, created = cache.begin(parent, call)
     assert created
     obs = await tools[call.name].run(ws, call.args)
-    if cache.complete(node, obs, 0.5):
+    if cache.complete(node, obs, took):
         cache.attach(node, await asyncio.to_thread(SharedSnapshot.take, ws, "auto", incremental))
     return node, obs
+
+
+async def _rebuilt_then_matches(cache: ToolPrefixCache, tools, node, then: ToolCall,  # type: ignore[no-untyped-def]
+                                ws: Workspace) -> None:
+    """Rebuild `node`'s state, run `then` on it, and compare with `ws`, which ran it live."""
+    rebuilt = await cache.materialize(node, tools)
+    try:
+        await tools[then.name].run(rebuilt, then.args)
+        assert await tools["state"].run(rebuilt, {}) == await tools["state"].run(ws, {})
+    finally:
+        await asyncio.to_thread(rebuilt.destroy)
 
 
 def test_the_same_budget_holds_more_incremental_states() -> None:
@@ -133,13 +145,8 @@ def test_sparse_node_is_rebuilt_by_replay(tmp_path: Path) -> None:
             assert n1.form == "metadata" and n1.sparse and n2.form == "resident"
             plan = cache.plan(n1)
             assert plan.source is root and [n.call for n in plan.replay] == [ToolCall("bump", {"n": 3})]
-            rebuilt = await cache.materialize(n1, tools)
-            try:
-                assert cache.counters["replayed_calls"] == 1
-                await tools["touch"].run(rebuilt, {"name": "b"})
-                assert await tools["state"].run(rebuilt, {}) == await tools["state"].run(ws, {})
-            finally:
-                await asyncio.to_thread(rebuilt.destroy)
+            await _rebuilt_then_matches(cache, tools, n1, ToolCall("touch", {"name": "b"}), ws)
+            assert cache.counters["replayed_calls"] == 1
         finally:
             await asyncio.to_thread(ws.destroy)
             cache.close()
@@ -189,14 +196,6 @@ def test_cost_policy_captures_where_the_replay_saved_outweighs_a_capture() -> No
     env = counter_task()
     tools = env.tools
 
-    async def run(cache: ToolPrefixCache, parent, call: ToolCall, ws: Workspace, took: float):  # type: ignore[no-untyped-def]
-        node, created = cache.begin(parent, call)
-        assert created
-        obs = await tools[call.name].run(ws, call.args)
-        if cache.complete(node, obs, took):
-            cache.attach(node, await asyncio.to_thread(SharedSnapshot.take, ws))
-        return node
-
     async def main() -> None:
         ws = Workspace.create()
         env.setup(ws)
@@ -207,22 +206,18 @@ def test_cost_policy_captures_where_the_replay_saved_outweighs_a_capture() -> No
             assert 0.5 < cache.capture_seconds < 3.0  # a moving average of measured captures
             cache.capture_seconds = 1.0
             root = cache.add_root("task", "tmpl", await asyncio.to_thread(SharedSnapshot.take, ws))
-            n1 = await run(cache, root, ToolCall("bump", {"n": 1}), ws, 0.4)
-            n2 = await run(cache, n1, ToolCall("bump", {"n": 2}), ws, 0.4)
-            n3 = await run(cache, n2, ToolCall("touch", {"name": "a"}), ws, 0.4)  # 1.2 s of replay saved
-            n4 = await run(cache, n3, ToolCall("bump", {"n": 3}), ws, 0.3)
-            n5 = await run(cache, n4, ToolCall("touch", {"name": "b"}), ws, 2.0)  # slow on its own
+            n1, _ = await _run(cache, tools, root, ToolCall("bump", {"n": 1}), ws, took=0.4)
+            n2, _ = await _run(cache, tools, n1, ToolCall("bump", {"n": 2}), ws, took=0.4)
+            # n3 saves 1.2 s of replay (its call and two uncaptured ancestors'); n5 is slow on its own.
+            n3, _ = await _run(cache, tools, n2, ToolCall("touch", {"name": "a"}), ws, took=0.4)
+            n4, _ = await _run(cache, tools, n3, ToolCall("bump", {"n": 3}), ws, took=0.3)
+            n5, _ = await _run(cache, tools, n4, ToolCall("touch", {"name": "b"}), ws, took=2.0)
             assert [n.sparse for n in (n1, n2, n3, n4, n5)] == [True, True, False, True, False]
             assert cache.replay_seconds(n2) == pytest.approx(0.8) and cache.replay_seconds(n4) == pytest.approx(0.3)
             assert cache.stats()["captured"] == 3  # the root, n3 and n5
             plan = cache.plan(n4)
             assert plan.source is n3 and [n.call for n in plan.replay] == [ToolCall("bump", {"n": 3})]
-            rebuilt = await cache.materialize(n4, tools)
-            try:
-                await tools["touch"].run(rebuilt, {"name": "b"})
-                assert await tools["state"].run(rebuilt, {}) == await tools["state"].run(ws, {})
-            finally:
-                await asyncio.to_thread(rebuilt.destroy)
+            await _rebuilt_then_matches(cache, tools, n4, ToolCall("touch", {"name": "b"}), ws)
         finally:
             await asyncio.to_thread(ws.destroy)
             cache.close()

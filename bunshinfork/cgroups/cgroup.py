@@ -130,17 +130,15 @@ class Cgroup:
                         "requested limits need (they may be bound to a v1 hierarchy); drop the limits or "
                         "use the v1 layout"
                     )
-                for c in wanted:
-                    _write(root / "cgroup.subtree_control", f"+{c}")
-                    _write(parent / "cgroup.subtree_control", f"+{c}")
-                # Accounting wants the controllers even without a limit (as podman and Docker
-                # enable them): without memory, memory.stat is absent and the host-cost accounting
-                # would read a workspace as costing nothing. Best effort, since nothing asked for it.
+                # A limit needs its controller; accounting wants them even without one (as podman
+                # and Docker enable them): without memory, memory.stat is absent and the host-cost
+                # accounting would read a workspace as costing nothing. Best effort when no limit asked.
                 for c in V1_CONTROLLERS:
-                    if c in available and c not in wanted:
-                        with contextlib.suppress(CgroupError):
-                            _write(root / "cgroup.subtree_control", f"+{c}")
-                            _write(parent / "cgroup.subtree_control", f"+{c}")
+                    if c not in available:
+                        continue
+                    with contextlib.nullcontext() if c in wanted else contextlib.suppress(CgroupError):
+                        _write(root / "cgroup.subtree_control", f"+{c}")
+                        _write(parent / "cgroup.subtree_control", f"+{c}")
                 d = parent / name
                 d.mkdir(exist_ok=False)
                 cg.paths[UNIFIED] = str(d)
