@@ -150,6 +150,8 @@ def _create_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pids", metavar="N", type=int, help="maximum number of processes")
     p.add_argument("--network", choices=spec.NETWORK_MODES, help="network mode (default: none)")
     p.add_argument("--nat", action="store_true", help="masquerade a bridge network to the host's uplink")
+    p.add_argument("--userns", action="store_true",
+                   help="a user namespace of its own: root inside is host uid 100000 (not with --rootfs host)")
     p.add_argument("--storage-dir", metavar="DIR", help="where the writable layer lives (btrfs: subvolumes)")
     p.add_argument("-e", "--env", metavar="K=V", type=_key_value, action="append", default=[],
                    help="environment of every command (repeatable)")
@@ -173,6 +175,8 @@ def _create(args: argparse.Namespace) -> int:
         if args.network != "bridge":
             raise SpecError("--nat needs --network bridge")
         overrides["nat"] = True
+    if args.userns:
+        overrides["userns"] = True
     if args.env:
         overrides["env"] = dict(args.env)
     ws = Workspace.create(timeout=args.timeout, **overrides)

@@ -20,7 +20,7 @@ import stat
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import IO, Literal, TypedDict
 
-from . import native, users
+from . import idmap, native, users
 from .entries import EntryInfo, FileType, WriteInfo
 from .errors import FileOperationError, InvalidArgumentException, WorkspaceFileNotFound
 from .watch import Inotify, WatchHandle
@@ -123,6 +123,7 @@ class Files:
     def __init__(self, init_pid: Callable[[], int], default_user: str | None = None) -> None:
         self._init_pid = init_pid
         self._default_user = default_user
+        self._idmap: tuple[int, idmap.IdMap] = (0, idmap.IDENTITY)  # (init pid, its namespace's map)
         self.accounts = users.Accounts(self._stamp, self._read_as_root)
 
     # ---- users and paths ----
@@ -138,16 +139,36 @@ class Files:
             raise FileOperationError(errno.EINVAL, f"path {path!r} contains a NUL byte", path)
         return posixpath.normpath(posixpath.join(who.home if who else HOME, path))
 
+    def _ids(self) -> idmap.IdMap:
+        """The workspace's id map (userns=True: ids inside are the host's shifted), read once
+        per init: a clone's init is another process with the same map."""
+        pid = self._init_pid()
+        if self._idmap[0] != pid:
+            self._idmap = (pid, idmap.of(pid))
+        return self._idmap[1]
+
     @contextlib.contextmanager
     def _root(self, who: users.User = users.ROOT) -> Iterator[int]:
         # /proc/<init>/root is opened with root's identity: the user's would not be let in.
         pid = self._init_pid()
+        ids = self._ids()
         fd = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            with users.fs_identity(who):
+            # In a user namespace a user is the host's shifted ids; its root stays the host's
+            # (the namespace's root has no capability over this thread's files), and what it
+            # creates is given to the namespace's root (_own).
+            with users.fs_identity(who if who.is_root else who.shifted(ids.to_host)):
                 yield fd
         finally:
             os.close(fd)
+
+    def _own(self, fd: int) -> None:
+        """A file the host's root just created in a userns workspace belongs to the namespace's
+        root, as if root inside had made it (a host id shows inside as nobody)."""
+        ids = self._ids()
+        st = os.fstat(fd)
+        if ids.shifted and ids.from_host(st.st_uid) == idmap.OVERFLOW:
+            os.fchown(fd, ids.to_host(0), ids.to_host(0))
 
     @contextlib.contextmanager
     def _open(self, root: int, path: str, flags: int, mode: int = 0o644) -> Iterator[int]:
@@ -165,10 +186,12 @@ class Files:
     def _describe(self, st: os.stat_result, name: str, path: str, target: str | None,
                   xattrs: str | int) -> EntryInfo:
         owners, groups = self.accounts.names()
+        ids = self._ids()
+        uid, gid = ids.from_host(st.st_uid), ids.from_host(st.st_gid)
         return EntryInfo(
             name=name, type=_kind(st.st_mode), path=path, size=st.st_size, mode=stat.S_IMODE(st.st_mode),
-            permissions=stat.filemode(st.st_mode)[1:], owner=owners.get(st.st_uid, str(st.st_uid)),
-            group=groups.get(st.st_gid, str(st.st_gid)),
+            permissions=stat.filemode(st.st_mode)[1:], owner=owners.get(uid, str(uid)),
+            group=groups.get(gid, str(gid)),
             modified_time=datetime.datetime.fromtimestamp(st.st_mtime, datetime.UTC),
             symlink_target=target, metadata=_metadata(xattrs),
         )
@@ -260,14 +283,19 @@ class Files:
             except OSError as e:
                 if e.errno != errno.ENOENT:
                     raise
-            with self._open(root, posixpath.dirname(prefix), os.O_PATH | os.O_DIRECTORY) as parent, \
-                    contextlib.suppress(FileExistsError):
-                os.mkdir(parts[i - 1], 0o755, dir_fd=parent)
+            with self._open(root, posixpath.dirname(prefix), os.O_PATH | os.O_DIRECTORY) as parent:
+                try:
+                    os.mkdir(parts[i - 1], 0o755, dir_fd=parent)
+                except FileExistsError:
+                    continue
+            with self._open(root, prefix, os.O_RDONLY | os.O_DIRECTORY) as made:
+                self._own(made)
 
     def _write_one(self, root: int, p: str, data: WriteData, mode: int, metadata: dict[str, str] | None) -> EntryInfo:
         self._make_dirs(root, posixpath.dirname(p))
         # O_NONBLOCK: a fifo without a reader is an error (ENXIO), not a wait.
         with self._open(root, p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK, mode) as fd:
+            self._own(fd)
             os.set_blocking(fd, True)
             for chunk in _chunks(data):
                 view = memoryview(chunk)

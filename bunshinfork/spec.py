@@ -58,6 +58,12 @@ class WorkspaceSpec:
     privileged: keep every capability and an unmasked /proc. By default root inside a workspace
       has Docker's default capability set (no CAP_SYS_ADMIN, CAP_SYS_MODULE, CAP_MKNOD, ...)
       and /proc/sys, /proc/sysrq-trigger and friends are read-only or masked.
+    userns: run the workspace in a user namespace of its own, as Docker's userns-remap does:
+      root inside is host uid 100000 (ids 0-65535 map to 100000-165535), so even a process
+      that escapes the other namespaces holds no privilege on the host, and privileged=True
+      gives root capabilities over the workspace's own namespaces only. Its rootfs is a copy
+      owned by those ids, made once per rootfs and cached; rootfs='host' (the host's own
+      /usr) cannot be given away and is refused. Forks keep the map.
     """
 
     rootfs: str = "host"
@@ -73,14 +79,18 @@ class WorkspaceSpec:
     ksm: bool = True
     mount_sysfs: bool = True
     privileged: bool = False
+    userns: bool = False
 
     def validate(self) -> WorkspaceSpec:
         """Return a normalised copy, or raise SpecError saying what to change."""
         if not isinstance(self.rootfs, str) or not self.rootfs or "\0" in self.rootfs:
             raise SpecError("rootfs must be 'host', 'debian', 'docker:IMAGE' or an absolute directory path")
-        for name in ("nat", "ksm", "mount_sysfs", "privileged"):
+        for name in ("nat", "ksm", "mount_sysfs", "privileged", "userns"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.userns and self.rootfs == "host":
+            raise SpecError("userns=True needs a rootfs it can own: 'debian', a directory or 'docker:IMAGE'; "
+                            "the host's own /usr (rootfs='host') cannot be shifted to the namespace's ids")
         if self.storage_dir is not None and (
             not isinstance(self.storage_dir, str) or not self.storage_dir.startswith("/") or "\0" in self.storage_dir
         ):

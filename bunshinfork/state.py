@@ -164,6 +164,7 @@ class Rootfs:
     lowerdirs: tuple[str, ...]  # top first, as overlayfs lists them
     digest: str
     source: str
+    shift: int = 0  # userns: its files belong to host ids shifted by this (rootfs.shifted)
 
 
 @dataclass(frozen=True)

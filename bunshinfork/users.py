@@ -36,6 +36,11 @@ class User:
     def is_root(self) -> bool:
         return self.uid == 0
 
+    def shifted(self, to_host: Callable[[int], int]) -> User:
+        """The same user with the host's ids for its own (a user namespace's map)."""
+        return User(self.name, to_host(self.uid), to_host(self.gid), tuple(to_host(g) for g in self.groups),
+                    self.home, self.shell)
+
     def spec(self) -> str:
         """The init's "uid:gid:gid,gid" form."""
         return f"{self.uid}:{self.gid}:{','.join(str(g) for g in self.groups)}"

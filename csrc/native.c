@@ -172,12 +172,37 @@ static void tmpfs_opts(char *buf, size_t len, const struct bn_spawn_cfg *cfg, co
 		snprintf(buf, len, "mode=1777%s", dflt);
 }
 
-static void child_setup_dev(int efd, const struct bn_spawn_cfg *cfg)
+/* In a user namespace mknod is refused: each node is the host's, bound onto an empty file (as
+ * runc does), except ptmx, a link to the private devpts instance's own (the host's would open
+ * the host's ptys). CRIU is told these binds are external (process/options.py). */
+static void child_bind_device(int efd, const char *root, const char *name)
 {
-	const char *root = cfg->root;
+	char path[4096], host[64], step[160];
+	snprintf(path, sizeof(path), "%s/dev/%s", root, name);
+	snprintf(step, sizeof(step), "bind /dev/%s", name);
+	if (strcmp(name, "ptmx") == 0) {
+		if (symlink("pts/ptmx", path) < 0)
+			report(efd, step);
+		return;
+	}
+	snprintf(host, sizeof(host), "/dev/%s", name);
+	int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+	if (fd < 0)
+		report(efd, step);
+	close(fd);
+	if (mount(host, path, NULL, MS_BIND, NULL) < 0)
+		report(efd, step);
+}
+
+static void child_setup_dev(int efd, const struct bn_spawn_cfg *cfg, const char *root)
+{
 	char path[4096], step[160], opts[96];
 	child_mount(efd, root, "dev", "tmpfs", MS_NOSUID | MS_STRICTATIME, "mode=755,size=65536k");
 	for (size_t i = 0; i < sizeof(devices) / sizeof(devices[0]); i++) {
+		if (cfg->ns_flags & CLONE_NEWUSER) {
+			child_bind_device(efd, root, devices[i].name);
+			continue;
+		}
 		snprintf(path, sizeof(path), "%s/dev/%s", root, devices[i].name);
 		snprintf(step, sizeof(step), "mknod /dev/%s", devices[i].name);
 		if (mknod(path, S_IFCHR | 0666, makedev(devices[i].maj, devices[i].min)) < 0)
@@ -299,24 +324,45 @@ static void child_main(const struct bn_spawn_cfg *cfg, int sync_rd, int efd)
 
 	if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
 		report(efd, "make / rprivate");
-	if (mount("overlay", cfg->root, "overlay", 0, cfg->overlay_opts) < 0)
+	/* In a user namespace the host mounted the overlay before the clone (its root could only
+	 * mount it with user.* xattrs, unlike every other layer's trusted.* ones); a bind of it
+	 * makes a root of our own, free of the locks on mounts inherited from the host. */
+	if (cfg->ns_flags & CLONE_NEWUSER) {
+		if (mount(cfg->root, cfg->root, NULL, MS_BIND, NULL) < 0)
+			report(efd, "bind the overlay root");
+	} else if (mount("overlay", cfg->root, "overlay", 0, cfg->overlay_opts) < 0) {
 		report(efd, "mount overlay root");
+	}
+	/* From here on every path is relative to the new root: the namespace's root (below) could
+	 * not walk the host's state directories that lead to it. */
+	if (chdir(cfg->root) < 0)
+		report(efd, "chdir to new root");
+	const char *root = ".";
+	/* The parent wrote our uid_map and gid_map before releasing us: become the namespace's
+	 * root, so that what we mount and create belongs to it (raw syscalls: glibc's setxid would
+	 * signal the parent's threads, which this copy lacks), without the host's groups. */
+	if (cfg->ns_flags & CLONE_NEWUSER) {
+		if (syscall(SYS_setresgid, 0, 0, 0) < 0)
+			report(efd, "setresgid(0) in the user namespace");
+		if (syscall(SYS_setgroups, 0, NULL) < 0)
+			report(efd, "setgroups() in the user namespace");
+		if (syscall(SYS_setresuid, 0, 0, 0) < 0)
+			report(efd, "setresuid(0) in the user namespace");
+	}
 	/* /proc first: CRIU needs it mounted before the old root goes away. */
-	child_mount(efd, cfg->root, "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
-	child_setup_dev(efd, cfg);
+	child_mount(efd, root, "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+	child_setup_dev(efd, cfg, root);
 	if (!cfg->privileged)
-		child_mask_proc(efd, cfg->root);
+		child_mask_proc(efd, root);
 	tmpfs_opts(opts, sizeof(opts), cfg, "");
-	child_mount(efd, cfg->root, "tmp", "tmpfs", MS_NOSUID | MS_NODEV, opts);
+	child_mount(efd, root, "tmp", "tmpfs", MS_NOSUID | MS_NODEV, opts);
 	if (cfg->mount_sysfs)
-		child_mount(efd, cfg->root, "sys", "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+		child_mount(efd, root, "sys", "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
 			    NULL);
-	path_in(path, sizeof(path), cfg->root, "run");
+	path_in(path, sizeof(path), root, "run");
 	if (mkdir_p1(path, 0755) < 0)
 		report(efd, "mkdir /run");
 
-	if (chdir(cfg->root) < 0)
-		report(efd, "chdir to new root");
 	/* pivot_root(".", ".") stacks the old root under the new one; detach it. */
 	if (syscall(SYS_pivot_root, ".", ".") < 0)
 		report(efd, "pivot_root");

@@ -3,7 +3,8 @@
 
 struct bn_spawn_cfg {
 	int ns_flags;            /* CLONE_NEW* flags for the workspace */
-	const char *root;        /* host path where the root overlay is mounted (inside the child's mntns) */
+	const char *root;        /* host path where the root overlay is mounted (inside the child's mntns;
+	                            with CLONE_NEWUSER, already there before the clone) */
 	const char *overlay_opts;/* lowerdir=...,upperdir=...,workdir=... */
 	const char *hostname;
 	const char *init_path;   /* path of the init inside the new root */

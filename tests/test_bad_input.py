@@ -201,6 +201,7 @@ SPEC_VALUES = {
                            max_size=2),
     "cgroup": st.sampled_from(["auto", "v1", "v2", "v3"]),
     "ksm": st.booleans(), "mount_sysfs": st.booleans(), "privileged": st.booleans(), "nat": st.booleans(),
+    "userns": st.booleans(),
 }
 ODD_DIRS = st.sampled_from(["relative", ".", "..", "a\0b", "/nonexistent-bunshin", str(CANARY / "secret"), ""])
 

@@ -203,6 +203,9 @@ def test_user_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     rc, _, err = run_main(capsys, "create", "--nat")
     assert rc == 125 and "--network bridge" in err
 
+    rc, _, err = run_main(capsys, "create", "--userns")
+    assert rc == 125 and "userns" in err and "rootfs" in err
+
     rc, _, err = run_main(capsys, "create", "--hostname", "not a hostname")
     assert rc == 125 and err.startswith("bunshin: error: ")
 

@@ -16,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-from .. import native, state
+from .. import idmap, native, state
 from ..contract import Build, Capture, Check, Held, Mount, Part
 from ..errors import ForkError
 from ..state import FsState, Layer
@@ -76,7 +76,7 @@ class FsPart(Part):
 
     def prepare(self, b: Build) -> None:
         rec = b.rec
-        root_fs = rootfs.resolve(rec.spec.rootfs)
+        root_fs = rootfs.resolve(rec.spec.rootfs, idmap.BASE if rec.spec.userns else 0)
         layer = layers.create_layer(rec.id, rec.spec.storage_dir, rec.spec.disk_limit)
         rec.fs = FsState(root_fs, layer)
         rec.save()
@@ -128,6 +128,8 @@ class FsPart(Part):
             rec.fs = FsState(src.rootfs, layer, (src.layer, *src.lowers))
             rec.save()
             identity.write_identity(Path(layer.upper), rec.hostname)
+            if rec.spec.userns:
+                idmap.shift_tree(Path(layer.upper))
         # CRIU restores into it (--root), so it is mounted here; the clone's mount namespace
         # holds its own reference once restored, and the host needs none.
         point = self._mountpoint(b)
@@ -176,9 +178,24 @@ class FsPart(Part):
                         layers.remove_layer(layers.at(path))
                         removed.append(str(path))
         removed += frozen.orphans(roots)
+        removed += rootfs.shifted_orphans(_rootfs_in_use())
         if roots and btrfs.is_btrfs(roots[0]):
             removed += [f"qgroup {q}" for q in quota.settle(roots[0])]
         return removed
+
+
+def _rootfs_in_use() -> set[str]:
+    """The root file system layers every workspace and snapshot stacks."""
+    used: set[str] = set()
+    for rec in state.records(""):
+        if rec.fs is not None:
+            used.update(rec.fs.rootfs.lowerdirs)
+    for snap_id in state.snapshot_ids():
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            meta = state.SnapshotMeta.load(state.RUN_ROOT / state.SNAPSHOTS / snap_id)
+            if meta.fs is not None:
+                used.update(meta.fs.rootfs.lowerdirs)
+    return used
 
 
 def _detach(point: Path) -> None:
@@ -198,7 +215,7 @@ def save(fs: FsState, dest: Path) -> FsState:
 def load(fs: FsState, directory: Path, snap_id: str, storage_dir: str | None = None) -> FsState:
     """A saved snapshot's fs state: its layer imported into the storage once (clones stack it
     from there), refused if its root file system changed since."""
-    current = rootfs.resolve(fs.rootfs.source)
+    current = rootfs.resolve(fs.rootfs.source, fs.rootfs.shift)
     if current.digest != fs.rootfs.digest:
         raise ForkError(
             f"the root file system {fs.rootfs.source!r} changed since snapshot {snap_id} was saved "

@@ -12,6 +12,7 @@ Four sources:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -21,7 +22,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from .. import state
+from .. import idmap, state
 from ..errors import RootfsError
 from ..state import Rootfs
 
@@ -44,15 +45,84 @@ DEBIAN_SUITE = "bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 
 
-def resolve(source: str) -> Rootfs:
-    """Turn a spec's rootfs string into lower layers, building and caching them as needed."""
+def resolve(source: str, shift: int = 0) -> Rootfs:
+    """Turn a spec's rootfs string into lower layers, building and caching them as needed;
+    with `shift`, a copy owned by the host ids a user namespace maps its own to (shifted)."""
     if source == "host":
-        return host()
-    if source in ("debian", f"debian:{DEBIAN_SUITE}"):
-        return debian()
-    if source.startswith("docker:"):
-        return docker_image(source.removeprefix("docker:"))
-    return directory(source)
+        found = host()
+    elif source in ("debian", f"debian:{DEBIAN_SUITE}"):
+        found = debian()
+    elif source.startswith("docker:"):
+        found = docker_image(source.removeprefix("docker:"))
+    else:
+        found = directory(source)
+    return shifted(found, idmap.IdMap(shift, idmap.SIZE)) if shift else found
+
+
+SHIFTED = "userns"  # CACHE/rootfs/userns-BASE/DIGEST: a rootfs's copy for one id range
+_SOURCE = ".bunshin-source"  # beside a shifted copy's layers: what it was copied from
+
+
+def shifted(rf: Rootfs, m: idmap.IdMap) -> Rootfs:
+    """A copy of `rf` whose files belong to the host ids `m` maps theirs to, built once per
+    range and cached, as Docker's userns-remap keeps /var/lib/docker/100000.100000. Root
+    inside a user namespace can use and change only the files of ids its map holds; the
+    host's own ids show as nobody and refuse it. The host's /usr cannot be given away, so
+    rootfs='host' is refused before this (WorkspaceSpec.validate)."""
+    if rf.kind == "host":
+        raise RootfsError("the host's own /usr cannot be shifted into a user namespace; use rootfs='debian', "
+                          "a directory or 'docker:IMAGE'")
+    dest = CACHE / "rootfs" / f"{SHIFTED}-{m.base}" / rf.digest
+    if not (dest / _SOURCE).exists():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with state.lock(f"shift-{rf.digest}", root=dest.parent):
+            if not (dest / _SOURCE).exists():
+                _copy_shifted(rf, dest, m)
+    return Rootfs(kind=rf.kind, lowerdirs=tuple(str(dest / str(i)) for i in range(len(rf.lowerdirs))),
+                  digest=f"{rf.digest}-u{m.base}", source=rf.source, shift=m.base)
+
+
+def _copy_shifted(rf: Rootfs, dest: Path, m: idmap.IdMap) -> None:
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{rf.digest}-"))
+    try:
+        for i, lower in enumerate(rf.lowerdirs):
+            # cp -a keeps what copytree would not: device nodes (overlay whiteouts), hard links,
+            # trusted.* xattrs (opaque directories) and file capabilities; reflinks where it can.
+            proc = subprocess.run(["cp", "-a", "--reflink=auto", "--", f"{lower}/.", str(tmp / str(i))],
+                                  capture_output=True, text=True, timeout=1800)
+            if proc.returncode != 0:
+                raise RootfsError(f"copying {lower} for a user namespace failed: {proc.stderr.strip()[-500:]}")
+            idmap.shift_tree(tmp / str(i), m)
+        (tmp / _SOURCE).write_text(json.dumps({"source": rf.source, "digest": rf.digest, "kind": rf.kind}))
+        shutil.rmtree(dest, ignore_errors=True)
+        os.rename(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def shifted_orphans(in_use: set[str]) -> list[str]:
+    """Remove shifted copies of directory rootfs whose directory is gone or changed and whose
+    layers no workspace or snapshot (`in_use`: their lowerdirs) stacks: nothing can ask for
+    them again. Copies of the Debian and image caches stay, as those caches do."""
+    removed = []
+    for rng in sorted((CACHE / "rootfs").glob(f"{SHIFTED}-*")):
+        for copy in sorted(p for p in rng.iterdir() if not p.name.startswith(".")):
+            try:
+                meta = json.loads((copy / _SOURCE).read_text())
+                if meta["kind"] != "dir":
+                    continue
+                current = None
+                with contextlib.suppress(RootfsError, OSError):
+                    current = directory(meta["source"]).digest
+            except (OSError, ValueError, KeyError):
+                current = None  # an unfinished or unreadable copy
+            if current == copy.name or any(str(p).startswith(f"{copy}/") for p in in_use):
+                continue
+            shutil.rmtree(copy, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                (rng / f".shift-{copy.name}.lock").unlink()
+            removed.append(str(copy))
+    return removed
 
 
 def _generated_etc() -> dict[str, str]:

@@ -13,7 +13,7 @@ import importlib
 import os
 from pathlib import Path
 
-from .. import native
+from .. import idmap, native
 from ..cgroups import Cgroup
 from ..contract import Build, Capture, Check, Held, Part
 from ..errors import BunshinError, ForkError
@@ -95,21 +95,49 @@ def check_seccomp() -> Check:
     return Check("seccomp", True, f"Docker's default profile, {rules} BPF instructions", required=True)
 
 
+def check_userns() -> Check:
+    """userns=True only: the kernel must let the host create user namespaces."""
+    try:
+        limit = int(Path("/proc/sys/user/max_user_namespaces").read_text())
+    except (OSError, ValueError):
+        limit = 0
+    if not os.path.exists("/proc/self/ns/user") or limit <= 0:
+        return Check("user namespaces", False, "the kernel offers none (CONFIG_USER_NS, user.max_user_namespaces): "
+                     "only userns=False workspaces can be created", required=False)
+    return Check("user namespaces", True, f"userns=True maps root to host uid {idmap.BASE} "
+                 f"(max_user_namespaces {limit})", required=False)
+
+
 class ProcessPart(Part):
     name = "process"
     probes = (check_namespaces, check_native, check_init_binary, check_pycriu, check_criu_version,
-              check_criu_check, check_seccomp)
+              check_criu_check, check_seccomp, check_userns)
 
     def prepare(self, b: Build) -> None:
         assert b.root is not None and b.rec.fs is not None and b.rec.fs.layer is not None
         init.require_binary()
-        init.install(Path(b.rec.fs.layer.upper))
-        lifetime.seed(Path(b.rec.fs.layer.upper), b.rec.lifetime)
+        upper = Path(b.rec.fs.layer.upper)
+        init.install(upper)
+        lifetime.seed(upper, b.rec.lifetime)
+        if b.rec.spec.userns:
+            self._mount_for_userns(b, upper)
         assert b.rec.cgroups is not None
         b.rec.process, b.pidfd = init.spawn(b.rec, str(b.root.path), b.root.options, Cgroup(b.rec.cgroups),
                                             b.ksm_merge)
         if b.rec.lifetime.lease:
             lifetime.leases.hold(b.rec)
+
+    @staticmethod
+    def _mount_for_userns(b: Build, upper: Path) -> None:
+        """The host's share of a userns workspace's root: what it wrote into the layer given to
+        the namespace's ids first (the overlay reads its root's owner when mounted), then the
+        overlay mounted here, where the child's mount namespace copies it at the clone; the
+        host's own reference goes once the child runs."""
+        assert b.root is not None
+        idmap.shift_tree(upper)
+        point = str(b.root.path)
+        native.mount("overlay", point, "overlay", 0, b.root.options)
+        b.deferred.append(lambda: native.umount2(point, native.MNT_DETACH))
 
     def before_freeze(self, c: Capture) -> None:
         predump_tree(c)
@@ -123,6 +151,8 @@ class ProcessPart(Part):
         assert rec.fs is not None and rec.fs.layer is not None
         # The clone's own lifetime, never its source's: the restored init obeys this file.
         lifetime.seed(Path(rec.fs.layer.upper), rec.lifetime)
+        if rec.spec.userns:
+            idmap.shift_tree(Path(rec.fs.layer.upper))  # its /.bunshin, which the init reads
         pid = restore_tree(b)
         rec.process = InitState(pid, proc_starttime(pid) or 0)
         # Its memory is the snapshot's: a snapshot of the clone stores what differs from it.

@@ -47,7 +47,7 @@ def predump_tree(c: Capture) -> None:
         return
     level = c.snap.dir / chain.PREDUMP
     level.mkdir()
-    opts = dump_opts(rec.process.pid, level, _freezer(c))
+    opts = dump_opts(rec.process.pid, level, _freezer(c), rec.spec.userns)
     opts.ClearField("freeze_cgroup")  # the source is not frozen: CRIU stops it itself, briefly
     opts.track_mem = True
     try:
@@ -74,7 +74,7 @@ def dump_tree(c: Capture) -> None:
     forkcheck.check(Cgroup(rec.cgroups).pids(), rec.id)
     images = c.snap.images
     images.mkdir()
-    opts = dump_opts(rec.process.pid, images, _freezer(c))
+    opts = dump_opts(rec.process.pid, images, _freezer(c), rec.spec.userns)
     lineage = rec.lineage or Lineage()
     tracking = criu.dirty_tracking()
     predump = c.snap.dir / chain.PREDUMP

@@ -9,7 +9,7 @@ import signal
 import time
 from pathlib import Path
 
-from .. import native
+from .. import idmap, native
 from ..cgroups import Cgroup
 from ..errors import BunshinError, CgroupError, KernelFeatureError, PrivilegeError, WorkspaceStateError
 from ..state import InitState, Record, proc_starttime
@@ -39,10 +39,12 @@ def install(upper: Path) -> None:
 
 def spawn(rec: Record, root: str, overlay_opts: str, cgroup: Cgroup, ksm_merge: bool) -> tuple[InitState, int]:
     """Clone the init into new namespaces, inside `cgroup` before it runs anything, mounting its
-    overlay in its own mount namespace; returns its state and pidfd once it answers."""
+    overlay in its own mount namespace (with userns, binding the one the host mounted at
+    `root`); returns its state and pidfd once it answers."""
     spec = rec.spec
     sp = native.spawn(native.SpawnConfig(
-        ns_flags=NS_FLAGS, root=root, overlay_opts=overlay_opts, hostname=rec.hostname, init_path=IN_WORKSPACE,
+        ns_flags=NS_FLAGS | (native.CLONE_NEWUSER if spec.userns else 0), root=root, overlay_opts=overlay_opts,
+        hostname=rec.hostname, init_path=IN_WORKSPACE,
         mount_sysfs=spec.mount_sysfs, ksm_merge=ksm_merge, privileged=spec.privileged,
         seccomp_bpf=b"" if spec.privileged else seccomp_profile.bpf(), tmpfs_size=spec.disk_limit or 0,
     ))
@@ -52,7 +54,9 @@ def spawn(rec: Record, root: str, overlay_opts: str, cgroup: Cgroup, ksm_merge: 
     reaper.watch(sp.pid, sp.pidfd)
     try:
         cgroup.add(sp.pid)
-    except CgroupError:
+        if spec.userns:
+            idmap.write(sp.pid)
+    except (CgroupError, KernelFeatureError):
         os.kill(sp.pid, signal.SIGKILL)
         os.close(sp.sync_fd)
         os.close(sp.err_fd)

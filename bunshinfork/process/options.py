@@ -17,6 +17,30 @@ GHOST_LIMIT = 512 << 20  # deleted-but-open files up to this size travel inside 
 IRMAP_SCAN_PATHS = ("/root", "/home", "/tmp", "/opt")
 
 
+# A userns workspace's /dev nodes are the host's, bound in (mknod is refused in a user
+# namespace), and its masked /proc files are binds of one of them (csrc/native.c: devices[]
+# and proc_masked[]). CRIU cannot dump a bind whose source lies outside the namespace's root
+# unless told it is external: each gets a key at dump, and the key names the host file to
+# bind again at restore.
+USERNS_DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+PROC_MASKED = ("kcore", "keys", "timer_list", "sched_debug", "latency_stats", "sysrq-trigger")
+_EXTERNAL = {f"/dev/{d}": (f"bunshin-dev-{d}", f"/dev/{d}") for d in USERNS_DEVICES} | {
+    f"/proc/{p}": (f"bunshin-mask-{p}", "/dev/null") for p in PROC_MASKED
+}
+
+
+def userns_dump_externals(init_pid: int) -> list[str]:
+    """CRIU's `mnt[MOUNTPOINT]:KEY` for each of those binds the workspace's init has."""
+    with open(f"/proc/{init_pid}/mountinfo") as f:
+        points = {line.split()[4] for line in f}
+    return [f"mnt[{mp}]:{key}" for mp, (key, _) in _EXTERNAL.items() if mp in points]
+
+
+def userns_restore_externals() -> list[str]:
+    """CRIU's `mnt[KEY]:HOST_PATH` for every key a dump may have given."""
+    return [f"mnt[{key}]:{host}" for key, host in _EXTERNAL.values()]
+
+
 def _common(opts: criu.rpc.criu_opts) -> None:
     opts.tcp_established = True
     opts.file_locks = True
@@ -26,11 +50,13 @@ def _common(opts: criu.rpc.criu_opts) -> None:
     opts.log_level = 4
 
 
-def dump_opts(init_pid: int, images: Path, freezer: str) -> criu.rpc.criu_opts:
+def dump_opts(init_pid: int, images: Path, freezer: str, userns: bool = False) -> criu.rpc.criu_opts:
     """Dump the tree rooted at `init_pid`, leaving it running; CRIU seizes it through the
     (already frozen) freezer cgroup so the tree never runs between freeze and dump."""
     opts = criu.new_opts()
     _common(opts)
+    if userns:
+        opts.external.extend(userns_dump_externals(init_pid))
     opts.images_dir = str(images)
     opts.pid = init_pid
     opts.leave_running = True
@@ -46,7 +72,8 @@ def dump_opts(init_pid: int, images: Path, freezer: str) -> criu.rpc.criu_opts:
 
 
 def restore_opts(images: Path, work_dir_fd: int, root: str, cgroup_roots: Iterable[tuple[str, str]],
-                 fresh_net: bool = False, cgroup_yard: Path | None = None) -> criu.rpc.criu_opts:
+                 fresh_net: bool = False, cgroup_yard: Path | None = None,
+                 userns: bool = False) -> criu.rpc.criu_opts:
     """Restore into new namespaces with `root` as the mount namespace's root. rst_sibling makes
     the restored init our child rather than criu's, so it is reaped like a created init.
 
@@ -57,9 +84,13 @@ def restore_opts(images: Path, work_dir_fd: int, root: str, cgroup_roots: Iterab
     that cannot differ from a new one with lo up: a workspace without CAP_NET_ADMIN (and with
     a read-only /proc/sys) on network="none" cannot change its own.
 
-    cgroup_yard: the snapshot's yard (cgyard.py), so that CRIU mounts no cgroup hierarchy."""
+    cgroup_yard: the snapshot's yard (cgyard.py), so that CRIU mounts no cgroup hierarchy.
+
+    userns: the host files its external binds come from (userns_dump_externals)."""
     opts = criu.new_opts()
     _common(opts)
+    if userns:
+        opts.external.extend(userns_restore_externals())
     if fresh_net:
         opts.empty_ns = CLONE_NEWNET
     if cgroup_yard is not None:

@@ -75,7 +75,7 @@ def restore_tree(b: Build) -> int:
 
     try:
         opts = restore_opts(b.source.images, wfd, str(b.root.path), cg.hierarchy_paths(), fresh_net,
-                            cgyard.of(b.source.dir))
+                            cgyard.of(b.source.dir), spec.userns)
         started = time.time()
         try:
             resp = criu.request("restore", opts, on_notify, keep_fds=(wfd,), ksm_merge=b.ksm_merge,
