@@ -7,6 +7,7 @@ that unprivileged user's, in the workspace, in its forks, and through the files 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -233,3 +234,37 @@ def test_cow_forks_of_a_user_namespace(tmp_path: Path) -> None:
             for c in clones:
                 c.destroy()
         assert ws.commands.run("read -r l < /tmp/own").exit_code != 0
+        copy = Path(ws._rec.fs.rootfs.lowerdirs[0]).parent
+    _forget(root, copy)
+
+
+def test_setuid_bits_and_file_capabilities_survive_the_shift(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    _minimal_bash_rootfs(root)
+    (root / "etc").mkdir()
+    (root / "etc/passwd").write_text("root:x:0:0::/:/bin/bash\nalice:x:1000:1000::/:/bin/bash\n")
+    (root / "etc/group").write_text("root:x:0:\nalice:x:1000:\n")
+    shutil.copy2(root / "bin/bash", root / "bin/capbash")
+    # cap_net_raw, permitted and effective, as setcap writes it on the host (revision 2).
+    v2 = (0x02000001).to_bytes(4, "little") + (1 << 13).to_bytes(4, "little") + bytes(12)
+    os.setxattr(root / "bin/capbash", "security.capability", v2)
+    shutil.copy2(root / "bin/bash", root / "bin/suidbash")
+    os.chmod(root / "bin/suidbash", 0o4755)
+    with Workspace.create(rootfs=str(root), userns=True) as ws:
+        lower = Path(ws._rec.fs.rootfs.lowerdirs[0])
+        assert os.stat(lower / "bin/suidbash").st_mode & 0o7777 == 0o4755
+        cap = os.getxattr(lower / "bin/capbash", "security.capability")
+        assert cap[:4] == (0x03000001).to_bytes(4, "little") and cap[20:24] == idmap.BASE.to_bytes(4, "little")
+        # The kernel honours it inside: alice running it holds cap_net_raw.
+        show = "while read -r k v; do [ $k = CapEff: ] && echo $v; done < /proc/self/status; :"
+        r = run_ok(ws, ["/bin/capbash", "-c", show], user="alice")
+        assert int(r.stdout, 16) == 1 << 13
+        assert int(run_ok(ws, ["/bin/bash", "-c", show], user="alice").stdout, 16) == 0
+    _forget(root, lower.parent)
+
+
+def _forget(root: Path, copy: Path) -> None:
+    """A test's directory rootfs goes, and gc takes its shifted copy with it."""
+    shutil.rmtree(root)
+    pipeline.gc()
+    assert not copy.exists()
