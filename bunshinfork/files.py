@@ -163,8 +163,9 @@ class Files:
             os.close(fd)
 
     def _own(self, fd: int) -> None:
-        """A file the host's root just created in a userns workspace belongs to the namespace's
-        root, as if root inside had made it (a host id shows inside as nobody)."""
+        """A file the host's root just made in a userns workspace belongs to the namespace's
+        root, as if root inside had made it (a host id shows inside as nobody). Only for files
+        this process made: an existing one may be the host's own."""
         ids = self._ids()
         st = os.fstat(fd)
         if ids.shifted and ids.from_host(st.st_uid) == idmap.OVERFLOW:
@@ -288,14 +289,35 @@ class Files:
                     os.mkdir(parts[i - 1], 0o755, dir_fd=parent)
                 except FileExistsError:
                     continue
-            with self._open(root, prefix, os.O_RDONLY | os.O_DIRECTORY) as made:
+            # NOFOLLOW: what a workspace process may have put there since is not ours to give.
+            with self._open(root, prefix, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW) as made:
                 self._own(made)
+
+    @contextlib.contextmanager
+    def _create_or_truncate(self, root: int, p: str, mode: int) -> Iterator[int]:
+        """The file opened for writing, made if missing; only a file this call made is given
+        to the namespace's root (_own): an existing one keeps its owner, and may be the host's
+        (a /dev node bound in)."""
+        flags = os.O_WRONLY | os.O_NONBLOCK  # O_NONBLOCK: a fifo without a reader is ENXIO, not a wait
+        try:
+            fd = native.openat2(root, p, flags | os.O_CREAT | os.O_EXCL, mode)
+        except FileExistsError:
+            # O_CREAT again: a dangling symlink's target is made, as a plain open would.
+            fd = native.openat2(root, p, flags | os.O_CREAT | os.O_TRUNC, mode)
+        else:
+            try:
+                self._own(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+        try:
+            yield fd
+        finally:
+            os.close(fd)
 
     def _write_one(self, root: int, p: str, data: WriteData, mode: int, metadata: dict[str, str] | None) -> EntryInfo:
         self._make_dirs(root, posixpath.dirname(p))
-        # O_NONBLOCK: a fifo without a reader is an error (ENXIO), not a wait.
-        with self._open(root, p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK, mode) as fd:
-            self._own(fd)
+        with self._create_or_truncate(root, p, mode) as fd:
             os.set_blocking(fd, True)
             for chunk in _chunks(data):
                 view = memoryview(chunk)

@@ -181,6 +181,10 @@ def test_the_files_api_creates_files_as_the_users_inside() -> None:
         with pytest.raises(Exception, match="ermission"):
             ws.files.read("/root/notes/a.txt", user="alice")
         assert ws.files.get_info("/etc/passwd").owner == "root"
+        # Writing to an existing file keeps its owner: /dev/null is the host's own node.
+        before = os.stat("/dev/null")
+        ws.files.write("/dev/null", "discarded")
+        assert os.stat("/dev/null")[4:6] == before[4:6]
         assert ws.files.get_info("/dev/null").owner == "nobody"  # a host id: the overflow id
 
 
