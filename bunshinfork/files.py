@@ -167,8 +167,7 @@ class Files:
         root, as if root inside had made it (a host id shows inside as nobody). Only for files
         this process made: an existing one may be the host's own."""
         ids = self._ids()
-        st = os.fstat(fd)
-        if ids.shifted and ids.from_host(st.st_uid) == idmap.OVERFLOW:
+        if ids.shifted and not ids.maps_host(os.fstat(fd).st_uid):
             os.fchown(fd, ids.to_host(0), ids.to_host(0))
 
     @contextlib.contextmanager

@@ -36,12 +36,16 @@ class IdMap:
     def shifted(self) -> bool:
         return self.base != 0
 
+    def maps_host(self, host: int) -> bool:
+        """Whether a host id has an id inside (one outside shows as the overflow id)."""
+        return self.base <= host < self.base + self.size
+
     def to_host(self, inside: int) -> int:
         return inside + self.base if 0 <= inside < self.size else -1
 
     def from_host(self, host: int) -> int:
         """The id a host id has inside; 65534 (the kernel's overflow id) where it has none."""
-        return host - self.base if self.base <= host < self.base + self.size else OVERFLOW
+        return host - self.base if self.maps_host(host) else OVERFLOW
 
     def line(self) -> str:
         return f"0 {self.base} {self.size}\n"
@@ -85,14 +89,10 @@ def shift_tree(top: Path, m: IdMap = WORKSPACE) -> None:
             _shift_one(os.path.join(dirpath, name), m)
 
 
-def _in(m: IdMap, host: int) -> bool:
-    return m.base <= host < m.base + m.size
-
-
 def _shift_one(path: str, m: IdMap) -> None:
     st = os.lstat(path)
-    uid = st.st_uid if _in(m, st.st_uid) else m.to_host(st.st_uid)
-    gid = st.st_gid if _in(m, st.st_gid) else m.to_host(st.st_gid)
+    uid = st.st_uid if m.maps_host(st.st_uid) else m.to_host(st.st_uid)
+    gid = st.st_gid if m.maps_host(st.st_gid) else m.to_host(st.st_gid)
     if (uid, gid) == (st.st_uid, st.st_gid) or uid < 0 or gid < 0:
         return
     link = stat.S_ISLNK(st.st_mode)

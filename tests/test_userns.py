@@ -181,6 +181,9 @@ def test_the_files_api_creates_files_as_the_users_inside() -> None:
         with pytest.raises(Exception, match="ermission"):
             ws.files.read("/root/notes/a.txt", user="alice")
         assert ws.files.get_info("/etc/passwd").owner == "root"
+        # Inside's own nobody (host uid 165534) is a user like any other, not a host id.
+        assert ws.files.write("/tmp/by-nobody", "x", user="nobody").owner == "nobody"
+        assert os.stat(f"/proc/{ws.init_pid}/root/tmp/by-nobody").st_uid == idmap.BASE + idmap.OVERFLOW
         # Writing to an existing file keeps its owner: /dev/null is the host's own node.
         before = os.stat("/dev/null")
         ws.files.write("/dev/null", "discarded")
