@@ -139,19 +139,24 @@ class Files:
             raise FileOperationError(errno.EINVAL, f"path {path!r} contains a NUL byte", path)
         return posixpath.normpath(posixpath.join(who.home if who else HOME, path))
 
-    def _ids(self) -> idmap.IdMap:
-        """The workspace's id map (userns=True: ids inside are the host's shifted), read once
-        per init: a clone's init is another process with the same map."""
-        pid = self._init_pid()
+    def _ids(self, pid: int) -> idmap.IdMap:
+        """The id map of the workspace whose init is `pid` (userns=True: ids inside are the
+        host's shifted), read once per init."""
         if self._idmap[0] != pid:
             self._idmap = (pid, idmap.of(pid))
+        return self._idmap[1]
+
+    @property
+    def _map(self) -> idmap.IdMap:
+        """The map _root read: every operation that describes or makes a file is inside one,
+        so an entry of a listing costs no lookup of the init."""
         return self._idmap[1]
 
     @contextlib.contextmanager
     def _root(self, who: users.User = users.ROOT) -> Iterator[int]:
         # /proc/<init>/root is opened with root's identity: the user's would not be let in.
         pid = self._init_pid()
-        ids = self._ids()
+        ids = self._ids(pid)
         fd = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             # In a user namespace a user is the host's shifted ids; its root stays the host's
@@ -166,7 +171,7 @@ class Files:
         """A file the host's root just made in a userns workspace belongs to the namespace's
         root, as if root inside had made it (a host id shows inside as nobody). Only for files
         this process made: an existing one may be the host's own."""
-        ids = self._ids()
+        ids = self._map
         if ids.shifted and not ids.maps_host(os.fstat(fd).st_uid):
             os.fchown(fd, ids.to_host(0), ids.to_host(0))
 
@@ -186,7 +191,7 @@ class Files:
     def _describe(self, st: os.stat_result, name: str, path: str, target: str | None,
                   xattrs: str | int) -> EntryInfo:
         owners, groups = self.accounts.names()
-        ids = self._ids()
+        ids = self._map
         uid, gid = ids.from_host(st.st_uid), ids.from_host(st.st_gid)
         return EntryInfo(
             name=name, type=_kind(st.st_mode), path=path, size=st.st_size, mode=stat.S_IMODE(st.st_mode),
