@@ -5,14 +5,19 @@ shows no CRIU process and no descriptor on bunshin's state after gc."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from helpers import wait_for
 
 from bunshinfork import census, pipeline, state
+from bunshinfork.process import criu, sessions
 from bunshinfork.process.sessions import alive
 from bunshinfork.workspace import Workspace
 
@@ -115,3 +120,57 @@ def test_a_creator_killed_mid_restore_leaves_no_criu_after_gc(mode: str, at: str
         if source is not None:
             Workspace.connect(source).destroy()
         pipeline.gc()
+
+
+def _criu_holding(directory: Path) -> subprocess.Popen:
+    """A real, stopped `criu` process with `directory` open, as a dump's helper is left when its
+    CRIU dies mid-dump (it shares the CRIU's descriptors, the images directory among them)."""
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        # swrk waits on its socket for a request: it lives until it is killed.
+        proc = subprocess.Popen([criu.binary(), "swrk", str(child.fileno())], pass_fds=(child.fileno(), fd),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    finally:
+        os.close(fd)
+        child.close()
+    proc._keep = parent  # type: ignore[attr-defined]
+    wait_for(lambda: Path(f"/proc/{proc.pid}/comm").read_text().strip() == "criu")
+    os.kill(proc.pid, signal.SIGSTOP)
+    return proc
+
+
+def test_a_failed_dumps_left_helpers_are_ended(tmp_path: Path) -> None:
+    images, other = tmp_path / "images", tmp_path / "other"
+    images.mkdir()
+    other.mkdir()
+    helper, bystander = _criu_holding(images), _criu_holding(other)
+    try:
+        assert sessions.end_helpers(sessions.dir_id(images)) == [helper.pid]
+        assert helper.wait(timeout=5) == -signal.SIGKILL
+        assert bystander.poll() is None  # another dump's CRIU, holding its own images
+    finally:
+        for p in (helper, bystander):
+            p.kill()
+            p.wait()
+
+
+def test_gc_ends_the_helpers_of_a_dump_whose_criu_and_caller_are_gone(tmp_path: Path) -> None:
+    images = tmp_path / "images"
+    images.mkdir()
+    helper = _criu_holding(images)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    try:
+        # The record a dump leaves when its caller is killed: CRIU and caller both gone since.
+        path = sessions.record(helper.pid, "dump", 0.0, sessions.dir_id(images))
+        assert path is not None
+        entry = json.loads(path.read_text())
+        entry["criu"], entry["caller"] = [gone.pid, 1], [gone.pid, 1]
+        path.write_text(json.dumps(entry))
+        assert any(f"helper pid {helper.pid}" in e for e in sessions.gc())
+        assert helper.wait(timeout=5) == -signal.SIGKILL
+        assert not path.exists()
+    finally:
+        helper.kill()
+        helper.wait()

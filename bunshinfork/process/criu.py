@@ -243,10 +243,13 @@ def request(kind: str, opts: rpc.criu_opts, on_notify: Notify | None = None, kee
     req.opts.MergeFrom(opts)
     req.opts.notify_scripts = on_notify is not None
     timeout = deadlines.current().criu if timeout is None else timeout
+    # A dump's images directory is its own; a restore's is its snapshot's, which other
+    # restores read at the same time.
+    images = sessions.dir_id(opts.images_dir) if kind != "restore" and opts.images_dir else None
     entry = None
     try:
         with Session(keep_fds, ksm_merge, env, die_with_caller=kind == "restore") as s:
-            entry = sessions.record(s.pid, kind, time.time() + timeout)
+            entry = sessions.record(s.pid, kind, time.time() + timeout, images)
             if session_hook is not None:
                 session_hook(s)
             try:
@@ -254,6 +257,10 @@ def request(kind: str, opts: rpc.criu_opts, on_notify: Notify | None = None, kee
             except CriuTimeout as e:
                 tail = log_tail(log) if log is not None else ""
                 raise CriuTimeout(f"criu {kind}: {e}\n{tail}".rstrip()) from None
+    except CriuError:
+        if images:
+            sessions.end_helpers(images)  # CRIU is reaped (Session.close): its helpers may not be
+        raise
     finally:
         sessions.forget(entry)  # once CRIU is reaped (Session.close)
     if not resp.success:

@@ -26,16 +26,17 @@ def _dir() -> Path:
     return state.RUN_ROOT / DIR
 
 
-def record(criu_pid: int, kind: str, deadline: float) -> Path | None:
+def record(criu_pid: int, kind: str, deadline: float, images: list[int] | None = None) -> Path | None:
     """Record a running CRIU (`kind`: dump, pre_dump or restore) started by this process, whose
-    caller would kill it at wall-clock `deadline`. None when there is no state root to record in."""
+    caller would kill it at wall-clock `deadline`, writing into the directory `images` names
+    (dir_id; a dump's). None when there is no state root to record in."""
     start = state.proc_starttime(criu_pid)
     if start is None or not state.RUN_ROOT.is_dir():
         return None
     d = _dir()
     d.mkdir(mode=0o700, exist_ok=True)
     entry = {"criu": [criu_pid, start], "caller": [os.getpid(), state.proc_starttime(os.getpid())],
-             "kind": kind, "deadline": deadline}
+             "kind": kind, "deadline": deadline, "images": images}
     path = d / str(criu_pid)
     tmp = d / f".{criu_pid}.tmp"
     tmp.write_text(json.dumps(entry))
@@ -46,6 +47,39 @@ def record(criu_pid: int, kind: str, deadline: float) -> Path | None:
 def forget(path: Path | None) -> None:
     if path is not None:
         path.unlink(missing_ok=True)
+
+
+def dir_id(path: Path | str) -> list[int]:
+    """What names a directory even once it is moved or removed: its device and inode."""
+    st = os.stat(path)
+    return [st.st_dev, st.st_ino]
+
+
+def end_helpers(images: list[int]) -> list[int]:
+    """SIGKILL what is left of a dump's CRIU once the CRIU itself is gone: the helpers it forks
+    share its descriptor table, so they hold its images directory (`images`: dir_id) open. A
+    soak saw one outlive a CRIU killed mid-dump, stopped, reparented to pid 1 and recorded
+    nowhere. A dump's images directory is its own: no other CRIU holds it. Returns the pids
+    ended."""
+    ended = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if (d / "comm").read_text().strip() != "criu" or not _holds_dir(d, images):
+                continue
+            os.kill(int(d.name), signal.SIGKILL)
+            ended.append(int(d.name))
+    return ended
+
+
+def _holds_dir(proc: Path, ident: list[int]) -> bool:
+    for fd in os.listdir(proc / "fd"):
+        with contextlib.suppress(OSError):
+            st = os.stat(proc / "fd" / fd)
+            if [st.st_dev, st.st_ino] == ident:
+                return True
+    return False
 
 
 def alive(pid: int, start: int | None) -> bool:
@@ -70,10 +104,12 @@ def gc() -> list[str]:
         try:
             entry = json.loads(path.read_text())
             (pid, start), (caller, caller_start) = entry["criu"], entry["caller"]
-            kind, deadline = entry["kind"], float(entry["deadline"])
+            kind, deadline, images = entry["kind"], float(entry["deadline"]), entry.get("images")
         except (OSError, ValueError, KeyError, TypeError):
             continue
         if not alive(pid, start):
+            if images and not alive(caller, caller_start):
+                ended += [f"criu helper pid {p} of a {kind}" for p in end_helpers(images)]
             forget(path)
             continue
         if alive(caller, caller_start) or (kind != "restore" and time.time() < deadline):
@@ -93,5 +129,7 @@ def gc() -> list[str]:
                 ended.append(f"criu {kind} pid {pid} (caller {caller} gone)")
         finally:
             os.close(pidfd)
+        if images:
+            ended += [f"criu helper pid {p} of a {kind}" for p in end_helpers(images)]
         forget(path)
     return ended
