@@ -105,10 +105,17 @@ def planted(canary: Path) -> Iterator[Workspace]:
     """One workspace for all file examples, with the escape symlinks planted from inside, and a
     fifo that nothing reads or writes."""
     with Workspace.create() as ws:
-        for link, target in PLANTED.items():
-            run_ok(ws, ["ln", "-s", target, link])
-        run_ok(ws, "mkfifo /root/fifo /tmp/fifo")
+        _plant(ws)
         yield ws
+
+
+def _plant(ws: Workspace) -> None:
+    """The planted links and fifos, and /root that holds them (a command's default cwd), made
+    again where an example removed them: a remove of "/root" or "." is a correct result."""
+    run_ok(ws, "mkdir -p -m 700 /root", cwd="/")
+    for link, target in PLANTED.items():
+        run_ok(ws, ["ln", "-sfn", target, link], cwd="/")
+    run_ok(ws, "for f in /root/fifo /tmp/fifo; do [ -p $f ] || mkfifo $f; done", cwd="/")
 
 
 def checked(op: Callable[[], Any], pidfds: bool = True) -> Any:
@@ -178,10 +185,7 @@ def test_files_api_never_reaches_the_host(planted: Workspace, op: str, path: str
         raw = data.encode() if isinstance(data, str) else data
         assert ws.files.read(path, format="bytes") == raw
     # The planted links are still there for the next example (a remove of one is put back).
-    for link, target in PLANTED.items():
-        with contextlib.suppress(BunshinError):
-            if not ws.files.exists(link):
-                run_ok(ws, ["ln", "-sfn", target, link])
+    _plant(ws)
 
 
 # ---- specs ----
