@@ -115,6 +115,10 @@ def kill_tree(rec: Record, pidfd: int | None) -> None:
             if rec.creator_pid == os.getpid():
                 reaper.reap_now(init.pid)
             time.sleep(0.002)
+        # It may have become a zombie since the last reap (alive() counts one as gone): reap it
+        # here rather than leave it to the reaper's thread, so that it is gone on return.
+        if rec.creator_pid == os.getpid():
+            reaper.reap_now(init.pid)
     if cg is not None and cg.exists():
         deadline = time.monotonic() + 10
         while cg.pids() and time.monotonic() < deadline:
