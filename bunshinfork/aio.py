@@ -36,7 +36,7 @@ from .commands import (
 )
 from .errors import CommandError, CommandTimeout, WorkspaceStateError
 from .files import EntryInfo, FileStreamReader, WriteInfo
-from .process import control
+from .process import control, protocol
 from .process.tree import tree
 from .sandbox import (
     Sandbox,
@@ -195,20 +195,20 @@ class AsyncCommandHandle:
 
 async def _open_input(init_pid: int, pid: int, timeout: float | None) -> tuple[asyncio.StreamReader,
                                                                                asyncio.StreamWriter]:
-    path = control.socket_path(init_pid, f"{control.IO_DIR}/{pid}")
+    path = protocol.socket_path(init_pid, f"{protocol.IO_DIR}/{pid}")
     try:
-        return await asyncio.wait_for(asyncio.open_unix_connection(path), timeout or control.REPLY_TIMEOUT)
+        return await asyncio.wait_for(asyncio.open_unix_connection(path), timeout or protocol.REPLY_TIMEOUT)
     except (FileNotFoundError, ConnectionRefusedError):
         raise CommandError(f"command {pid} is not running, or was started without stdin") from None
 
 
 async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pid: int, kind: str,
                     data: bytes) -> None:
-    writer.write(control.frame(kind, data))
+    writer.write(protocol.frame(kind, data))
     await writer.drain()
     try:
-        hdr = await reader.readexactly(control.HEADER.size)
-        reply = await reader.readexactly(control.HEADER.unpack(hdr)[1])
+        hdr = await reader.readexactly(protocol.HEADER.size)
+        reply = await reader.readexactly(protocol.HEADER.unpack(hdr)[1])
     except asyncio.IncompleteReadError:
         raise CommandError(f"command {pid} exited before it took the input") from None
     if chr(hdr[0]) == "F":
@@ -227,8 +227,8 @@ async def _send_input(init_pid: int, pid: int, kind: str, data: str | bytes, tim
     raw = data.encode() if isinstance(data, str) else bytes(data)
     reader, writer = await _open_input(init_pid, pid, timeout)
     try:
-        await asyncio.wait_for(_exchange(reader, writer, pid, kind, raw), timeout or control.REPLY_TIMEOUT)
-        await asyncio.wait_for(_hang_up(reader, writer), control.REPLY_TIMEOUT)
+        await asyncio.wait_for(_exchange(reader, writer, pid, kind, raw), timeout or protocol.REPLY_TIMEOUT)
+        await asyncio.wait_for(_hang_up(reader, writer), protocol.REPLY_TIMEOUT)
     except TimeoutError:
         raise WorkspaceStateError(f"command {pid} did not take its input in time; is the workspace paused?") from None
     finally:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from .errors import BunshinError, CommandError, CommandTimeout, NotFoundException, WorkspaceStateError
 from .files import Files
-from .process import control
+from .process import control, protocol
 from .process.tree import tree
 
 if TYPE_CHECKING:
@@ -179,7 +179,7 @@ class CommandHandle:
         return self._pid
 
     def _dir(self) -> str:
-        return f"{control.CMD_DIR}/{self.cmd_id}"
+        return f"{protocol.CMD_DIR}/{self.cmd_id}"
 
     def _read_new(self) -> tuple[list[bytes], int | None]:
         """New bytes of stdout and stderr, and the wait status once the command has exited."""
@@ -507,7 +507,7 @@ class Commands:
         running = {p.pid for p in tree(self._pids())}
         out: dict[int, dict[str, list[str]]] = {}
         with contextlib.suppress(NotFoundException):
-            for entry in files.list(control.PROCS_DIR, user="root"):
+            for entry in files.list(protocol.PROCS_DIR, user="root"):
                 if not entry.name.isdigit() or int(entry.name) not in running:
                     continue  # a shim killed before it could tidy up
                 with contextlib.suppress(NotFoundException):
