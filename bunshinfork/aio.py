@@ -36,7 +36,7 @@ from .commands import (
 )
 from .errors import CommandError, CommandTimeout, WorkspaceStateError
 from .files import EntryInfo, FileStreamReader, WriteInfo
-from .process import control, protocol
+from .process import control_aio, protocol
 from .process.tree import tree
 from .sandbox import (
     Sandbox,
@@ -174,16 +174,16 @@ class AsyncCommandHandle:
 
     async def kill(self) -> bool:
         try:
-            await control.simple_async(self._h._init_pid(), "kill", pid=-self._h.pid, sig=9)
+            await control_aio.simple(self._h._init_pid(), "kill", pid=-self._h.pid, sig=9)
             return True
         except CommandError:
             return False
 
     async def send_stdin(self, data: str | bytes, request_timeout: float | None = None) -> None:
-        await _send_input(self._h._init_pid(), self._h.pid, "I", data, request_timeout)
+        await control_aio.send_input(self._h._init_pid(), self._h.pid, "I", protocol.input_data(data), request_timeout)
 
     async def close_stdin(self, request_timeout: float | None = None) -> None:
-        await _send_input(self._h._init_pid(), self._h.pid, "C", b"", request_timeout)
+        await control_aio.send_input(self._h._init_pid(), self._h.pid, "C", b"", request_timeout)
 
     async def disconnect(self) -> None:
         """Stop following the command; it keeps running."""
@@ -191,48 +191,6 @@ class AsyncCommandHandle:
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
-
-
-async def _open_input(init_pid: int, pid: int, timeout: float | None) -> tuple[asyncio.StreamReader,
-                                                                               asyncio.StreamWriter]:
-    path = protocol.socket_path(init_pid, f"{protocol.IO_DIR}/{pid}")
-    try:
-        return await asyncio.wait_for(asyncio.open_unix_connection(path), timeout or protocol.REPLY_TIMEOUT)
-    except (FileNotFoundError, ConnectionRefusedError):
-        raise CommandError(f"command {pid} is not running, or was started without stdin") from None
-
-
-async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pid: int, kind: str,
-                    data: bytes) -> None:
-    writer.write(protocol.frame(kind, data))
-    await writer.drain()
-    try:
-        hdr = await reader.readexactly(protocol.HEADER.size)
-        reply = await reader.readexactly(protocol.HEADER.unpack(hdr)[1])
-    except asyncio.IncompleteReadError:
-        raise CommandError(f"command {pid} exited before it took the input") from None
-    if chr(hdr[0]) == "F":
-        raise CommandError(f"input to command {pid}: {reply.decode(errors='replace')}")
-
-
-async def _hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Leave only once the shim has closed its end: a snapshot must find nothing connected."""
-    writer.write_eof()
-    while await reader.read(65536):
-        pass
-    writer.close()
-
-
-async def _send_input(init_pid: int, pid: int, kind: str, data: str | bytes, timeout: float | None) -> None:
-    raw = data.encode() if isinstance(data, str) else bytes(data)
-    reader, writer = await _open_input(init_pid, pid, timeout)
-    try:
-        await asyncio.wait_for(_exchange(reader, writer, pid, kind, raw), timeout or protocol.REPLY_TIMEOUT)
-        await asyncio.wait_for(_hang_up(reader, writer), protocol.REPLY_TIMEOUT)
-    except TimeoutError:
-        raise WorkspaceStateError(f"command {pid} did not take its input in time; is the workspace paused?") from None
-    finally:
-        writer.close()
 
 
 class AsyncCommandInputHandle:
@@ -245,13 +203,13 @@ class AsyncCommandInputHandle:
         self._task = asyncio.ensure_future(self._run())
 
     async def _run(self) -> None:
-        reader, writer = await _open_input(self._ws._live_init_pid(), self._pid, self._timeout)
+        stream = await control_aio.InputStream.open(self._ws._live_init_pid(), self._pid, self._timeout)
         try:
             while (chunk := await self._queue.get()) is not None:
-                await _exchange(reader, writer, self._pid, "I", chunk)
-            await _hang_up(reader, writer)
+                await stream.send("I", chunk)
+            await stream.hang_up()
         finally:
-            writer.close()
+            stream.close()
 
     async def send(self, data: str | bytes) -> None:
         if self._closing:
@@ -301,12 +259,12 @@ class AsyncCommands:
         init_pid = self._ws._live_init_pid()
         if background:
             cmd_id = os.urandom(8).hex()
-            pid = int(await control.simple_async(init_pid, "spawn", argv=argv, env=full_env, cwd=workdir,
+            pid = int(await control_aio.simple(init_pid, "spawn", argv=argv, env=full_env, cwd=workdir,
                                                  cmd_id=cmd_id, user=spec, stdin="pipe" if stdin else None))
             handle = self._sync._handle(cmd_id, pid, timeout=timeout, retain_output=retain_output)
             return AsyncCommandHandle(handle, self._ws._pids, on_stdout, on_stderr)
         out, err = Utf8Stream(None, retain_output), Utf8Stream(None, retain_output)
-        conn = await control.AsyncConnection.open(init_pid)
+        conn = await control_aio.AsyncConnection.open(init_pid)
         status: int | None = None
         try:
             async with asyncio.timeout(None if no_limit(timeout) else timeout):
@@ -346,15 +304,15 @@ class AsyncCommands:
         init = self._ws._live_init_pid()
         for target in (-pid, pid):
             with contextlib.suppress(CommandError):
-                await control.simple_async(init, "kill", pid=target, sig=9)
+                await control_aio.simple(init, "kill", pid=target, sig=9)
                 return True
         return False
 
     async def send_stdin(self, pid: int, data: str | bytes, request_timeout: float | None = None) -> None:
-        await _send_input(self._ws._live_init_pid(), pid, "I", data, request_timeout)
+        await control_aio.send_input(self._ws._live_init_pid(), pid, "I", protocol.input_data(data), request_timeout)
 
     async def close_stdin(self, pid: int, request_timeout: float | None = None) -> None:
-        await _send_input(self._ws._live_init_pid(), pid, "C", b"", request_timeout)
+        await control_aio.send_input(self._ws._live_init_pid(), pid, "C", b"", request_timeout)
 
     def stream_input(self, pid: int, *, timeout: float | None = 60.0) -> AsyncCommandInputHandle:
         """An ordered input stream to the command (call it from the event loop)."""
@@ -381,14 +339,15 @@ class AsyncPty:
         return await AsyncCommands(self._ws).kill(pid, request_timeout)
 
     async def send_stdin(self, pid: int, data: bytes, request_timeout: float | None = None) -> None:
-        await _send_input(self._ws._live_init_pid(), pid, "I", data, request_timeout)
+        await control_aio.send_input(self._ws._live_init_pid(), pid, "I", protocol.input_data(data), request_timeout)
 
     def stream_input(self, pid: int, *, timeout: float | None = 60.0) -> AsyncCommandInputHandle:
         """An ordered input stream to the command (call it from the event loop)."""
         return AsyncCommandInputHandle(self._ws, pid, timeout)
 
     async def resize(self, pid: int, size: PtySize, request_timeout: float | None = None) -> None:
-        await _send_input(self._ws._live_init_pid(), pid, "R", f"{size.rows} {size.cols}", request_timeout)
+        await control_aio.send_input(self._ws._live_init_pid(), pid, "R", protocol.resize_data(size.rows, size.cols),
+                                     request_timeout)
 
     async def connect(self, pid: int, on_data: Callback, timeout: float | None = 60,
                       request_timeout: float | None = None) -> AsyncCommandHandle:

@@ -313,8 +313,7 @@ class CommandHandle:
 
     def send_stdin(self, data: str | bytes, request_timeout: float | None = None) -> None:
         """Write to the command's stdin (it must have been started with stdin=True)."""
-        control.send_input(self._init_pid(), self.pid, "I",
-                           data.encode() if isinstance(data, str) else bytes(data), request_timeout)
+        control.send_input(self._init_pid(), self.pid, "I", protocol.input_data(data), request_timeout)
 
     def close_stdin(self, request_timeout: float | None = None) -> None:
         """Signal end of input to the command."""
@@ -538,8 +537,7 @@ class Commands:
         return False
 
     def send_stdin(self, pid: int, data: str | bytes, request_timeout: float | None = None) -> None:
-        control.send_input(self._init_pid(), pid, "I",
-                           data.encode() if isinstance(data, str) else bytes(data), request_timeout)
+        control.send_input(self._init_pid(), pid, "I", protocol.input_data(data), request_timeout)
 
     def close_stdin(self, pid: int, request_timeout: float | None = None) -> None:
         control.send_input(self._init_pid(), pid, "C", b"", request_timeout)
@@ -598,7 +596,7 @@ class Pty:
         self._commands.stream_input(pid, data, timeout=timeout)
 
     def resize(self, pid: int, size: PtySize, request_timeout: float | None = None) -> None:
-        control.send_input(self._commands._init_pid(), pid, "R", f"{size.rows} {size.cols}".encode(),
+        control.send_input(self._commands._init_pid(), pid, "R", protocol.resize_data(size.rows, size.cols),
                            request_timeout)
 
     def connect(self, pid: int, timeout: float | None = 60, request_timeout: float | None = None) -> CommandHandle:

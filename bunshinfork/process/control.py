@@ -8,10 +8,8 @@ a snapshot taken right after any call never finds a connection to the host.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Unpack
 
 from ..errors import CommandError, WorkspaceStateError
@@ -147,81 +145,3 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
             return None
         buf += chunk
     return buf
-
-
-class AsyncConnection:
-    """One request to the init and its reply frames (control.Connection on asyncio streams)."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._reader = reader
-        self._writer = writer
-        self._answered = False
-        self._eof = False
-
-    @classmethod
-    async def open(cls, init_pid: int, timeout: float | None = None) -> AsyncConnection:
-        try:
-            reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(protocol.control_path(init_pid)),
-                                                    REPLY_TIMEOUT if timeout is None else timeout)
-        except (OSError, TimeoutError) as e:
-            raise protocol.not_answering(init_pid, e) from e
-        return cls(reader, writer)
-
-    async def send(self, op: str, **fields: Unpack[Fields]) -> None:
-        self._writer.write(protocol.encode(op, **fields))
-        await self._writer.drain()
-
-    async def send_frame(self, kind: str, data: bytes = b"") -> None:
-        self._writer.write(protocol.frame(kind, data))
-        await self._writer.drain()
-
-    async def frames(self) -> AsyncIterator[tuple[str, bytes]]:
-        """Yield (type, data) until the init closes the connection."""
-        while True:
-            try:
-                hdr = await self._reader.readexactly(protocol.HEADER.size)
-                self._answered = True
-                kind, length = protocol.header(hdr)
-                data = await self._reader.readexactly(length) if length else b""
-            except asyncio.IncompleteReadError:
-                self._eof = True
-                return
-            yield kind, data
-
-    async def close(self) -> None:
-        """As Connection.close: an answered request is left only once the shim hung up."""
-        try:
-            if self._answered and not self._eof:
-                self._writer.write_eof()
-                await asyncio.wait_for(_drain(self._reader), REPLY_TIMEOUT)
-        except (OSError, TimeoutError):
-            pass
-        finally:
-            self._writer.close()
-            with contextlib.suppress(OSError):
-                await self._writer.wait_closed()
-
-
-async def _drain(reader: asyncio.StreamReader) -> None:
-    while await reader.read(protocol.CHUNK):
-        pass
-
-
-async def simple_async(init_pid: int, op: str, timeout: float | None = None, **fields: Unpack[Fields]) -> str:
-    """control.simple on asyncio streams: a request answered by one frame; the X payload."""
-    limit = REPLY_TIMEOUT if timeout is None else timeout
-    reply = protocol.SimpleReply(init_pid, op)
-    conn = await AsyncConnection.open(init_pid, limit)
-    try:
-        async def exchange() -> None:
-            await conn.send(op, **fields)
-            async for kind, data in conn.frames():
-                reply.feed(kind, data)
-
-        try:
-            await asyncio.wait_for(exchange(), limit)
-        except TimeoutError:
-            raise reply.timed_out(limit) from None
-    finally:
-        await conn.close()
-    return reply.value()
