@@ -142,6 +142,17 @@ def exit_exception(r: CommandResult) -> CommandExitException:
     return CommandExitException(r.stderr, r.stdout, r.exit_code, r.error, signal=r.signal)
 
 
+@dataclass(frozen=True)
+class Launch:
+    """A command as the init starts it (Commands.prepare): argv, the user spec (None: root),
+    the full environment and the working directory."""
+
+    argv: list[str]
+    user: str | None
+    env: dict[str, str]
+    cwd: str
+
+
 class CommandHandle:
     """A background command (E2B's CommandHandle). Its output goes to files inside the
     workspace, so the workspace holds no connection to the host while it runs and can be
@@ -196,6 +207,23 @@ class CommandHandle:
                 new.append(bytes(data[self._offsets[i]:]))
                 self._offsets[i] = len(data)
             return new, int(str(status_text).strip()) if status_text is not None else None
+
+    @property
+    def deadline(self) -> float | None:
+        """When (time.monotonic()) the run's timeout ends the wait; None: no limit."""
+        return self._deadline
+
+    @property
+    def raises_on_exit(self) -> bool:
+        """Whether wait() raises CommandExitException on a non-zero exit (a Sandbox's does)."""
+        return self._raise
+
+    def poll(self) -> tuple[list[Event], CommandResult | None]:
+        """What the command wrote since the last read, and its result once it has exited, without
+        waiting: for a caller that paces its own reads (the asyncio handle). Not to be mixed
+        with output callbacks given at the start, whose thread reads the same files."""
+        events, status = self._poll_once()
+        return events, None if status is None else self._finish(status)
 
     def _poll_once(self) -> tuple[list[Event], int | None]:
         new, status = self._read_new()
@@ -403,6 +431,19 @@ class Commands:
         if not cmd:
             raise CommandError("empty command")
         return list(cmd)
+
+    def prepare(self, cmd: str | list[str], user: str | None = None, envs: Mapping[str, str] | None = None,
+                env: Mapping[str, str] | None = None, cwd: str | None = None) -> Launch:
+        """What run() would send the init for `cmd`: its argv, user, full environment and working
+        directory (for a client that speaks the protocol itself, as the asyncio one does)."""
+        spec, full_env, workdir = self._prepare(user, envs, env, cwd)
+        return Launch(self._argv(cmd), spec, full_env, workdir)
+
+    def follow(self, cmd_id: str, pid: int, *, timeout: float | None = None, retain_output: bool = True,
+               pty: bool = False) -> CommandHandle:
+        """A handle on the background command the init spawned as `cmd_id` (pid `pid`), with these
+        commands' conventions; `timeout` bounds its wait()."""
+        return self._handle(cmd_id, pid, timeout=timeout, retain_output=retain_output, pty=pty)
 
     def _handle(self, cmd_id: str, pid: int, on_stdout: OutputCallback | None = None,
                 on_stderr: OutputCallback | None = None, *, timeout: float | None = None,

@@ -170,13 +170,20 @@ class Workspace:
         assert self._rec.cgroups is not None
         return Cgroup(self._rec.cgroups)
 
-    def _live_init_pid(self) -> int:
+    def live_init_pid(self) -> int:
+        """The init's pid on the host; WorkspaceStateError once the workspace has stopped (what
+        each command and file operation checks first)."""
         if not self.is_running():
             raise WorkspaceStateError(f"workspace {self.id} is not running (destroyed, or its init died)")
         return self.init_pid
 
-    def _pids(self) -> list[int]:
+    _live_init_pid = live_init_pid
+
+    def host_pids(self) -> list[int]:
+        """The host pids of every process in the workspace (its cgroup), the init's included."""
         return self._cgroup().pids()
+
+    _pids = host_pids
 
     def _shell(self) -> str:
         if self._shell_path is None:
