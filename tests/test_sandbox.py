@@ -26,8 +26,8 @@ from bunshinfork import (
     SandboxQuery,
     SandboxState,
     Workspace,
-    sandbox,
 )
+from bunshinfork.e2b import templates
 from bunshinfork.errors import CommandTimeout
 
 
@@ -210,7 +210,7 @@ def test_by_id_and_list(sbx: Sandbox) -> None:
 
 
 def test_snapshots_as_templates(sbx: Sandbox, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sandbox, "SNAPSHOT_ROOT", tmp_path / "snapshots")
+    monkeypatch.setattr(templates, "SNAPSHOT_ROOT", tmp_path / "snapshots")
     sbx.commands.run("echo remembered > memo; (sleep 1000 &)")
     info = sbx.create_snapshot(name="my-template")
     assert info.names == ["my-template"]
