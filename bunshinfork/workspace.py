@@ -240,6 +240,16 @@ class Workspace:
         """Whether destroy() ran, here or in another process (its state directory is gone)."""
         return self._rec.status == "destroyed" or not self._rec.dir.exists()
 
+    def update_env(self, env: Mapping[str, str]) -> None:
+        """Add `env` to the environment every later command gets (kept in its record, so
+        Workspace.connect() from another process sees it too)."""
+        for k in env:
+            if not isinstance(k, str) or not k or "=" in k:
+                raise SpecError(f"environment variable name {k!r} is empty or contains '='")
+        spec = self._rec.spec
+        self._rec.spec = dataclasses.replace(spec, env={**spec.env, **env})
+        self._rec.save()
+
     def is_running(self) -> bool:
         return self._rec.status == "running" and self._rec.init_alive()
 

@@ -72,8 +72,8 @@ def delete(snapshot_id: str) -> bool:
 
 
 def start(template: str | None, lifetime: float, env: dict[str, str], network: dict[str, Any]) -> Workspace:
-    """A running workspace from `template`: a saved snapshot's clone, or a new workspace on the
-    rootfs the template names (given `env`)."""
+    """A running workspace from `template`: a saved snapshot's clone (given `env` on top of
+    its own), or a new workspace on the rootfs the template names."""
     saved_dir = find(template) if template and template != DEFAULT else None
     if saved_dir is not None:
         snap = Snapshot.load(saved_dir)
@@ -83,6 +83,12 @@ def start(template: str | None, lifetime: float, env: dict[str, str], network: d
             snap.release()
         if isinstance(clone, Exception):
             raise clone
+        if env:
+            try:
+                clone.update_env(env)
+            except BaseException:
+                clone.destroy()
+                raise
         return clone
     rootfs = "host" if template in (None, DEFAULT) else str(template)
     if not (rootfs in ("host", "debian") or rootfs.startswith(("docker:", "/"))):
