@@ -9,6 +9,12 @@ from .commands import AsyncCommandHandle, AsyncCommandInputHandle, AsyncCommands
 from .files import AsyncFiles, AsyncFileStreamReader
 from .workspace import AsyncSnapshot, AsyncWorkspace
 
+__all__ = [
+    "AsyncCommandHandle", "AsyncCommandInputHandle", "AsyncCommands", "AsyncFileStreamReader", "AsyncFiles",
+    "AsyncPty", "AsyncSandbox", "AsyncSandboxPaginator", "AsyncSnapshot", "AsyncSnapshotPaginator",
+    "AsyncWatchHandle", "AsyncWorkspace", "async_instance_or_class",
+]
+
 # E2B's AsyncSandbox lives in bunshinfork.e2b, which is built on this package: these names
 # are still found here, read from there on first use.
 _FROM_E2B = {"AsyncSandbox": "AsyncSandbox", "AsyncSandboxPaginator": "AsyncSandboxPaginator",
@@ -21,9 +27,3 @@ def __getattr__(name: str) -> Any:
 
         return getattr(e2b, _FROM_E2B[name])
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-__all__ = [
-    "AsyncCommandHandle", "AsyncCommandInputHandle", "AsyncCommands", "AsyncFileStreamReader", "AsyncFiles",
-    "AsyncPty", "AsyncSandbox", "AsyncSandboxPaginator", "AsyncSnapshot", "AsyncSnapshotPaginator",
-    "AsyncWatchHandle", "AsyncWorkspace", "async_instance_or_class",
-]

@@ -218,7 +218,6 @@ class Sandbox:
             lifecycle={"on_timeout": "kill", "auto_resume": False}, volume_mounts=[],
         )
 
-
     @variant()
     def get_metrics(self, start: datetime.datetime | None = None, end: datetime.datetime | None = None,
                     **opts: Any) -> list[SandboxMetrics]:
@@ -275,7 +274,6 @@ class Sandbox:
         """End the sandbox `timeout` seconds from now (extends or shortens it)."""
         self._ws.set_timeout(timeout)
 
-
     @variant(_connect_by_id)
     def connect(self, timeout: int | None = None, *, on_resume: Literal["restore", "reboot"] = "restore",
                 **opts: Any) -> Sandbox:
@@ -294,7 +292,6 @@ class Sandbox:
             self._ws.resume()
         return self
 
-
     @variant()
     def pause(self, keep_memory: bool | None = None, *, mode: Literal["full", "filesystem"] | None = None,
               strict: bool = False, **opts: Any) -> bool:
@@ -307,13 +304,11 @@ class Sandbox:
         self._ws.pause()
         return True
 
-
     @variant()
     def beta_pause(self, keep_memory: bool | None = None, *, mode: Literal["full", "filesystem"] | None = None,
                    **opts: Any) -> bool:
         """Deprecated by E2B: pause()."""
         return self.pause(keep_memory, mode=mode)
-
 
     @variant(_kill_by_id)
     def kill(self, **opts: Any) -> bool:
@@ -352,7 +347,6 @@ class Sandbox:
             out.append(type(self)(r, self._logger))
         return out
 
-
     @variant()
     def create_snapshot(self, name: str | None = None, *, mode: Literal["full", "filesystem"] | None = None,
                         **opts: Any) -> SnapshotInfo:
@@ -362,7 +356,6 @@ class Sandbox:
             raise InvalidArgumentException("a filesystem-only snapshot is not offered: a snapshot keeps memory "
                                            "and processes (mode='full')")
         return templates.save(self._ws, name)
-
 
     @variant(_list_snapshots_all)
     def list_snapshots(self, limit: int | None = None, next_token: str | None = None, name: str | None = None,
