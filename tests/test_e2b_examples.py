@@ -198,7 +198,7 @@ def test_pause_and_connect(example: str, cleanup: None) -> None:
 def test_async_pause_and_connect(cleanup: None) -> None:
     _installed("sandbox_async/main.py", ASYNC_CONNECT)
     ns = run_async(ASYNC_CONNECT)
-    same = ns["same_sandbox"].workspace
+    same = ns["same_sandbox"].sandbox
     assert same.get_info().state == "running" and same.commands.run("echo back").stdout == "back\n"
 
 
