@@ -10,13 +10,24 @@ __version__ = "0.1.0"
 
 from . import deadlines
 from .accounting import HostMemory
-from .aio import AsyncCommandHandle, AsyncSandbox, AsyncSnapshot, AsyncWatchHandle, AsyncWorkspace
+from .aio import AsyncCommandHandle, AsyncSnapshot, AsyncWatchHandle, AsyncWorkspace
 from .commands import (
     CommandExitException,
     CommandHandle,
     CommandResult,
     ProcessInfo,
     PtySize,
+)
+from .e2b import (
+    AsyncSandbox,
+    Sandbox,
+    SandboxInfo,
+    SandboxMetrics,
+    SandboxPaginator,
+    SandboxQuery,
+    SandboxState,
+    SnapshotInfo,
+    SnapshotPaginator,
 )
 from .errors import (
     BunshinError,
@@ -47,16 +58,6 @@ from .errors import (
 from .files import EntryInfo, FileType, WriteInfo
 from .fs import StorageWarning
 from .fs import digest as rootfs_digest
-from .sandbox import (
-    Sandbox,
-    SandboxInfo,
-    SandboxMetrics,
-    SandboxPaginator,
-    SandboxQuery,
-    SandboxState,
-    SnapshotInfo,
-    SnapshotPaginator,
-)
 from .spec import WorkspaceSpec
 from .watch import FilesystemEvent, FilesystemEventType, WatchHandle
 from .workspace import MemoryStats, Snapshot, Workspace, WorkspaceInfo, host_memory

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from .errors import BunshinError, CommandError, CommandTimeout, NotFoundException, WorkspaceStateError
 from .files import Files
-from .process import control
+from .process import control, protocol
 from .process.tree import tree
 
 if TYPE_CHECKING:
@@ -142,6 +142,17 @@ def exit_exception(r: CommandResult) -> CommandExitException:
     return CommandExitException(r.stderr, r.stdout, r.exit_code, r.error, signal=r.signal)
 
 
+@dataclass(frozen=True)
+class Launch:
+    """A command as the init starts it (Commands.prepare): argv, the user spec (None: root),
+    the full environment and the working directory."""
+
+    argv: list[str]
+    user: str | None
+    env: dict[str, str]
+    cwd: str
+
+
 class CommandHandle:
     """A background command (E2B's CommandHandle). Its output goes to files inside the
     workspace, so the workspace holds no connection to the host while it runs and can be
@@ -179,7 +190,7 @@ class CommandHandle:
         return self._pid
 
     def _dir(self) -> str:
-        return f"{control.CMD_DIR}/{self.cmd_id}"
+        return f"{protocol.CMD_DIR}/{self.cmd_id}"
 
     def _read_new(self) -> tuple[list[bytes], int | None]:
         """New bytes of stdout and stderr, and the wait status once the command has exited."""
@@ -196,6 +207,23 @@ class CommandHandle:
                 new.append(bytes(data[self._offsets[i]:]))
                 self._offsets[i] = len(data)
             return new, int(str(status_text).strip()) if status_text is not None else None
+
+    @property
+    def deadline(self) -> float | None:
+        """When (time.monotonic()) the run's timeout ends the wait; None: no limit."""
+        return self._deadline
+
+    @property
+    def raises_on_exit(self) -> bool:
+        """Whether wait() raises CommandExitException on a non-zero exit (a Sandbox's does)."""
+        return self._raise
+
+    def poll(self) -> tuple[list[Event], CommandResult | None]:
+        """What the command wrote since the last read, and its result once it has exited, without
+        waiting: for a caller that paces its own reads (the asyncio handle). Not to be mixed
+        with output callbacks given at the start, whose thread reads the same files."""
+        events, status = self._poll_once()
+        return events, None if status is None else self._finish(status)
 
     def _poll_once(self) -> tuple[list[Event], int | None]:
         new, status = self._read_new()
@@ -313,8 +341,7 @@ class CommandHandle:
 
     def send_stdin(self, data: str | bytes, request_timeout: float | None = None) -> None:
         """Write to the command's stdin (it must have been started with stdin=True)."""
-        control.send_input(self._init_pid(), self.pid, "I",
-                           data.encode() if isinstance(data, str) else bytes(data), request_timeout)
+        control.send_input(self._init_pid(), self.pid, "I", protocol.input_data(data), request_timeout)
 
     def close_stdin(self, request_timeout: float | None = None) -> None:
         """Signal end of input to the command."""
@@ -404,6 +431,19 @@ class Commands:
         if not cmd:
             raise CommandError("empty command")
         return list(cmd)
+
+    def prepare(self, cmd: str | list[str], user: str | None = None, envs: Mapping[str, str] | None = None,
+                env: Mapping[str, str] | None = None, cwd: str | None = None) -> Launch:
+        """What run() would send the init for `cmd`: its argv, user, full environment and working
+        directory (for a client that speaks the protocol itself, as the asyncio one does)."""
+        spec, full_env, workdir = self._prepare(user, envs, env, cwd)
+        return Launch(self._argv(cmd), spec, full_env, workdir)
+
+    def follow(self, cmd_id: str, pid: int, *, timeout: float | None = None, retain_output: bool = True,
+               pty: bool = False) -> CommandHandle:
+        """A handle on the background command the init spawned as `cmd_id` (pid `pid`), with these
+        commands' conventions; `timeout` bounds its wait()."""
+        return self._handle(cmd_id, pid, timeout=timeout, retain_output=retain_output, pty=pty)
 
     def _handle(self, cmd_id: str, pid: int, on_stdout: OutputCallback | None = None,
                 on_stderr: OutputCallback | None = None, *, timeout: float | None = None,
@@ -507,7 +547,7 @@ class Commands:
         running = {p.pid for p in tree(self._pids())}
         out: dict[int, dict[str, list[str]]] = {}
         with contextlib.suppress(NotFoundException):
-            for entry in files.list(control.PROCS_DIR, user="root"):
+            for entry in files.list(protocol.PROCS_DIR, user="root"):
                 if not entry.name.isdigit() or int(entry.name) not in running:
                     continue  # a shim killed before it could tidy up
                 with contextlib.suppress(NotFoundException):
@@ -538,8 +578,7 @@ class Commands:
         return False
 
     def send_stdin(self, pid: int, data: str | bytes, request_timeout: float | None = None) -> None:
-        control.send_input(self._init_pid(), pid, "I",
-                           data.encode() if isinstance(data, str) else bytes(data), request_timeout)
+        control.send_input(self._init_pid(), pid, "I", protocol.input_data(data), request_timeout)
 
     def close_stdin(self, pid: int, request_timeout: float | None = None) -> None:
         control.send_input(self._init_pid(), pid, "C", b"", request_timeout)
@@ -598,7 +637,7 @@ class Pty:
         self._commands.stream_input(pid, data, timeout=timeout)
 
     def resize(self, pid: int, size: PtySize, request_timeout: float | None = None) -> None:
-        control.send_input(self._commands._init_pid(), pid, "R", f"{size.rows} {size.cols}".encode(),
+        control.send_input(self._commands._init_pid(), pid, "R", protocol.resize_data(size.rows, size.cols),
                            request_timeout)
 
     def connect(self, pid: int, timeout: float | None = 60, request_timeout: float | None = None) -> CommandHandle:

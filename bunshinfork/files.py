@@ -462,9 +462,12 @@ class Files:
                   allow_network_mounts: bool = False) -> WatchHandle:
         """Watch a directory (inotify, from the host); handle.get_new_events() returns what
         happened since the last call. allow_network_mounts is accepted: a workspace has none."""
-        return WatchHandle(self._watcher(path, user, recursive, include_entry))
+        return WatchHandle(self.open_watch(path, user, recursive=recursive, include_entry=include_entry))
 
-    def _watcher(self, path: str, user: str | None, recursive: bool, include_entry: bool) -> Inotify:
+    def open_watch(self, path: str, user: str | None = None, *, recursive: bool = False,
+                   include_entry: bool = False) -> Inotify:
+        """The inotify watch behind watch_dir, for a caller that reads it itself (the asyncio
+        handle reads it from its event loop)."""
         who = self._user(user)
         p = self._abs(path, who)
         try:

@@ -286,9 +286,6 @@ class Record:
     # the restores of clones forked together overlap.
     restore_window: tuple[float, float] | None = None
     lifetime: Lifetime = field(default_factory=Lifetime)
-    # E2B's sandbox metadata and the template it was created from (sandbox.py).
-    metadata: dict[str, str] = field(default_factory=dict)
-    template: str = ""
 
     @property
     def dir(self) -> Path:

@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,6 +89,23 @@ def _smaps_rollup(pid: int) -> dict[str, int]:
     return out
 
 
+class _SpecEnv(Mapping[str, str]):
+    """The workspace's own environment as its record holds it at each read (update_env
+    replaces it)."""
+
+    def __init__(self, current: Callable[[], Mapping[str, str]]) -> None:
+        self._current = current
+
+    def __getitem__(self, key: str) -> str:
+        return self._current()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._current())
+
+    def __len__(self) -> int:
+        return len(self._current())
+
+
 class Workspace:
     """A running, isolated container workspace.
 
@@ -105,10 +122,19 @@ class Workspace:
         self._pidfd = pidfd
         self._lock = threading.Lock()
         self._shell_path: str | None = None
-        conv = self.conventions
-        self.files = Files(self._live_init_pid, conv.default_user)
-        self.commands = Commands(self._live_init_pid, self.files, record.spec.env, self._shell, self._pids, conv)
+        self._serve(self.conventions)
+
+    def _serve(self, conv: Conventions) -> None:
+        self.conventions = conv
+        self.files = Files(self.live_init_pid, conv.default_user)
+        self.commands = Commands(self.live_init_pid, self.files, _SpecEnv(lambda: self._rec.spec.env), self._shell,
+                                 self.host_pids, conv)
         self.pty = Pty(self.commands)
+
+    def set_conventions(self, conventions: Conventions) -> None:
+        """Serve commands and files with another front door's conventions (a Sandbox gives E2B's
+        to the workspace it wraps). New files, commands and pty objects replace the old ones."""
+        self._serve(conventions)
 
     # ---- construction ----
 
@@ -170,18 +196,59 @@ class Workspace:
         assert self._rec.cgroups is not None
         return Cgroup(self._rec.cgroups)
 
-    def _live_init_pid(self) -> int:
+    def live_init_pid(self) -> int:
+        """The init's pid on the host; WorkspaceStateError once the workspace has stopped (what
+        each command and file operation checks first)."""
         if not self.is_running():
             raise WorkspaceStateError(f"workspace {self.id} is not running (destroyed, or its init died)")
         return self.init_pid
 
-    def _pids(self) -> list[int]:
+    _live_init_pid = live_init_pid
+
+    def host_pids(self) -> list[int]:
+        """The host pids of every process in the workspace (its cgroup), the init's included."""
         return self._cgroup().pids()
+
+    _pids = host_pids
 
     def _shell(self) -> str:
         if self._shell_path is None:
             self._shell_path = "/bin/bash" if self.files.exists("/bin/bash", user="root") else "/bin/sh"
         return self._shell_path
+
+    @property
+    def state_dir(self) -> Path:
+        """The host directory holding the workspace's record; destroy() removes it with all it
+        holds, so a front door keeps its own state beside the record there."""
+        return self._rec.dir
+
+    @property
+    def layer_dir(self) -> Path | None:
+        """The directory of the workspace's writable layer (its upper/ holds what it wrote);
+        None where it has none."""
+        fs = self._rec.fs
+        return Path(fs.layer.path) if fs and fs.layer else None
+
+    def ends_at(self) -> float | None:
+        """When (wall clock) the workspace's init ends it, as its record says now: set_timeout()
+        from any process moves it. None: no deadline."""
+        with contextlib.suppress(FileNotFoundError, ValueError, TypeError):
+            self._rec.lifetime = Record.load(self.id).lifetime
+        return self._rec.lifetime.deadline or None
+
+    def is_destroyed(self) -> bool:
+        """Whether destroy() ran, here or in another process (its state directory is gone)."""
+        return self._rec.status == "destroyed" or not self._rec.dir.exists()
+
+    def update_env(self, env: Mapping[str, str]) -> None:
+        """Add `env` to the environment every later command gets (kept in its record, so
+        Workspace.connect() from another process sees it too)."""
+        for k in env:
+            if not isinstance(k, str) or not k or "=" in k:
+                raise SpecError(f"environment variable name {k!r} is empty or contains '='")
+        spec = self._rec.spec
+        self._rec.spec = dataclasses.replace(spec, env={**spec.env, **env})
+        self._rec.save()
 
     def is_running(self) -> bool:
         return self._rec.status == "running" and self._rec.init_alive()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -16,11 +17,13 @@ import pytest
 
 from bunshinfork import (
     AsyncSandbox,
+    AsyncSnapshot,
     AsyncWorkspace,
     CommandExitException,
     CommandResult,
     FilesystemEventType,
     PtySize,
+    Snapshot,
 )
 from bunshinfork.aio import AsyncCommandHandle
 from bunshinfork.errors import CommandTimeout
@@ -187,5 +190,38 @@ def test_async_pty_and_fork() -> None:
                         await f.kill()
         finally:
             await sbx.kill()
+
+    run(main)
+
+
+def test_async_snapshot_has_all_of_snapshots_surface() -> None:
+    public = {n for n in dir(Snapshot) if not n.startswith("_")}
+    missing = {n for n in public if not hasattr(AsyncSnapshot, n)}
+    assert not missing, missing
+    for name in public:
+        ours, theirs = inspect.getattr_static(AsyncSnapshot, name), inspect.getattr_static(Snapshot, name)
+        assert isinstance(ours, property) == isinstance(theirs, property), name
+        assert isinstance(ours, classmethod) == isinstance(theirs, classmethod), name
+
+
+def test_async_snapshot_round_trip(tmp_path: Any) -> None:
+    async def main() -> None:
+        async with workspace() as ws:
+            await ws.files.write("/root/mark", "kept")
+            async with await ws.snapshot("copy") as snap:
+                assert snap.source_id == ws.id and snap.kind == "image" and snap.memory == "copy"
+                assert await snap.image_bytes() > 0 and await snap.retained_bytes() > 0
+                assert (await snap.host_memory()).stores >= 0
+                saved = await snap.save(tmp_path / "saved")
+            loaded = await AsyncSnapshot.load(saved)
+            try:
+                (clone,) = await loaded.fork(1)
+                assert isinstance(clone, AsyncWorkspace)
+                try:
+                    assert await clone.files.read("/root/mark") == "kept"
+                finally:
+                    await clone.destroy()
+            finally:
+                await loaded.release()
 
     run(main)

@@ -27,7 +27,8 @@ from e2b.sandbox_sync.commands.pty import Pty as E2BPty
 from e2b.sandbox_sync.filesystem.filesystem import Filesystem as E2BFilesystem
 
 import bunshinfork
-from bunshinfork import aio, commands, files, sandbox, state, watch
+from bunshinfork import aio, commands, files, state, watch
+from bunshinfork.e2b import sandbox
 
 E2B_VERSION = "2.63.0"
 
@@ -144,9 +145,8 @@ def _sandbox_instance(cls: type) -> Any:
     """A Sandbox object over a record (no workspace behind it): its modules are attributes."""
     rec = state.Record(id="ws-000000000000", status="running", creator_pid=0, created_at=0.0, hostname="x",
                        spec=bunshinfork.WorkspaceSpec())
-    if issubclass(cls, aio.AsyncWorkspace):
-        return cls(bunshinfork.Sandbox(rec))
-    return cls(rec)
+    sbx = bunshinfork.Sandbox(bunshinfork.Workspace(rec))
+    return sbx if cls is bunshinfork.Sandbox else cls(sbx)
 
 
 def _leaves(annotation: Any, owner: str) -> set[str]:
@@ -216,7 +216,7 @@ def test_members_and_signatures(theirs: type, ours: type) -> None:
     not_local = NOT_LOCAL.get(theirs.__name__, {})
     assert all(reason for reason in not_local.values())
     problems: list[str] = []
-    instance = _sandbox_instance(ours) if issubclass(ours, bunshinfork.Sandbox | aio.AsyncSandbox) else None
+    instance = _sandbox_instance(ours) if issubclass(ours, bunshinfork.Sandbox | bunshinfork.AsyncSandbox) else None
     for name in _members(theirs):
         where = f"{theirs.__name__}.{name}"
         if name in not_local:
@@ -308,7 +308,11 @@ def test_defaults_of_the_front_door() -> None:
     assert conv.default_user is None and not conv.raise_on_exit and not conv.login_shell
     assert list(inspect.signature(bunshinfork.Workspace.fork).parameters)[:3] == ["self", "count", "memory"]
     assert list(inspect.signature(bunshinfork.Sandbox.fork).parameters)[:3] == ["self", "timeout", "count"]
-    assert bunshinfork.Sandbox is not bunshinfork.Workspace and issubclass(bunshinfork.Sandbox, bunshinfork.Workspace)
+    # A Sandbox has a Workspace (composition): the workspace serves E2B's conventions.
+    sbx = _sandbox_instance(bunshinfork.Sandbox)
+    assert not issubclass(bunshinfork.Sandbox, bunshinfork.Workspace)
+    assert isinstance(sbx.workspace, bunshinfork.Workspace)
+    assert sbx.workspace.conventions == bunshinfork.Sandbox.conventions and sbx.commands is sbx.workspace.commands
 
 
 def test_ignored_parameters_are_really_there() -> None:

@@ -120,7 +120,7 @@ def test_create(cleanup: None) -> None:
 def test_async_create(cleanup: None) -> None:
     _installed("sandbox_async/main.py", ASYNC_CREATE)
     sbx = run_async(ASYNC_CREATE)["sandbox"]
-    assert isinstance(sbx, bunshinfork.AsyncSandbox) and sbx.workspace.is_running()
+    assert isinstance(sbx, bunshinfork.AsyncSandbox) and sbx.sandbox.is_running()
 
 
 # ---- is_running, kill ----
@@ -154,7 +154,7 @@ def test_is_running_and_kill(cleanup: None) -> None:
 def test_async_is_running_and_kill(cleanup: None) -> None:
     _installed("sandbox_async/main.py", ASYNC_IS_RUNNING)
     ns = run_async(ASYNC_IS_RUNNING)
-    assert ns["sandbox"].workspace.is_running() is False
+    assert ns["sandbox"].sandbox.is_running() is False
 
 
 # ---- pause and connect ----
@@ -198,7 +198,7 @@ def test_pause_and_connect(example: str, cleanup: None) -> None:
 def test_async_pause_and_connect(cleanup: None) -> None:
     _installed("sandbox_async/main.py", ASYNC_CONNECT)
     ns = run_async(ASYNC_CONNECT)
-    same = ns["same_sandbox"].workspace
+    same = ns["same_sandbox"].sandbox
     assert same.get_info().state == "running" and same.commands.run("echo back").stdout == "back\n"
 
 
@@ -251,7 +251,7 @@ def test_async_fork(example: str, cleanup: None) -> None:
     _installed("sandbox_async/main.py", example)
     ns = run_async(example)
     assert all(isinstance(ns[n], bunshinfork.AsyncSandbox) for n in ("sandbox", "fork1", "fork2"))
-    _check_forks(ns["sandbox"].workspace, [ns["fork1"].workspace, ns["fork2"].workspace])
+    _check_forks(ns["sandbox"].sandbox, [ns["fork1"].sandbox, ns["fork2"].sandbox])
 
 
 # ---- listing ----

@@ -18,7 +18,7 @@ from helpers import free_tcp_port, host_fd_targets, host_proc_state, run_ok, wai
 from bunshinfork import native
 from bunshinfork.commands import CommandHandle
 from bunshinfork.errors import CommandTimeout
-from bunshinfork.process import control
+from bunshinfork.process import protocol
 from bunshinfork.workspace import Workspace
 
 
@@ -182,7 +182,7 @@ def test_init_holds_no_inherited_fds(ws: Workspace) -> None:
     inode = sockets[0][len("socket:["):-1]
     unix = Path(f"/proc/{ws.init_pid}/net/unix").read_text().splitlines()[1:]
     row = next(line.split() for line in unix if line.split()[6] == inode)
-    assert row[7] == control.CTL_SOCK
+    assert row[7] == protocol.CTL_SOCK
     # The same view from inside.
     inside = run_ok(ws, "ls /proc/1/fd").stdout.split()
     assert inside == ["0", "1", "2", "3", "4"]
@@ -262,7 +262,7 @@ def test_no_connection_to_the_host_between_calls(ws: Workspace) -> None:
     # The workspace's network namespace holds one unix socket: the control listener.
     (row,) = _unix_rows(ws.init_pid)
     # Flags __SO_ACCEPTCON, state unconnected.
-    assert row[3] == "00010000" and row[5] == "01" and row[7] == control.CTL_SOCK
+    assert row[3] == "00010000" and row[5] == "01" and row[7] == protocol.CTL_SOCK
     # A connection's server end belongs to the client's (the host's) namespace, so only the fds
     # tell: no process inside may hold any socket but the init's listener. A spawn's reply arrives
     # just before its shim closes the connection; allow it that moment.

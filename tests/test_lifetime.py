@@ -112,7 +112,7 @@ CREATOR = textwrap.dedent("""
     from bunshinfork import Sandbox, Workspace
     timed = Workspace.create(timeout=3)
     leased = Workspace.create(die_with_creator=True)
-    sbx = Sandbox.create(timeout=3)
+    sbx = Sandbox.create(timeout=3).workspace
     clone, = timed.fork(1, memory="copy", die_with_creator=True)
     print(json.dumps({w.id: w.init_pid for w in (timed, leased, sbx, clone)}), flush=True)
     time.sleep(3600)

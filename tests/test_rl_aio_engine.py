@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from rl_support import no_own_leaks  # noqa: F401 (fixture, used by name)
 
-import bunshinfork.aio
+import bunshinfork.aio.pool
 import bunshinrl._async
 from bunshinfork import AsyncWorkspace, Workspace
 from bunshinfork.commands import Commands
@@ -56,9 +56,9 @@ def task() -> Task:
 
 def test_engine_commands_run_on_the_loop_without_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     rl_pool = Recorder(bunshinrl._async._POOL)
-    fork_pool = Recorder(bunshinfork.aio._POOL)
+    fork_pool = Recorder(bunshinfork.aio.pool.POOL)
     monkeypatch.setattr(bunshinrl._async, "_POOL", rl_pool)
-    monkeypatch.setattr(bunshinfork.aio, "_POOL", fork_pool)
+    monkeypatch.setattr(bunshinfork.aio.pool, "POOL", fork_pool)
 
     def no_thread(*a: Any, **k: Any) -> Any:
         raise AssertionError("asyncio.to_thread called")

@@ -25,9 +25,10 @@ from bunshinfork import (
     Sandbox,
     SandboxQuery,
     SandboxState,
+    SpecError,
     Workspace,
-    sandbox,
 )
+from bunshinfork.e2b import templates
 from bunshinfork.errors import CommandTimeout
 
 
@@ -210,7 +211,7 @@ def test_by_id_and_list(sbx: Sandbox) -> None:
 
 
 def test_snapshots_as_templates(sbx: Sandbox, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sandbox, "SNAPSHOT_ROOT", tmp_path / "snapshots")
+    monkeypatch.setattr(templates, "SNAPSHOT_ROOT", tmp_path / "snapshots")
     sbx.commands.run("echo remembered > memo; (sleep 1000 &)")
     info = sbx.create_snapshot(name="my-template")
     assert info.names == ["my-template"]
@@ -223,6 +224,25 @@ def test_snapshots_as_templates(sbx: Sandbox, tmp_path: Path, monkeypatch: pytes
     assert Sandbox.delete_snapshot(info.snapshot_id) is False
     with pytest.raises(NotFoundException):
         Sandbox.create("my-template")
+
+
+def test_a_saved_template_takes_envs_and_metadata(sbx: Sandbox, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sandbox.create(<saved template>, envs=...): the clone's commands get the envs on top of the
+    snapshot's own, in this process and through Sandbox.connect; a bad name leaves no clone."""
+    monkeypatch.setattr(templates, "SNAPSHOT_ROOT", tmp_path / "snapshots")
+    info = sbx.create_snapshot()
+    with Sandbox.create(info.snapshot_id, envs={"ADDED": "yes", "FROM_CREATE": "over"},
+                        metadata={"k": "v"}) as copy:
+        assert copy.commands.run('echo "$ADDED $FROM_CREATE"').stdout == "yes over\n"
+        assert copy.get_info().metadata == {"k": "v"}
+        assert Sandbox.connect(copy.sandbox_id).commands.run("echo $ADDED").stdout == "yes\n"
+    assert sbx.commands.run('echo "${ADDED:-none} $FROM_CREATE"').stdout == "none yes\n"
+    before = {w.id for w in Workspace.list()}
+    with pytest.raises(SpecError):
+        Sandbox.create(info.snapshot_id, envs={"A=B": "x"})
+    assert {w.id for w in Workspace.list()} == before
+    assert Sandbox.delete_snapshot(info.snapshot_id) is True
 
 
 def test_cloud_only_options_are_refused_or_ignored() -> None:

@@ -1,0 +1,382 @@
+"""Sandbox: E2B's Sandbox over a bunshin workspace, for code written against E2B.
+
+A Sandbox has a Workspace (`.workspace`) and reaches it through Workspace's public API
+only. The differences are E2B's: a sandbox ends after 300 s unless told otherwise
+(set_timeout, connect(timeout=...)); commands run in a login bash as the non-root user
+"user" (who exists in every sandbox, home /home/user) and raise CommandExitException when
+they exit non-zero; fork(timeout=None, count=None) takes E2B's parameters; kill(),
+get_info(), set_timeout(), connect() and pause() work on an instance or, given a sandbox id,
+on the class. What E2B does in its cloud and cannot apply to one host (API keys, domains,
+regions, egress proxies, MCP gateways, volumes) is accepted and ignored where it only
+configures the transport, and refused where ignoring it would change what the sandbox is.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from .. import users
+from ..commands import E2B, Commands, Conventions, Pty
+from ..errors import (
+    BunshinError,
+    InvalidArgumentException,
+    WorkspaceFileNotFound,
+    WorkspaceNotFound,
+    WorkspaceStateError,
+)
+from ..files import Files
+from ..workspace import Workspace
+from . import sidecar, templates
+from .dispatch import variant
+from .types import (
+    SandboxInfo,
+    SandboxMetrics,
+    SandboxPaginator,
+    SandboxQuery,
+    SandboxState,
+    SnapshotInfo,
+    SnapshotPaginator,
+    utc,
+)
+
+MAX_FORKS = 20  # E2B's limit per fork call
+S = TypeVar("S", bound="Sandbox")
+
+
+def _kill_by_id(cls: type[Sandbox], sandbox_id: str, **opts: Any) -> bool:
+    try:
+        return cls.from_id(sandbox_id).kill()
+    except (WorkspaceNotFound, WorkspaceStateError):
+        return False
+
+
+def _connect_by_id(cls: type[S], sandbox_id: str, timeout: int | None = None, logger: logging.Logger | None = None,
+                   *, on_resume: Literal["restore", "reboot"] = "restore", **opts: Any) -> S:
+    return cls.from_id(sandbox_id, logger).connect(timeout, on_resume=on_resume)
+
+
+def _fork_by_id(cls: type[S], sandbox_id: str, timeout: int | None = None, count: int | None = None,
+                logger: logging.Logger | None = None, **opts: Any) -> list[S | Exception]:
+    return cls.from_id(sandbox_id, logger).fork(timeout, count)
+
+
+def _list_snapshots_all(cls: type[Sandbox], sandbox_id: str | None = None, limit: int | None = None,
+                        next_token: str | None = None, name: str | None = None, **opts: Any) -> SnapshotPaginator:
+    return SnapshotPaginator(templates.saved(sandbox_id, name), limit, next_token)
+
+
+def check_create_options(mcp: dict[str, Any] | None, network: dict[str, Any] | None, iam: dict[str, Any] | None,
+                         lifecycle: dict[str, Any] | None, volume_mounts: dict[str, Any] | None) -> None:
+    """Refuse the options that configure an E2B cloud service a local sandbox does not have."""
+    for name, value in (("mcp", mcp), ("network", network), ("iam", iam), ("volume_mounts", volume_mounts)):
+        if value:
+            raise InvalidArgumentException(f"{name}= configures an E2B cloud service that a local sandbox "
+                                           "does not have")
+    if not lifecycle:
+        return
+    on_timeout = lifecycle.get("on_timeout", "kill")
+    action = on_timeout.get("action") if isinstance(on_timeout, dict) else on_timeout
+    if action != "kill" or lifecycle.get("auto_resume"):
+        raise InvalidArgumentException("a local sandbox is killed when its timeout ends (lifecycle on_timeout "
+                                       "'kill'); pausing on timeout needs E2B's persistence service")
+
+
+def ensure_default_user(ws: Workspace, name: str) -> users.User:
+    """E2B's sandboxes have a user "user" (home /home/user): add it where the rootfs lacks it."""
+    files = ws.files
+    passwd, group = (_read_as_root(files, p) for p in users.Accounts.PATHS)
+    new_passwd, new_group, user = users.add_user(passwd, group, name)
+    if new_passwd != passwd:
+        files.write("/etc/passwd", new_passwd, user="root")
+        files.write("/etc/group", new_group, user="root")
+    if not files.exists(user.home, user="root"):
+        files.make_dir(user.home, user="root")
+        os.chown(f"/proc/{ws.live_init_pid()}/root{user.home}", user.uid, user.gid, follow_symlinks=False)
+    return user
+
+
+def _read_as_root(files: Files, path: str) -> str:
+    try:
+        return str(files.read(path, user="root"))
+    except WorkspaceFileNotFound:
+        return ""
+
+
+class Sandbox:
+    """A workspace behind E2B's Sandbox interface (see the module's docstring)."""
+
+    conventions: Conventions = E2B
+    default_sandbox_timeout = 300
+    default_template = templates.DEFAULT
+
+    def __init__(self, ws: Workspace, logger: logging.Logger | None = None) -> None:
+        """Serve `ws` as a sandbox: its commands and files follow E2B's conventions from now on."""
+        ws.set_conventions(self.conventions)
+        self._ws = ws
+        self._logger = logger
+
+    @classmethod
+    def from_id(cls: type[S], sandbox_id: str, logger: logging.Logger | None = None) -> S:
+        """Attach to the running sandbox `sandbox_id` (as it is: connect() also resumes it)."""
+        return cls(Workspace.connect(sandbox_id), logger)
+
+    @property
+    def workspace(self) -> Workspace:
+        """The workspace behind the sandbox (snapshots, memory, bunshin's fork(count, memory))."""
+        return self._ws
+
+    @property
+    def commands(self) -> Commands:
+        return self._ws.commands
+
+    @property
+    def files(self) -> Files:
+        return self._ws.files
+
+    @property
+    def pty(self) -> Pty:
+        return self._ws.pty
+
+    # ---- construction ----
+
+    @classmethod
+    def create(
+        cls: type[S],
+        template: str | None = None,
+        timeout: int | None = None,
+        metadata: dict[str, str] | None = None,
+        envs: dict[str, str] | None = None,
+        secure: bool | None = None,
+        allow_internet_access: bool | None = None,
+        mcp: dict[str, Any] | None = None,
+        network: dict[str, Any] | None = None,
+        iam: dict[str, Any] | None = None,
+        lifecycle: dict[str, Any] | None = None,
+        volume_mounts: dict[str, Any] | None = None,
+        logger: logging.Logger | None = None,
+        idempotency_key: str | None = None,
+        **opts: Any,
+    ) -> S:
+        """Create a sandbox and start it.
+
+        template: "base" (the default: the host's /usr under a generated /etc), "debian",
+        "docker:IMAGE", an absolute directory, or the id or name of a snapshot saved by
+        create_snapshot(). timeout: its lifetime in seconds (default 300; 0: none).
+        allow_internet_access=True gives it a bridge network with NAT (a sandbox with a network
+        cannot be forked); otherwise it has loopback only. secure, idempotency_key and the API
+        options (api_key, domain, request_timeout, ...) configure E2B's cloud transport and are
+        ignored. mcp, network rules, iam and volume_mounts are E2B cloud services: refused.
+        """
+        check_create_options(mcp, network, iam, lifecycle, volume_mounts)
+        life = cls.default_sandbox_timeout if timeout is None else timeout
+        net = {"network": "bridge", "nat": True} if allow_internet_access else {}
+        sbx = cls(templates.start(template, life, dict(envs or {}), net), logger)
+        try:
+            sidecar.save(sbx.workspace, sidecar.Meta(dict(metadata or {}), template or cls.default_template))
+            ensure_default_user(sbx.workspace, str(cls.conventions.default_user))
+        except BaseException:
+            sbx.workspace.destroy()
+            raise
+        if logger is not None:
+            logger.info("created sandbox %s from %s", sbx.sandbox_id, template or cls.default_template)
+        return sbx
+
+    def _log(self, msg: str, *args: object) -> None:
+        if self._logger is not None:
+            self._logger.info(msg, *args)
+
+    # ---- identity and state ----
+
+    @property
+    def sandbox_id(self) -> str:
+        return self._ws.id
+
+    def is_running(self, request_timeout: float | None = None) -> bool:
+        return self._ws.is_running()
+
+    @variant()
+    def get_info(self, **opts: Any) -> SandboxInfo:
+        ws = self._ws
+        meta = sidecar.load(ws)
+        info = ws.info()
+        ends = ws.ends_at()
+        mem = info.memory_limit or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return SandboxInfo(
+            sandbox_id=ws.id, sandbox_domain=None, template_id=meta.template or info.rootfs, name=None,
+            metadata=dict(meta.metadata), started_at=utc(info.created_at),
+            end_at=utc(ends) if ends else datetime.datetime.max.replace(tzinfo=datetime.UTC),
+            state=SandboxState.PAUSED if info.state == "paused" else SandboxState.RUNNING,
+            cpu_count=os.cpu_count() or 1, memory_mb=mem >> 20, envd_version=importlib.metadata.version("bunshin"),
+            allow_internet_access=info.network.get("mode") == "bridge" and bool(info.network.get("nat")),
+            lifecycle={"on_timeout": "kill", "auto_resume": False}, volume_mounts=[],
+        )
+
+    @variant()
+    def get_metrics(self, start: datetime.datetime | None = None, end: datetime.datetime | None = None,
+                    **opts: Any) -> list[SandboxMetrics]:
+        """One sample, now: no daemon records a history. CPU is the average since creation."""
+        ws = self._ws
+        mem = ws.memory()
+        info = ws.info()
+        ticks = os.sysconf("SC_CLK_TCK")
+        cpu_s = 0.0
+        for pid in ws.host_pids():
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                cpu_s += (int(fields[11]) + int(fields[12])) / ticks
+            except OSError:
+                continue
+        cpus = os.cpu_count() or 1
+        elapsed = max(time.time() - info.created_at, 1e-3)
+        layer = ws.layer_dir
+        disk = shutil.disk_usage(layer or ws.state_dir)
+        used = sum(f.lstat().st_size for f in (layer / "upper").rglob("*") if f.is_file()) if layer else 0
+        total_mem = info.memory_limit or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        sample = SandboxMetrics(
+            cpu_count=cpus, cpu_used_pct=round(100.0 * cpu_s / elapsed / cpus, 2), disk_total=disk.total,
+            disk_used=used, mem_total=total_mem, mem_used=mem.cgroup_usage,
+            mem_cache=max(mem.cgroup_usage - mem.rss, 0),
+            timestamp=datetime.datetime.now(datetime.UTC),
+        )
+        in_range = (start is None or sample.timestamp >= start) and (end is None or sample.timestamp <= end)
+        return [sample] if in_range else []
+
+
+    @classmethod
+    def list(cls, query: SandboxQuery | None = None, limit: int | None = None,
+             next_token: str | None = None, order: Literal["asc", "desc"] | None = None,
+             **opts: Any) -> SandboxPaginator:
+        """Every running or paused workspace on this host, filtered by `query`."""
+        if order not in (None, "asc", "desc"):
+            raise InvalidArgumentException(f"Invalid order {order!r}, expected 'asc' or 'desc'")
+        infos = []
+        for w in Workspace.list():
+            try:
+                infos.append(cls.from_id(w.id).get_info())
+            except BunshinError:
+                continue  # ended between listing and attaching
+        if query is not None:
+            infos = [i for i in infos if i.matches(query)]
+        infos.sort(key=lambda i: i.started_at, reverse=order == "desc")
+        return SandboxPaginator(infos, limit, next_token)
+
+    # ---- lifetime ----
+
+    @variant()
+    def set_timeout(self, timeout: int, **opts: Any) -> None:
+        """End the sandbox `timeout` seconds from now (extends or shortens it)."""
+        self._ws.set_timeout(timeout)
+
+    @variant(_connect_by_id)
+    def connect(self, timeout: int | None = None, *, on_resume: Literal["restore", "reboot"] = "restore",
+                **opts: Any) -> Sandbox:
+        """Resume a paused sandbox; `timeout` extends (never shortens) a running one's lifetime."""
+        if on_resume not in ("restore", "reboot"):
+            raise InvalidArgumentException(f"on_resume must be 'restore' or 'reboot', not {on_resume!r}")
+        if on_resume == "reboot":
+            raise InvalidArgumentException("on_resume='reboot' cold-boots from a disk snapshot; a local sandbox "
+                                           "is paused with its memory and resumes as it was")
+        if timeout is not None:
+            ends = self._ws.ends_at()
+            left = ends - time.time() if ends else float("inf")
+            if timeout > left:
+                self._ws.set_timeout(timeout)
+        if self._ws.info().state == "paused":
+            self._ws.resume()
+        return self
+
+    @variant()
+    def pause(self, keep_memory: bool | None = None, *, mode: Literal["full", "filesystem"] | None = None,
+              strict: bool = False, **opts: Any) -> bool:
+        """Freeze every process (its memory stays); connect() resumes it. False if paused already."""
+        if keep_memory is False or mode == "filesystem":
+            raise InvalidArgumentException("a filesystem-only pause drops the sandbox's memory; a local sandbox "
+                                           "pauses with its memory (mode='full')")
+        if self._ws.info().state == "paused":
+            return False
+        self._ws.pause()
+        return True
+
+    @variant()
+    def beta_pause(self, keep_memory: bool | None = None, *, mode: Literal["full", "filesystem"] | None = None,
+                   **opts: Any) -> bool:
+        """Deprecated by E2B: pause()."""
+        return self.pause(keep_memory, mode=mode)
+
+    @variant(_kill_by_id)
+    def kill(self, **opts: Any) -> bool:
+        """Kill the sandbox and remove everything it holds; False if it was gone already."""
+        if self._ws.is_destroyed():
+            return False
+        self._ws.destroy()
+        self._log("killed sandbox %s", self.sandbox_id)
+        return True
+
+
+    def __enter__(self: S) -> S:
+        return self
+
+    def __exit__(self, exc_type: object, exc_value: object, traceback: object) -> None:
+        self.kill()
+
+    # ---- forking and snapshots ----
+
+    @variant(_fork_by_id)
+    def fork(self: S, timeout: int | None = None, count: int | None = None,
+             **opts: Any) -> list[S | Exception]:
+        """Live-fork into `count` (default 1, at most 20) running sandboxes, each living
+        `timeout` seconds (default 300); a failed fork is an Exception in the list."""
+        n = 1 if count is None else count
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_FORKS:
+            raise InvalidArgumentException(f"count must be an integer between 1 and {MAX_FORKS}, got {count!r}")
+        life = self.default_sandbox_timeout if timeout is None else timeout
+        meta = sidecar.load(self._ws)
+        out: list[S | Exception] = []
+        for r in self._ws.fork(n, timeout=life):
+            if isinstance(r, Exception):
+                out.append(r)
+                continue
+            sidecar.save(r, meta)
+            out.append(type(self)(r, self._logger))
+        return out
+
+    @variant()
+    def create_snapshot(self, name: str | None = None, *, mode: Literal["full", "filesystem"] | None = None,
+                        **opts: Any) -> SnapshotInfo:
+        """Save the sandbox's whole running state (memory, processes, files) under
+        BUNSHIN_SNAPSHOT_ROOT; Sandbox.create(snapshot_id or name) starts a sandbox from it."""
+        if mode == "filesystem":
+            raise InvalidArgumentException("a filesystem-only snapshot is not offered: a snapshot keeps memory "
+                                           "and processes (mode='full')")
+        return templates.save(self._ws, name)
+
+    @variant(_list_snapshots_all)
+    def list_snapshots(self, limit: int | None = None, next_token: str | None = None, name: str | None = None,
+                       **opts: Any) -> SnapshotPaginator:
+        return SnapshotPaginator(templates.saved(self.sandbox_id, name), limit, next_token)
+
+
+    @classmethod
+    def delete_snapshot(cls, snapshot_id: str, **opts: Any) -> bool:
+        return templates.delete(snapshot_id)
+
+    # ---- reaching it ----
+
+    def get_host(self, port: int) -> str:
+        """host:port at which the host reaches `port` inside the sandbox (a bridge network's
+        address; a loopback-only sandbox has none)."""
+        addr = self._ws.info().network.get("ip")
+        if not addr:
+            raise InvalidArgumentException("the sandbox has no network the host can reach (create it with "
+                                           "allow_internet_access=True for a bridge network)")
+        return f"{str(addr).split('/')[0]}:{port}"
+
+    def __repr__(self) -> str:
+        return f"<Sandbox {self.sandbox_id} init={self._ws.init_pid}>"
