@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import signal as _signal
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Future
@@ -236,6 +237,13 @@ class Workspace:
     def resume(self) -> None:
         self._live_init_pid()
         self._cgroup().thaw()
+
+    def signal(self, sig: int) -> None:
+        """Send `sig` to the workspace's init: KILL ends the workspace (destroy() removes what is
+        left); TERM, INT, HUP, QUIT, USR1 and USR2 are forwarded to every process in it."""
+        if sig == _signal.SIGKILL:
+            self._cgroup().thaw()  # a frozen task cannot act on SIGKILL
+        os.kill(self._live_init_pid(), sig)
 
     def snapshot(self, memory: str = "auto", *, incremental: bool = True) -> Snapshot:
         """Freeze briefly, capture the whole workspace, resume it; the Snapshot can fork many times.
