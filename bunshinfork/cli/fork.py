@@ -13,7 +13,7 @@ from .common import PROG, UsageError, Verb, connect, print_json, workspace_id
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("id", nargs="?", type=workspace_id, help="the running workspace to fork")
     p.add_argument("-n", "--count", type=int, default=1, help="number of clones (default 1)")
-    p.add_argument("--memory", default="auto", choices=("auto", *memory.NAMES),
+    p.add_argument("--memory", default="auto", choices=("auto", *memory.ENGINES),
                    help="memory engine (default auto: cow with /dev/bunshin, else ksm on Linux >= 6.4, else copy)")
     p.add_argument("--snapshot", metavar="PATH", help="fork a snapshot saved by 'bunshin snapshot' instead")
     p.add_argument("--json", action="store_true", help="machine-readable output")
