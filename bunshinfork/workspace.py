@@ -11,7 +11,7 @@ import dataclasses
 import os
 import signal as _signal
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +27,7 @@ from .errors import BunshinError, SpecError, WorkspaceNotFound, WorkspaceStateEr
 from .files import Files
 from .process import lifetime
 from .spec import WorkspaceSpec
-from .state import Record, Timing
+from .state import Record, Status, Timing
 
 # Removes what crashed creators left behind (`bunshin gc`).
 gc = pipeline.gc
@@ -38,6 +38,15 @@ def host_memory(workspaces: Iterable[Workspace], snapshots: Iterable[Snapshot] =
     each workspace's charges (anon, tmpfs, page cache, kernel), each snapshot's stores, and each
     frozen layer they share counted once (see bunshinfork.accounting)."""
     return accounting.family([w._rec for w in workspaces], [s._snap for s in snapshots])
+
+
+def info_state(status: Status, init_alive: bool, frozen: Callable[[], bool]) -> str:
+    """WorkspaceInfo.state, derived from the record's Status and what the host shows: a running
+    record whose init lives is "paused" while its cgroup is frozen, else "running"; anything
+    else is "dead" (E2B's SandboxState derives from this in turn)."""
+    if status is Status.RUNNING and init_alive:
+        return "paused" if frozen() else "running"
+    return "dead"
 
 
 @dataclass(frozen=True)
@@ -139,9 +148,9 @@ class Workspace:
             rec = Record.load(ws_id)
         except FileNotFoundError:
             raise WorkspaceNotFound(f"no workspace {ws_id!r} under {state.RUN_ROOT}; see 'bunshin ls'") from None
-        if rec.status != "running" or not rec.init_alive():
+        if rec.status is not Status.RUNNING or not rec.init_alive():
             raise WorkspaceStateError(
-                f"workspace {ws_id} is {rec.status if rec.status != 'running' else 'dead'}; "
+                f"workspace {ws_id} is {rec.status if rec.status is not Status.RUNNING else 'dead'}; "
                 "'bunshin gc' removes what is left of it"
             )
         return cls(rec)
@@ -151,7 +160,7 @@ class Workspace:
         pipeline.collect()
         out = []
         for rec in state.records():
-            if rec.status == "running":
+            if rec.status is Status.RUNNING:
                 with contextlib.suppress(BunshinError):
                     out.append(Workspace(rec).info())
         return out
@@ -185,13 +194,11 @@ class Workspace:
         return self._shell_path
 
     def is_running(self) -> bool:
-        return self._rec.status == "running" and self._rec.init_alive()
+        return self._rec.status is Status.RUNNING and self._rec.init_alive()
 
     def info(self) -> WorkspaceInfo:
         rec = self._rec
-        st = "dead"
-        if self.is_running():
-            st = "paused" if self._cgroup().frozen() else "running"
+        st = info_state(rec.status, rec.init_alive(), lambda: self._cgroup().frozen())
         fs = rec.fs
         limit = rec.spec.memory_limit
         return WorkspaceInfo(
