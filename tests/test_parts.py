@@ -13,6 +13,9 @@ import pytest
 from bunshinfork import Workspace, doctor, pipeline
 from bunshinfork.cgroups import Cgroup
 from bunshinfork.contract import Build, Capture, Captured, Check, Held, Part
+from bunshinfork.memory import ENGINES
+from bunshinfork.memory.engines import Engine
+from bunshinfork.testing import check_engine, check_part
 
 PACKAGE = Path(__file__).resolve().parent.parent / "bunshinfork"
 ENGINE_NAMES = {"copy", "ksm", "cow"}
@@ -274,3 +277,77 @@ def test_captured_state_is_typed() -> None:
         meta = SnapshotMeta.load(snap.dir)
         assert meta.memory == "copy" and meta.fs is not None and meta.fs.layer is not None
         assert isinstance(Captured(meta, snap.dir).meta.spec, type(rec.spec))
+
+
+# ---- every registered part and engine keeps the contract (bunshinfork.testing) ----
+
+
+@pytest.mark.parametrize("part", pipeline.PARTS, ids=lambda p: p.name)
+def test_every_part_keeps_the_contract(part: Part) -> None:
+    check_part(part)
+
+
+@pytest.mark.parametrize("name", list(ENGINES))
+def test_every_engine_keeps_the_contract(name: str) -> None:
+    check_engine(ENGINES[name])
+
+
+class _Sloppy(Part):
+    """A part that breaks the contract in the ways check_part looks for, one at a time."""
+
+    name = "sloppy"
+
+    def __init__(self, fault: str) -> None:
+        self.fault = fault
+        self.released = 0
+        self.probes = (self._probe,)
+
+    def _probe(self) -> Check:
+        if self.fault == "probe":
+            raise OSError("no such file")
+        return Check("sloppy", True, "fine", required=False)
+
+    def release(self, held: Held) -> None:
+        self.released += 1
+        if self.fault == "release" and self.released > 1:
+            raise RuntimeError("released twice")
+        if self.fault == "half-built" and isinstance(held, Build):
+            assert held.rec.fs is not None
+
+    def gc(self) -> list[str]:
+        return None if self.fault == "gc" else []  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(("fault", "says"), [("probe", "probe _probe raised OSError"),
+                                             ("release", "second release"), ("half-built", "first release"),
+                                             ("gc", "gc\\(\\) must return a list")])
+def test_check_part_catches_a_broken_part(fault: str, says: str) -> None:
+    with pytest.raises(AssertionError, match=says):
+        check_part(_Sloppy(fault))
+    check_part(_Sloppy("none"))  # and passes one that keeps it
+
+
+class _Liar(Engine):
+    """An engine that says it is available while giving a reason it is not."""
+
+    name = "liar"
+    rank = 99
+
+    def unavailable_reason(self) -> str:
+        return "no such device"
+
+    def available(self) -> bool:
+        return True
+
+
+def test_check_engine_catches_a_broken_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    liar = _Liar()
+    with pytest.raises(AssertionError, match="not registered"):
+        check_engine(liar)
+    monkeypatch.setitem(ENGINES, liar.name, liar)
+    with pytest.raises(AssertionError, match="available\\(\\)=True but its reason"):
+        check_engine(liar)
+    monkeypatch.setattr(_Liar, "available", lambda self: False)
+    monkeypatch.setattr(_Liar, "rank", ENGINES["copy"].rank)
+    with pytest.raises(AssertionError, match="rank order"):
+        check_engine(liar)
