@@ -39,6 +39,7 @@ from . import memory
 from .contract import Build, Check, Part
 from .errors import KernelFeatureError
 from .memory.engines import ENGINES, Engine, best
+from .memory.engines.base import KINDS
 from .spec import WorkspaceSpec
 from .state import Record, Status, new_id
 from .workspace import Snapshot, Workspace
@@ -101,7 +102,7 @@ def check_part(part: Part) -> None:
 
 def check_engine(engine: Engine) -> None:
     """Raise AssertionError where a memory `engine` breaks the engine contract (memory/engines/):
-    it is registered under its name; its kind is 'image' or 'cow'; its rank is an int that no
+    it is registered under its name; its kind is one of base.KINDS; its rank is an int that no
     other engine shares, and ENGINES is in rank order; available() is a bool and the reason an
     unavailable engine gives is a non-empty str ("" when available); its probes return Checks and
     never raise; resolve() accepts it exactly where it is available and 'auto' is the best one."""
@@ -109,7 +110,7 @@ def check_engine(engine: Engine) -> None:
     assert isinstance(engine.name, str) and engine.name, f"{engine!r} has no name"
     owner = f"engine {engine.name!r}"
     assert ENGINES.get(engine.name) is engine, f"{owner} is not registered in ENGINES under its name"
-    assert engine.kind in ("image", "cow"), f"{owner}: kind {engine.kind!r} is neither 'image' nor 'cow'"
+    assert engine.kind in KINDS, f"{owner}: kind {engine.kind!r} is none of {KINDS}"
     assert isinstance(engine.rank, int) and not isinstance(engine.rank, bool), f"{owner}: rank must be an int"
     ranks = [e.rank for e in ENGINES.values()]
     assert ranks == sorted(ranks) and len(set(ranks)) == len(ranks), \

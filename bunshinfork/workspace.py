@@ -37,7 +37,7 @@ def host_memory(workspaces: Iterable[Workspace], snapshots: Iterable[Snapshot] =
     """What a set of workspaces and snapshots (a fork family) costs the host's memory together:
     each workspace's charges (anon, tmpfs, page cache, kernel), each snapshot's stores, and each
     frozen layer they share counted once (see bunshinfork.accounting)."""
-    return accounting.family([w._rec for w in workspaces], [s._snap for s in snapshots])
+    return accounting.family([w.record for w in workspaces], [s.captured for s in snapshots])
 
 
 def info_state(status: Status, init_alive: bool, frozen: Callable[[], bool]) -> str:
@@ -172,6 +172,11 @@ class Workspace:
         return self._rec.id
 
     @property
+    def record(self) -> Record:
+        """Its state record (bunshinfork.state): what accounting and the entrances read of it."""
+        return self._rec
+
+    @property
     def init_pid(self) -> int:
         """The init's pid on the host."""
         return self._rec.process.pid if self._rec.process else 0
@@ -278,7 +283,7 @@ class Workspace:
         timeout / die_with_creator: each clone's own lifetime (none by default, never the source's).
         """
         # The snapshot lives only for this fork: not worth comparing its pages after the thaw.
-        with Snapshot._take(self, memory, delta=True, dedupe=False) as snap:
+        with _capture(self, memory, delta=True, dedupe=False) as snap:
             return snap.fork(count, timeout=timeout, die_with_creator=die_with_creator)
 
     def set_timeout(self, timeout: float) -> None:
@@ -309,6 +314,15 @@ class Workspace:
         return f"<Workspace {self.id} init={self.init_pid} {self._rec.status}>"
 
 
+def _capture(ws: Workspace, memory: str, *, delta: bool, dedupe: bool) -> Snapshot:
+    """Snapshot.take and Workspace.fork's snapshot: `delta` stores only pages that differ from the
+    last retained snapshot, `dedupe` compares them after the thaw."""
+    engine = memory_engines.resolve(memory)  # an engine this host lacks fails before any freeze
+    if not ws.is_running():
+        raise WorkspaceStateError(f"workspace {ws.id} is not running (destroyed, or its init died)")
+    return Snapshot(snapshot.take(ws.record, engine, delta=delta, dedupe=dedupe))
+
+
 class Snapshot:
     """The frozen, retained state of a workspace. fork() may be called any number of times."""
 
@@ -323,15 +337,14 @@ class Snapshot:
     @classmethod
     def take(cls, ws: Workspace, memory: str = "auto", *, incremental: bool = True) -> Snapshot:
         """Capture `ws` for the memory engine `memory` (see Workspace.snapshot)."""
-        return cls._take(ws, memory, delta=incremental, dedupe=incremental)
-
-    @classmethod
-    def _take(cls, ws: Workspace, memory: str, *, delta: bool, dedupe: bool) -> Snapshot:
-        engine = memory_engines.resolve(memory)  # an engine this host lacks fails before any freeze
-        ws._live_init_pid()
-        return cls(snapshot.take(ws._rec, engine, delta=delta, dedupe=dedupe))
+        return _capture(ws, memory, delta=incremental, dedupe=incremental)
 
     # ---- properties ----
+
+    @property
+    def captured(self) -> Captured:
+        """Its captured state (contract.Captured): what accounting and the entrances read of it."""
+        return self._snap
 
     @property
     def id(self) -> str:

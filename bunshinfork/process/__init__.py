@@ -28,10 +28,11 @@ from .tree import ProcInfo, tree
 __all__ = ["ProcInfo", "ProcessPart", "dump_opts", "restore_opts", "tree"]
 
 # Here rather than in native.py, which lies below contract.py (state.py imports it): the probe
-# names the compiled module by string, so that a missing one is a failed check.
+# loads native.py, the one module that imports the compiled bunshinfork._native, by name, so
+# that a missing build is a failed check.
 def check_native() -> Check:
     try:
-        importlib.import_module("bunshinfork._native")
+        importlib.import_module("bunshinfork.native")
     except ImportError as e:
         return Check("native", False, f"bunshinfork._native does not load ({e}); reinstall bunshin "
                      "(scripts/setup.sh)", required=True)

@@ -13,6 +13,8 @@ from ...contract import Build, Capture, Captured, Probe
 from ...process import chain, pages
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
+# Where a snapshot may keep its anonymous memory: CRIU's page images, or the cow module's holders.
+KINDS = ("image", "cow")
 
 
 class Engine:
@@ -20,7 +22,7 @@ class Engine:
     part in; every method but unavailable_reason() has a default that keeps memory in images."""
 
     name = ""
-    # Where a snapshot keeps its anonymous memory: "image" (CRIU's page images) or "cow".
+    # Where a snapshot keeps its anonymous memory: one of KINDS.
     kind = "image"
     # memory='auto' picks the available engine of the highest rank; ranks are distinct.
     rank = 0
