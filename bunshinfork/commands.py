@@ -454,12 +454,25 @@ class Commands:
 
     def _prepare(self, user: str | None, envs: Mapping[str, str] | None, env: Mapping[str, str] | None,
                  cwd: str | None) -> tuple[str | None, dict[str, str], str]:
-        who: User = self._files._user(user)
+        # The files API resolves its default user the same way: both follow the conventions.
+        who: User = self._files.accounts.resolve(user or self._conv.default_user or "root")
         full_env = {**DEFAULT_ENV, **who.env(), **self._env, **(envs or {}), **(env or {})}
         if cwd is None:
             # A user whose home does not exist (nobody's /nonexistent) starts in /, as under podman.
             cwd = who.home if who.is_root or self._files.exists(who.home, user="root") else "/"
         return (None if who.is_root else who.spec()), full_env, cwd
+
+    def start_terminal(self, size: PtySize, user: str | None, cwd: str | None, envs: Mapping[str, str] | None,
+                       timeout: float | None) -> CommandHandle:
+        """An interactive login bash on a terminal of `size` (Pty.create)."""
+        term_env = {"TERM": "xterm-256color", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", **(envs or {})}
+        cmd_id, pid = self._spawn(["/bin/bash", "-i", "-l"], user, term_env, None, cwd,
+                                  f"pty:{size.rows}:{size.cols}")
+        return self._handle(cmd_id, pid, timeout=timeout, pty=True)
+
+    def resize_terminal(self, pid: int, size: PtySize, request_timeout: float | None = None) -> None:
+        """Tell the terminal of command `pid` its new size (Pty.resize)."""
+        control.send_input(self._init_pid(), pid, "R", protocol.resize_data(size.rows, size.cols), request_timeout)
 
     def _spawn(self, argv: list[str], user: str | None, envs: Mapping[str, str] | None,
                env: Mapping[str, str] | None, cwd: str | None, stdin: str | None) -> tuple[str, int]:
@@ -621,11 +634,7 @@ class Pty:
     def create(self, size: PtySize, user: str | None = None, cwd: str | None = None,
                envs: dict[str, str] | None = None, timeout: float | None = 60,
                request_timeout: float | None = None) -> CommandHandle:
-        cmds = self._commands
-        term_env = {"TERM": "xterm-256color", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", **(envs or {})}
-        cmd_id, pid = cmds._spawn(["/bin/bash", "-i", "-l"], user, term_env, None, cwd,
-                                  f"pty:{size.rows}:{size.cols}")
-        return cmds._handle(cmd_id, pid, timeout=timeout, pty=True)
+        return self._commands.start_terminal(size, user, cwd, envs, timeout)
 
     def kill(self, pid: int, request_timeout: float | None = None) -> bool:
         return self._commands.kill(pid, request_timeout)
@@ -637,8 +646,7 @@ class Pty:
         self._commands.stream_input(pid, data, timeout=timeout)
 
     def resize(self, pid: int, size: PtySize, request_timeout: float | None = None) -> None:
-        control.send_input(self._commands._init_pid(), pid, "R", protocol.resize_data(size.rows, size.cols),
-                           request_timeout)
+        self._commands.resize_terminal(pid, size, request_timeout)
 
     def connect(self, pid: int, timeout: float | None = 60, request_timeout: float | None = None) -> CommandHandle:
         return self._commands.connect(pid, timeout, request_timeout)

@@ -64,6 +64,11 @@ class WorkspaceStateError(BunshinError):
     """The workspace is in the wrong state for the operation (destroyed, paused, init gone)."""
 
 
+class IllegalTransition(WorkspaceStateError):
+    """A workspace record asked to move between states its lifecycle does not link
+    (state.Status.TRANSITIONS), e.g. a destroyed workspace back to running."""
+
+
 class CommandTimeout(TimeoutException):
     """A command ran longer than its timeout and was killed inside the workspace."""
 

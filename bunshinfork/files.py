@@ -472,7 +472,7 @@ class Files:
         p = self._abs(path, who)
         try:
             with self._root(who) as root, self._open(root, p, os.O_PATH | os.O_DIRECTORY) as fd:
-                return Inotify(self, p, fd, recursive, include_entry)
+                return Inotify(self, p, fd, recursive, include_entry, root=self._root)
         except OSError as e:
             raise _error(e, "watch", p) from e
 

@@ -18,6 +18,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from .contract import Check
 from .errors import KernelFeatureError
 
 BASE = 100000
@@ -128,3 +129,16 @@ def _caps_v3(raw: bytes, rootid: int) -> bytes:
         return raw
     flags = magic & 0x00FFFFFF
     return (_V3 | flags).to_bytes(4, "little") + raw[4:20] + rootid.to_bytes(4, "little")
+
+
+def check_userns() -> Check:
+    """userns=True only: the kernel must let the host create user namespaces."""
+    try:
+        limit = int(Path("/proc/sys/user/max_user_namespaces").read_text())
+    except (OSError, ValueError):
+        limit = 0
+    if not os.path.exists("/proc/self/ns/user") or limit <= 0:
+        return Check("user namespaces", False, "the kernel offers none (CONFIG_USER_NS, user.max_user_namespaces): "
+                     "only userns=False workspaces can be created", required=False)
+    return Check("user namespaces", True, f"userns=True maps root to host uid {BASE} "
+                 f"(max_user_namespaces {limit})", required=False)

@@ -25,7 +25,7 @@ from .memory import MemoryPart
 from .network import NetworkPart
 from .process import ProcessPart, chain, lifetime
 from .spec import WorkspaceSpec
-from .state import Lifetime, Record, SnapshotMeta
+from .state import Lifetime, Record, SnapshotMeta, Status
 
 PARTS: tuple[Part, ...] = (FsPart(), CgroupsPart(), MemoryPart(), ProcessPart(), NetworkPart())
 # Capture: refuse what cannot be forked first; the memory engine's share before the dump it
@@ -54,7 +54,7 @@ def create(spec: WorkspaceSpec, life: Lifetime | None = None) -> Build:
     state.require_root()
     collect()  # what ended workspaces left: no daemon removes it
     ws_id = state.new_id()
-    rec = Record(id=ws_id, status="creating", creator_pid=os.getpid(), created_at=time.time(),
+    rec = Record(id=ws_id, status=Status.CREATING, creator_pid=os.getpid(), created_at=time.time(),
                  hostname=spec.hostname or ws_id, spec=spec, lifetime=life or Lifetime())
     return _assemble(Build(rec))
 
@@ -67,7 +67,7 @@ def fork(snap: Captured, count: int, memory: str, life: Lifetime | None = None) 
     def one(_: int) -> Build | Exception:
         ws_id = state.new_id()
         meta = snap.meta
-        rec = Record(id=ws_id, status="creating", creator_pid=os.getpid(), created_at=time.time(),
+        rec = Record(id=ws_id, status=Status.CREATING, creator_pid=os.getpid(), created_at=time.time(),
                      hostname=ws_id, spec=meta.spec, parent=meta.source, lifetime=life or Lifetime())
         # The fork profile starts with what the snapshot cost its source.
         if meta.timing is not None:
@@ -105,7 +105,7 @@ def _assemble(b: Build) -> Build:
                 p.restore(b)
             rec.timings[p.name] = time.monotonic() - t0
             rec.save()
-        rec.status = "running"
+        rec.transition(Status.RUNNING)
         rec.save()
         return b
     except BaseException:
@@ -127,7 +127,7 @@ def release(held: Held) -> None:
     Idempotent; every part is tried even when one fails, and the failures are reported together.
     A workspace's owner and another process's gc or lifetime collection take turns at it."""
     if isinstance(held, Build):
-        if held.rec.status == "destroyed":
+        if held.rec.status is Status.DESTROYED:
             return
         with lifetime.cleanup_lock(held.rec) as present:
             if not present:
@@ -135,7 +135,7 @@ def release(held: Held) -> None:
                 if held.pidfd is not None:
                     pidfd, held.pidfd = held.pidfd, None
                     os.close(pidfd)
-                held.rec.status = "destroyed"
+                held.rec.transition(Status.DESTROYED)
                 return
             _release(held)
         return
@@ -158,7 +158,7 @@ def _release(held: Held) -> None:
     except OSError as e:
         errors.append(f"state: {e}")
     if isinstance(held, Build):
-        held.rec.status = "destroyed"
+        held.rec.transition(Status.DESTROYED)
         if errors:
             raise WorkspaceStateError(f"workspace {held.rec.id} cleanup incomplete: {'; '.join(errors)}")
 
@@ -184,7 +184,7 @@ def collect() -> list[str]:
     they are resumed). Every create, connect, list and gc runs it: there is no daemon."""
     removed = []
     for rec in state.records():
-        if rec.status != "running" or not lifetime.ended(rec):
+        if rec.status is not Status.RUNNING or not lifetime.ended(rec):
             continue
         if rec.init_alive() and rec.cgroups is not None:
             with contextlib.suppress(BunshinError, OSError):
@@ -208,8 +208,8 @@ def _gc_records() -> list[str]:
             shutil.rmtree(state.RUN_ROOT / ws_id, ignore_errors=True)
             removed.append(ws_id)
             continue
-        stale = (rec.status == "creating" and not rec.creator_alive()) or (
-            rec.status == "running" and not rec.init_alive()
+        stale = (rec.status is Status.CREATING and not rec.creator_alive()) or (
+            rec.status is Status.RUNNING and not rec.init_alive()
         )
         if stale:
             with contextlib.suppress(BunshinError):

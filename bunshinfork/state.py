@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import errno
 import fcntl
 import json
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from . import native
-from .errors import PrivilegeError
+from .errors import IllegalTransition, PrivilegeError
 from .host import HOST
 from .spec import WorkspaceSpec
 
@@ -263,12 +264,39 @@ class Timing:
     criu: dict[str, int] = field(default_factory=dict)  # CRIU's dump statistics (stats-dump)
 
 
+class Status(enum.StrEnum):
+    """Where a workspace is in its lifecycle, as its record says (runc's containerState).
+
+    A str, so that a record saved before this was an enum loads as it is, and a status
+    compares equal to its name. Whether it is paused or its init died is not recorded: that is
+    read from the host (Workspace.info().state derives it from this and them).
+
+    Extension points: a state that later work adds (a template, a workspace paused to disk)
+    is a member here, its row in TRANSITIONS, and its line in workspace.info_state().
+    """
+
+    CREATING = "creating"  # its parts are being prepared or restored
+    RUNNING = "running"  # every part is built: its init runs (unless it died since)
+    DESTROYED = "destroyed"  # released, or being released: it owns nothing any more
+
+
+# The moves each status allows; anything else raises IllegalTransition. Destroying is
+# idempotent (a release that finds another process took the workspace apart already).
+TRANSITIONS: dict[Status, frozenset[Status]] = {
+    Status.CREATING: frozenset({Status.RUNNING, Status.DESTROYED}),
+    Status.RUNNING: frozenset({Status.DESTROYED}),
+    Status.DESTROYED: frozenset({Status.DESTROYED}),
+}
+
+
 @dataclass
 class Record:
-    """A workspace: its identity, its spec and one state per subsystem, filled in as it is built."""
+    """A workspace: its identity, its spec and one state per subsystem, filled in as it is built.
+
+    `status` moves only along TRANSITIONS: assigning it checks the move (transition())."""
 
     id: str
-    status: str  # creating | running | destroyed
+    status: Status
     creator_pid: int
     created_at: float
     hostname: str
@@ -286,6 +314,18 @@ class Record:
     # the restores of clones forked together overlap.
     restore_window: tuple[float, float] | None = None
     lifetime: Lifetime = field(default_factory=Lifetime)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "status":
+            new = Status(value)  # a string from an older caller or a record on disk; ValueError if unknown
+            if "status" in self.__dict__ and new not in TRANSITIONS[self.status]:
+                raise IllegalTransition(f"workspace {self.id} cannot go from {self.status} to {new}")
+            value = new
+        super().__setattr__(name, value)
+
+    def transition(self, to: Status) -> None:
+        """Move to `to`; raises IllegalTransition where the lifecycle does not allow it."""
+        self.status = to
 
     @property
     def dir(self) -> Path:
@@ -377,6 +417,8 @@ def _decode(tp: Any, value: Any) -> Any:
         inner = [a for a in typing.get_args(tp) if a is not type(None)]
         nested = [a for a in inner if dataclasses.is_dataclass(a)]
         return _decode(nested[0], value) if nested and isinstance(value, dict) else value
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return tp(value)
     if dataclasses.is_dataclass(tp):
         hints = typing.get_type_hints(tp)
         # Fields a newer version wrote are ignored, as runc does; missing ones take their defaults.

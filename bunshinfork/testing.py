@@ -17,22 +17,123 @@ the suite picks a Hypothesis profile itself, the plugin loads one without the 20
 (a fork alone takes longer) and without the too_slow health check.
 
 README's "Testing with bunshin" shows them in a 20-line example.
+
+For those who add a subsystem or a memory engine, check_part(part) and check_engine(engine)
+check the contract every one must keep (as scikit-learn's check_estimator does for an
+estimator): run them over the new one in a test.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
+from . import memory
+from .contract import Build, Check, Part
+from .errors import KernelFeatureError
+from .memory.engines import ENGINES, Engine, best
+from .memory.engines.base import KINDS
 from .spec import WorkspaceSpec
+from .state import Record, Status, new_id
 from .workspace import Snapshot, Workspace
 
 Setup = Callable[[Workspace], object]
+
+
+# ---- contract checks for parts and engines ----
+
+
+def _probes_never_raise(owner: str, probes: tuple[Callable[[], Check], ...]) -> None:
+    for probe in probes:
+        name = getattr(probe, "__name__", repr(probe))
+        try:
+            result = probe()
+        except Exception as e:
+            raise AssertionError(f"{owner}: probe {name} raised {type(e).__name__}: {e} (a probe reports a "
+                                 "failed Check instead)") from e
+        assert isinstance(result, Check), f"{owner}: probe {name} returned {result!r}, not a Check"
+        assert isinstance(result.ok, bool) and isinstance(result.required, bool), \
+            f"{owner}: probe {name}: ok and required must be bools: {result!r}"
+        assert result.name and result.detail, f"{owner}: probe {name} must name itself and say why: {result!r}"
+
+
+def _half_built() -> Build:
+    """A Build whose record exists but no part has prepared anything yet: what a create that
+    failed at its first step leaves for release."""
+    ws_id = new_id()
+    rec = Record(id=ws_id, status=Status.CREATING, creator_pid=os.getpid(), created_at=time.time(),
+                 hostname=ws_id, spec=WorkspaceSpec())
+    return Build(rec)
+
+
+def check_part(part: Part) -> None:
+    """Raise AssertionError where `part` breaks the subsystem contract (contract.py): it has a
+    name; its probes return Checks and never raise, and check() returns one Check per probe;
+    release() is idempotent and fine on a half-built Build; gc() returns a list of strings.
+
+    gc() runs for real: it removes this part's host-wide leftovers, as `bunshin gc` does."""
+    assert isinstance(part, Part), f"{part!r} is not a contract.Part"
+    assert isinstance(part.name, str) and part.name, f"{part!r} has no name"
+    owner = f"part {part.name!r}"
+    assert isinstance(part.probes, tuple), f"{owner}: probes must be a tuple of callables"
+    _probes_never_raise(owner, part.probes)
+    checks = part.check()
+    assert isinstance(checks, list) and all(isinstance(c, Check) for c in checks), \
+        f"{owner}: check() must return a list of Checks, got {checks!r}"
+    assert len(checks) >= len(part.probes), f"{owner}: check() dropped probes ({len(checks)} < {len(part.probes)})"
+    b = _half_built()
+    for attempt in ("first", "second"):
+        try:
+            part.release(b)
+        except Exception as e:
+            raise AssertionError(f"{owner}: the {attempt} release() of a half-built Build raised "
+                                 f"{type(e).__name__}: {e}") from e
+    removed = part.gc()
+    assert isinstance(removed, list) and all(isinstance(r, str) for r in removed), \
+        f"{owner}: gc() must return a list of strings, got {removed!r}"
+
+
+def check_engine(engine: Engine) -> None:
+    """Raise AssertionError where a memory `engine` breaks the engine contract (memory/engines/):
+    it is registered under its name; its kind is one of base.KINDS; its rank is an int that no
+    other engine shares, and ENGINES is in rank order; available() is a bool and the reason an
+    unavailable engine gives is a non-empty str ("" when available); its probes return Checks and
+    never raise; resolve() accepts it exactly where it is available and 'auto' is the best one."""
+    assert isinstance(engine, Engine), f"{engine!r} is not a memory Engine"
+    assert isinstance(engine.name, str) and engine.name, f"{engine!r} has no name"
+    owner = f"engine {engine.name!r}"
+    assert ENGINES.get(engine.name) is engine, f"{owner} is not registered in ENGINES under its name"
+    assert engine.kind in KINDS, f"{owner}: kind {engine.kind!r} is none of {KINDS}"
+    assert isinstance(engine.rank, int) and not isinstance(engine.rank, bool), f"{owner}: rank must be an int"
+    ranks = [e.rank for e in ENGINES.values()]
+    assert ranks == sorted(ranks) and len(set(ranks)) == len(ranks), \
+        f"ENGINES must be in strictly increasing rank order, got {ranks}"
+    ok = engine.available()
+    assert isinstance(ok, bool), f"{owner}: available() returned {ok!r}, not a bool"
+    why = engine.unavailable_reason()
+    assert isinstance(why, str), f"{owner}: unavailable_reason() returned {why!r}, not a str"
+    assert bool(why) != ok, f"{owner}: available()={ok} but its reason is {why!r}"
+    _probes_never_raise(owner, engine.probes)
+    if ok:
+        assert memory.resolve(engine.name) == engine.name, f"{owner} is available but resolve() picks another"
+    else:
+        try:
+            memory.resolve(engine.name)
+        except KernelFeatureError as e:
+            assert str(e) == why, f"{owner}: resolve() says {e} where the engine says {why}"
+        else:
+            raise AssertionError(f"{owner} is unavailable ({why}) but resolve() accepts it")
+    top = best()
+    assert memory.resolve("auto") == top.name and top.available(), "'auto' must be the best available engine"
+    assert all(e.rank <= top.rank for e in ENGINES.values() if e.available()), \
+        f"'auto' picked {top.name!r} over an available engine of higher rank"
 
 
 class Prepared:

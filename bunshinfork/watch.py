@@ -34,7 +34,6 @@ class Tree(Protocol):
 
     def get_info(self, path: str, user: str | None = None, request_timeout: float | None = None) -> EntryInfo: ...
 
-    def _root(self) -> AbstractContextManager[int]: ...
 
 _libc = ctypes.CDLL(None, use_errno=True)
 IN_NONBLOCK, IN_CLOEXEC = os.O_NONBLOCK, os.O_CLOEXEC
@@ -79,8 +78,10 @@ def _type(mask: int) -> FilesystemEventType | None:
 class Inotify:
     """One inotify instance over a directory (and, recursive, its subdirectories)."""
 
-    def __init__(self, files: Tree, path: str, dirfd: int, recursive: bool, include_entry: bool) -> None:
+    def __init__(self, files: Tree, path: str, dirfd: int, recursive: bool, include_entry: bool, *,
+                 root: Callable[[], AbstractContextManager[int]]) -> None:
         self._files = files
+        self._root = root  # opens the workspace's root (Files._root) for watches added inside it
         self._path = path
         self._recursive = recursive
         self._include_entry = include_entry
@@ -106,7 +107,7 @@ class Inotify:
     def _add_inside(self, path: str) -> None:
         from . import native
 
-        with self._files._root() as root:
+        with self._root() as root:
             fd = native.openat2(root, path, os.O_PATH | os.O_DIRECTORY)
             try:
                 self._add(f"/proc/self/fd/{fd}", posixpath.relpath(path, self._path))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import signal as _signal
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
@@ -26,7 +27,7 @@ from .errors import BunshinError, SpecError, WorkspaceNotFound, WorkspaceStateEr
 from .files import Files
 from .process import lifetime
 from .spec import WorkspaceSpec
-from .state import Record, Timing
+from .state import Record, Status, Timing
 
 # Removes what crashed creators left behind (`bunshin gc`).
 gc = pipeline.gc
@@ -36,7 +37,16 @@ def host_memory(workspaces: Iterable[Workspace], snapshots: Iterable[Snapshot] =
     """What a set of workspaces and snapshots (a fork family) costs the host's memory together:
     each workspace's charges (anon, tmpfs, page cache, kernel), each snapshot's stores, and each
     frozen layer they share counted once (see bunshinfork.accounting)."""
-    return accounting.family([w._rec for w in workspaces], [s._snap for s in snapshots])
+    return accounting.family([w.record for w in workspaces], [s.captured for s in snapshots])
+
+
+def info_state(status: Status, init_alive: bool, frozen: Callable[[], bool]) -> str:
+    """WorkspaceInfo.state, derived from the record's Status and what the host shows: a running
+    record whose init lives is "paused" while its cgroup is frozen, else "running"; anything
+    else is "dead" (E2B's SandboxState derives from this in turn)."""
+    if status is Status.RUNNING and init_alive:
+        return "paused" if frozen() else "running"
+    return "dead"
 
 
 @dataclass(frozen=True)
@@ -164,9 +174,9 @@ class Workspace:
             rec = Record.load(ws_id)
         except FileNotFoundError:
             raise WorkspaceNotFound(f"no workspace {ws_id!r} under {state.RUN_ROOT}; see 'bunshin ls'") from None
-        if rec.status != "running" or not rec.init_alive():
+        if rec.status is not Status.RUNNING or not rec.init_alive():
             raise WorkspaceStateError(
-                f"workspace {ws_id} is {rec.status if rec.status != 'running' else 'dead'}; "
+                f"workspace {ws_id} is {rec.status if rec.status is not Status.RUNNING else 'dead'}; "
                 "'bunshin gc' removes what is left of it"
             )
         return cls(rec)
@@ -176,7 +186,7 @@ class Workspace:
         pipeline.collect()
         out = []
         for rec in state.records():
-            if rec.status == "running":
+            if rec.status is Status.RUNNING:
                 with contextlib.suppress(BunshinError):
                     out.append(Workspace(rec).info())
         return out
@@ -186,6 +196,11 @@ class Workspace:
     @property
     def id(self) -> str:
         return self._rec.id
+
+    @property
+    def record(self) -> Record:
+        """Its state record (bunshinfork.state): what accounting and the entrances read of it."""
+        return self._rec
 
     @property
     def init_pid(self) -> int:
@@ -238,7 +253,7 @@ class Workspace:
 
     def is_destroyed(self) -> bool:
         """Whether destroy() ran, here or in another process (its state directory is gone)."""
-        return self._rec.status == "destroyed" or not self._rec.dir.exists()
+        return self._rec.status is Status.DESTROYED or not self._rec.dir.exists()
 
     def update_env(self, env: Mapping[str, str]) -> None:
         """Add `env` to the environment every later command gets (kept in its record, so
@@ -251,13 +266,11 @@ class Workspace:
         self._rec.save()
 
     def is_running(self) -> bool:
-        return self._rec.status == "running" and self._rec.init_alive()
+        return self._rec.status is Status.RUNNING and self._rec.init_alive()
 
     def info(self) -> WorkspaceInfo:
         rec = self._rec
-        st = "dead"
-        if self.is_running():
-            st = "paused" if self._cgroup().frozen() else "running"
+        st = info_state(rec.status, rec.init_alive(), lambda: self._cgroup().frozen())
         fs = rec.fs
         limit = rec.spec.memory_limit
         return WorkspaceInfo(
@@ -304,6 +317,13 @@ class Workspace:
         self._live_init_pid()
         self._cgroup().thaw()
 
+    def signal(self, sig: int) -> None:
+        """Send `sig` to the workspace's init: KILL ends the workspace (destroy() removes what is
+        left); TERM, INT, HUP, QUIT, USR1 and USR2 are forwarded to every process in it."""
+        if sig == _signal.SIGKILL:
+            self._cgroup().thaw()  # a frozen task cannot act on SIGKILL
+        os.kill(self._live_init_pid(), sig)
+
     def snapshot(self, memory: str = "auto", *, incremental: bool = True) -> Snapshot:
         """Freeze briefly, capture the whole workspace, resume it; the Snapshot can fork many times.
 
@@ -330,7 +350,7 @@ class Workspace:
         timeout / die_with_creator: each clone's own lifetime (none by default, never the source's).
         """
         # The snapshot lives only for this fork: not worth comparing its pages after the thaw.
-        with Snapshot._take(self, memory, delta=True, dedupe=False) as snap:
+        with _capture(self, memory, delta=True, dedupe=False) as snap:
             return snap.fork(count, timeout=timeout, die_with_creator=die_with_creator)
 
     def set_timeout(self, timeout: float) -> None:
@@ -361,6 +381,15 @@ class Workspace:
         return f"<Workspace {self.id} init={self.init_pid} {self._rec.status}>"
 
 
+def _capture(ws: Workspace, memory: str, *, delta: bool, dedupe: bool) -> Snapshot:
+    """Snapshot.take and Workspace.fork's snapshot: `delta` stores only pages that differ from the
+    last retained snapshot, `dedupe` compares them after the thaw."""
+    engine = memory_engines.resolve(memory)  # an engine this host lacks fails before any freeze
+    if not ws.is_running():
+        raise WorkspaceStateError(f"workspace {ws.id} is not running (destroyed, or its init died)")
+    return Snapshot(snapshot.take(ws.record, engine, delta=delta, dedupe=dedupe))
+
+
 class Snapshot:
     """The frozen, retained state of a workspace. fork() may be called any number of times."""
 
@@ -375,15 +404,14 @@ class Snapshot:
     @classmethod
     def take(cls, ws: Workspace, memory: str = "auto", *, incremental: bool = True) -> Snapshot:
         """Capture `ws` for the memory engine `memory` (see Workspace.snapshot)."""
-        return cls._take(ws, memory, delta=incremental, dedupe=incremental)
-
-    @classmethod
-    def _take(cls, ws: Workspace, memory: str, *, delta: bool, dedupe: bool) -> Snapshot:
-        engine = memory_engines.resolve(memory)  # an engine this host lacks fails before any freeze
-        ws._live_init_pid()
-        return cls(snapshot.take(ws._rec, engine, delta=delta, dedupe=dedupe))
+        return _capture(ws, memory, delta=incremental, dedupe=incremental)
 
     # ---- properties ----
+
+    @property
+    def captured(self) -> Captured:
+        """Its captured state (contract.Captured): what accounting and the entrances read of it."""
+        return self._snap
 
     @property
     def id(self) -> str:

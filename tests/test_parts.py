@@ -4,15 +4,20 @@ the registered parts only, and only memory/ knows the memory engines by name."""
 from __future__ import annotations
 
 import ast
+import builtins
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import bunshinfork
 from bunshinfork import Workspace, doctor, pipeline
 from bunshinfork.cgroups import Cgroup
 from bunshinfork.contract import Build, Capture, Captured, Check, Held, Part
+from bunshinfork.memory import ENGINES
+from bunshinfork.memory.engines import Engine
+from bunshinfork.testing import check_engine, check_part
 
 PACKAGE = Path(__file__).resolve().parent.parent / "bunshinfork"
 ENGINE_NAMES = {"copy", "ksm", "cow"}
@@ -29,10 +34,12 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _imports(name: str, path: Path, modules: dict[str, Path]) -> Iterator[tuple[str, list[str]]]:
-    """(module imported, names taken from it) for every import in `path`, TYPE_CHECKING ones too."""
+def _imports(name: str, path: Path, modules: dict[str, Path] | set[str],
+             source: str | None = None) -> Iterator[tuple[str, list[str]]]:
+    """(module imported, names taken from it) for every import in `path` (or `source`, as if it
+    were that file), TYPE_CHECKING ones too."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text() if source is None else source)):
         if isinstance(node, ast.Import):
             for a in node.names:
                 if a.name in modules:
@@ -115,6 +122,192 @@ def test_only_memory_branches_on_the_engine_name() -> None:
     # The check itself sees such a branch.
     assert _engine_branches(ast.parse("if memory == 'cow':\n    pass\n")) == [1]
     assert _engine_branches(ast.parse("x = engine in ('ksm', 'copy')\n")) == [1]
+
+
+# ---- layering: the core below workspace.py, the entrances above it ----
+
+# The entrances: the asyncio tree, E2B's tree and the command line. Only they and the package's
+# face import them.
+ENTRANCES = ("bunshinfork.aio", "bunshinfork.e2b", "bunshinfork.sandbox", "bunshinfork.cli")
+
+
+def _entrance(module: str) -> bool:
+    return any(module == e or module.startswith(e + ".") for e in ENTRANCES)
+
+
+def _graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    return {name: {t for t, _ in _imports(name, path, modules) if t != name} for name, path in modules.items()}
+
+
+def _below(graph: dict[str, set[str]], top: str) -> set[str]:
+    """Every module `top` imports, directly or through others."""
+    seen: set[str] = set()
+    stack = [top]
+    while stack:
+        for nxt in graph.get(stack.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return seen
+
+
+def test_nothing_below_workspace_imports_an_entrance() -> None:
+    modules = _modules()
+    graph = _graph(modules)
+    core = _below(graph, "bunshinfork.workspace")
+    # The core really is below it (the rule cannot pass by finding nothing there).
+    for name in ("pipeline", "contract", "state", "process", "memory", "fs", "network", "cgroups"):
+        assert f"bunshinfork.{name}" in core, name
+    assert sorted(m for m in core if _entrance(m)) == []
+    for name in core:
+        reached = sorted(t for t in graph[name] if _entrance(t))
+        assert reached == [], f"{name} imports {reached}"
+    # And no other module does, but the entrances and the package's face.
+    others = {name: sorted(t for t in targets if _entrance(t)) for name, targets in graph.items()
+              if not _entrance(name) and name != "bunshinfork"}
+    assert {n: ts for n, ts in others.items() if ts} == {}
+    # The check sees such an import.
+    fake = _below({"bunshinfork.workspace": {"bunshinfork.pipeline"}, "bunshinfork.pipeline": {"bunshinfork.aio"}},
+                  "bunshinfork.workspace")
+    assert any(_entrance(m) for m in fake)
+
+
+def _native_imports(source: str) -> list[int]:
+    """Lines that import the compiled module bunshinfork._native, however spelled."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            hit = any(a.name.split(".")[-1] == "_native" for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            hit = (node.module or "").split(".")[-1] == "_native" or any(a.name == "_native" for a in node.names)
+        elif isinstance(node, ast.Call):  # importlib.import_module("bunshinfork._native")
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            hit = called in ("import_module", "__import__") and any(
+                isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.endswith("._native")
+                for a in node.args)
+        else:
+            hit = False
+        if hit:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_native_imports_the_compiled_module() -> None:
+    found = {name: lines for name, path in _modules().items()
+             if name != "bunshinfork.native" and (lines := _native_imports(path.read_text()))}
+    assert found == {}, f"import bunshinfork.native instead of _native: {found}"
+    assert _native_imports((PACKAGE / "native.py").read_text())  # the one that does
+    for spelled in ("from .._native import ffi\n", "from bunshinfork import _native\n", "import bunshinfork._native\n",
+                    "importlib.import_module('bunshinfork._native')\n"):
+        assert _native_imports(spelled) == [1], spelled
+
+
+PUBLIC_MODULES = ("bunshinfork.aio", "bunshinfork.aio.commands", "bunshinfork.aio.files", "bunshinfork.aio.pool",
+                  "bunshinfork.aio.workspace", "bunshinfork.commands", "bunshinfork.files", "bunshinfork.users")
+
+
+def _public_sdk() -> dict[str, set[str] | None]:
+    """What e2b/ may import of bunshinfork, by module: the names the package's face exports, from
+    the module that defines each; every public name of bunshinfork.errors; the face itself
+    (None: any of its exported names)."""
+    allowed: dict[str, set[str] | None] = {"bunshinfork": None, "bunshinfork.errors": None}
+    # The SDK's other public modules: the asyncio tree, and those whose objects a Workspace's
+    # public attributes hand out (ws.commands, ws.pty, ws.files, the accounts files the
+    # commands run as); any of their public names.
+    allowed |= dict.fromkeys(PUBLIC_MODULES)
+    for name in bunshinfork.__all__:
+        obj = getattr(bunshinfork, name)
+        home = getattr(obj, "__module__", None) if not isinstance(obj, type(bunshinfork)) else obj.__name__
+        if home and home.startswith("bunshinfork") and allowed.get(home, set()) is not None:
+            allowed.setdefault(home, set()).add(getattr(obj, "__name__", name))  # type: ignore[union-attr]
+    return allowed
+
+
+def _beyond_the_sdk(name: str, path: Path, modules: set[str], source: str | None = None) -> list[str]:
+    allowed = _public_sdk()
+    out = []
+    for target, names in _imports(name, path, modules, source):
+        if target.startswith("bunshinfork.e2b") or not target.startswith("bunshinfork"):
+            continue
+        if target not in allowed:
+            out.append(f"{name} imports {target}")
+            continue
+        exported = allowed[target]
+        if target == "bunshinfork":
+            exported = set(bunshinfork.__all__)
+        elif target == "bunshinfork.errors":
+            exported = {n for n in vars(bunshinfork.errors) if not n.startswith("_")}
+        elif target in PUBLIC_MODULES:
+            out += [f"{name} imports {target}.{n}" for n in names if n.startswith("_")]
+            continue
+        assert exported is not None
+        out += [f"{name} imports {target}.{n}" for n in names if n not in exported]
+    return out
+
+
+def test_e2b_imports_only_the_public_sdk() -> None:
+    """e2b/ is a client of the SDK as E2B's users are: it imports what bunshinfork exports (and
+    its errors), never the core. Until e2b/ exists this checks nothing there."""
+    modules = _modules()
+    found = []
+    for name, path in modules.items():
+        if name == "bunshinfork.e2b" or name.startswith("bunshinfork.e2b."):
+            found += _beyond_the_sdk(name, path, set(modules))
+    assert found == []
+    # The check itself: the face's names and the errors pass; the core does not.
+    fake = PACKAGE / "e2b" / "probe.py"
+    ok = "from ..workspace import Workspace\nfrom ..errors import SpecError\nfrom .. import Sandbox\n"
+    assert _beyond_the_sdk("bunshinfork.e2b.probe", fake, set(modules), ok) == []
+    bad = "from ..state import Record\nfrom ..workspace import _capture\nfrom .. import pipeline\n"
+    assert len(_beyond_the_sdk("bunshinfork.e2b.probe", fake, set(modules), bad)) == 3
+
+
+# ---- no module reads another object's _attribute ----
+
+def _private_reads(source: str) -> list[tuple[int, str]]:
+    """(line, expression) of every `x._name` where x is not self, cls, super(), type(self), a
+    module the file imports, nor the class the expression sits in (dunder names are not private)."""
+    tree = ast.parse(source)
+    modules = set(vars(builtins))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            modules.update(a.asname or a.name for a in node.names if a.name[:1].islower() or a.name.startswith("_"))
+    reads: list[tuple[int, str]] = []
+
+    def own(value: ast.expr, classes: tuple[str, ...]) -> bool:
+        if isinstance(value, ast.Name):
+            return value.id in ("self", "cls") or value.id in modules or value.id in classes
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Name):
+            return value.func.id == "super" or (value.func.id == "type" and len(value.args) == 1
+                                                and isinstance(value.args[0], ast.Name) and value.args[0].id == "self")
+        return False
+
+    def visit(node: ast.AST, classes: tuple[str, ...]) -> None:
+        if isinstance(node, ast.ClassDef):
+            classes = (*classes, node.name)
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
+                and not own(node.value, classes):
+            reads.append((node.lineno, ast.unparse(node)))
+        for child in ast.iter_child_nodes(node):
+            visit(child, classes)
+
+    visit(tree, ())
+    return reads
+
+
+def test_no_module_reads_another_objects_private_attribute() -> None:
+    found = {name: reads for name, path in _modules().items()
+             if (reads := _private_reads(path.read_text()))}
+    assert found == {}, f"reads of another object's _attribute: {found}"
+    # The check itself: what it catches, and what it lets pass.
+    assert [e for _, e in _private_reads("def f(ws):\n    return ws._rec, a.b._c, f()._d\n")] == \
+        ["ws._rec", "a.b._c", "f()._d"]
+    fine = ("import os\nfrom . import native as _n\n\nclass A:\n    def f(self):\n        "
+            "return self._x, os._exit, _n._y, super()._z, type(self)._w, A._v, self.__class__\n")
+    assert _private_reads(fine) == []
 
 
 # ---- the pipeline goes through the registered parts ----
@@ -274,3 +467,77 @@ def test_captured_state_is_typed() -> None:
         meta = SnapshotMeta.load(snap.dir)
         assert meta.memory == "copy" and meta.fs is not None and meta.fs.layer is not None
         assert isinstance(Captured(meta, snap.dir).meta.spec, type(rec.spec))
+
+
+# ---- every registered part and engine keeps the contract (bunshinfork.testing) ----
+
+
+@pytest.mark.parametrize("part", pipeline.PARTS, ids=lambda p: p.name)
+def test_every_part_keeps_the_contract(part: Part) -> None:
+    check_part(part)
+
+
+@pytest.mark.parametrize("name", list(ENGINES))
+def test_every_engine_keeps_the_contract(name: str) -> None:
+    check_engine(ENGINES[name])
+
+
+class _Sloppy(Part):
+    """A part that breaks the contract in the ways check_part looks for, one at a time."""
+
+    name = "sloppy"
+
+    def __init__(self, fault: str) -> None:
+        self.fault = fault
+        self.released = 0
+        self.probes = (self._probe,)
+
+    def _probe(self) -> Check:
+        if self.fault == "probe":
+            raise OSError("no such file")
+        return Check("sloppy", True, "fine", required=False)
+
+    def release(self, held: Held) -> None:
+        self.released += 1
+        if self.fault == "release" and self.released > 1:
+            raise RuntimeError("released twice")
+        if self.fault == "half-built" and isinstance(held, Build):
+            assert held.rec.fs is not None
+
+    def gc(self) -> list[str]:
+        return None if self.fault == "gc" else []  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(("fault", "says"), [("probe", "probe _probe raised OSError"),
+                                             ("release", "second release"), ("half-built", "first release"),
+                                             ("gc", "gc\\(\\) must return a list")])
+def test_check_part_catches_a_broken_part(fault: str, says: str) -> None:
+    with pytest.raises(AssertionError, match=says):
+        check_part(_Sloppy(fault))
+    check_part(_Sloppy("none"))  # and passes one that keeps it
+
+
+class _Liar(Engine):
+    """An engine that says it is available while giving a reason it is not."""
+
+    name = "liar"
+    rank = 99
+
+    def unavailable_reason(self) -> str:
+        return "no such device"
+
+    def available(self) -> bool:
+        return True
+
+
+def test_check_engine_catches_a_broken_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    liar = _Liar()
+    with pytest.raises(AssertionError, match="not registered"):
+        check_engine(liar)
+    monkeypatch.setitem(ENGINES, liar.name, liar)
+    with pytest.raises(AssertionError, match="available\\(\\)=True but its reason"):
+        check_engine(liar)
+    monkeypatch.setattr(_Liar, "available", lambda self: False)
+    monkeypatch.setattr(_Liar, "rank", ENGINES["copy"].rank)
+    with pytest.raises(AssertionError, match="rank order"):
+        check_engine(liar)

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from .. import state
-from ..state import FsState, Layer, SnapshotMeta
+from ..state import FsState, Layer, SnapshotMeta, Status
 from . import layers
 from .btrfs import btrfsutil, same_fs
 
@@ -206,7 +206,7 @@ def _references(exclude: str) -> set[str]:
     those being released) stacks or holds."""
     refs: set[str] = set()
     for rec in state.records(exclude):
-        if rec.fs is not None and rec.status != "destroyed" and not _releasing(rec.id):
+        if rec.fs is not None and rec.status is not Status.DESTROYED and not _releasing(rec.id):
             refs.update(lay.path for lay in rec.fs.lowers)
     for snap_id in state.snapshot_ids():
         if snap_id == exclude or _releasing(snap_id):

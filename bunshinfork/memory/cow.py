@@ -8,7 +8,7 @@ from __future__ import annotations
 import fcntl
 import os
 
-from .._native import ffi, lib
+from ..native import ffi, lib
 
 DEVICE = "/dev/bunshin"
 # criu/patches/0001: a dump with this set writes no anonymous private pages; the holders keep them.

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import native, state
+from ..contract import Check
 
 KSM = Path("/sys/kernel/mm/ksm")
 BOOST = {"run": "1", "pages_to_scan": "4000", "sleep_millisecs": "5"}
@@ -67,6 +68,23 @@ def unavailable_reason() -> str | None:
         why = "Linux < 6.4" if e.errno == errno.EINVAL else os.strerror(e.errno or 0)
         return f"prctl(PR_GET_MEMORY_MERGE) fails ({why}): processes cannot opt into KSM as a whole"
     return None
+
+
+def check_ksm() -> Check:
+    """doctor's probe: whether ksmd runs, and whether processes can opt in (the ksm engine, spec.ksm)."""
+    run_file = KSM / "run"
+    if not run_file.exists():
+        return Check("ksm", False, "/sys/kernel/mm/ksm is absent (kernel without CONFIG_KSM)", required=False)
+    try:
+        run = run_file.read_text().strip()
+    except OSError as e:
+        run = f"unreadable ({e.strerror})"
+    meaning = {"0": "stopped", "1": "running", "2": "unmerging"}.get(run, "")
+    detail = f"run={run}" + (f" ({meaning})" if meaning else "")
+    if why := unavailable_reason():
+        return Check("ksm", False, f"{detail}; {why}, so memory='ksm' and ksm=True are unavailable",
+                     required=False)
+    return Check("ksm", True, f"{detail}; prctl(PR_GET_MEMORY_MERGE) works", required=False)
 
 
 def _read(name: str) -> int:

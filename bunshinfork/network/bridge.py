@@ -31,7 +31,7 @@ from pyroute2 import IPRoute, NetlinkError
 from .. import state
 from ..errors import NetworkError
 from ..host import DEFAULT_SUBNET, HOST, SUBNET_ENV
-from ..state import NetworkState
+from ..state import NetworkState, Status
 from .nat import NAT_FAMILY, NAT_TABLE, ensure_nat, nft_available, remove_nat
 
 BRIDGE = HOST.bridge
@@ -119,9 +119,9 @@ def _records() -> dict[str, tuple[NetworkState, bool]]:
     for rec in state.records():
         if rec.network is None:
             continue
-        if rec.status == "running":
+        if rec.status is Status.RUNNING:
             alive = rec.init_alive()
-        elif rec.status == "creating":
+        elif rec.status is Status.CREATING:
             alive = rec.creator_alive()
         else:
             alive = False

@@ -16,7 +16,7 @@ from pathlib import Path
 from .. import idmap, native
 from ..cgroups import Cgroup
 from ..contract import Build, Capture, Check, Held, Part
-from ..errors import BunshinError, ForkError
+from ..errors import ForkError
 from ..state import InitState, Lineage, proc_starttime
 from . import control, criu, init, lifetime, seccomp_profile, sessions
 from .dump import dump_tree, predump_tree
@@ -27,91 +27,23 @@ from .tree import ProcInfo, tree
 
 __all__ = ["ProcInfo", "ProcessPart", "dump_opts", "restore_opts", "tree"]
 
-NAMESPACES = ("pid", "mnt", "net", "ipc", "uts", "cgroup")
-
-
-def check_namespaces() -> Check:
-    missing = [ns for ns in NAMESPACES if not os.path.exists(f"/proc/self/ns/{ns}")]
-    if missing:
-        return Check("namespaces", False, f"missing {', '.join(missing)} namespace(s); the kernel lacks "
-                     f"CONFIG_{'/'.join(m.upper() for m in missing)}_NS", required=True)
-    return Check("namespaces", True, ", ".join(NAMESPACES), required=True)
-
-
+# Here rather than in native.py, which lies below contract.py (state.py imports it): the probe
+# loads native.py, the one module that imports the compiled bunshinfork._native, by name, so
+# that a missing build is a failed check.
 def check_native() -> Check:
     try:
-        importlib.import_module("bunshinfork._native")
+        importlib.import_module("bunshinfork.native")
     except ImportError as e:
         return Check("native", False, f"bunshinfork._native does not load ({e}); reinstall bunshin "
                      "(scripts/setup.sh)", required=True)
     return Check("native", True, "bunshinfork._native loads", required=True)
 
 
-def check_init_binary() -> Check:
-    if os.access(init.INIT_BINARY, os.X_OK):
-        return Check("bunshin-init", True, str(init.INIT_BINARY), required=True)
-    return Check("bunshin-init", False, f"{init.INIT_BINARY} is missing or not executable; reinstall bunshin "
-                 "(scripts/setup.sh)", required=True)
-
-
-def check_pycriu() -> Check:
-    if criu.rpc is None:
-        return Check("pycriu", False, "pycriu does not import; scripts/setup.sh installs it into the venv",
-                     required=True)
-    return Check("pycriu", True, f"importable ({os.path.dirname(criu.rpc.__file__ or '?')})", required=True)
-
-
-def check_criu_version() -> Check:
-    try:
-        path = criu.binary()
-        v = criu.version()
-    except BunshinError as e:
-        return Check("criu", False, f"{e}; scripts/setup.sh builds 4.2.1", required=True)
-    shown = ".".join(map(str, v))
-    if why := criu.version_problem(v):
-        return Check("criu", False, f"{shown} ({path}) is {why}", required=True)
-    newer = "; newer than the tested 4.2.x" if v[:2] > criu.REQUIRED else ""
-    return Check("criu", True, f"{shown} ({path}){newer}", required=True)
-
-
-def check_criu_check() -> Check:
-    if os.geteuid() != 0:
-        return Check("criu check", False, "criu check needs root", required=True)
-    try:
-        problem = criu.check()
-    except BunshinError as e:
-        return Check("criu check", False, str(e), required=True)
-    if problem is None:
-        return Check("criu check", True, "Looks good.", required=True)
-    return Check("criu check", False, problem, required=True)
-
-
-def check_seccomp() -> Check:
-    if not seccomp_profile.available():
-        return Check("seccomp", False, "libseccomp's Python bindings are missing (Debian's python3-seccomp): "
-                     "only privileged=True workspaces can be created; scripts/setup.sh installs them",
-                     required=True)
-    rules = len(seccomp_profile.bpf()) // 8
-    return Check("seccomp", True, f"Docker's default profile, {rules} BPF instructions", required=True)
-
-
-def check_userns() -> Check:
-    """userns=True only: the kernel must let the host create user namespaces."""
-    try:
-        limit = int(Path("/proc/sys/user/max_user_namespaces").read_text())
-    except (OSError, ValueError):
-        limit = 0
-    if not os.path.exists("/proc/self/ns/user") or limit <= 0:
-        return Check("user namespaces", False, "the kernel offers none (CONFIG_USER_NS, user.max_user_namespaces): "
-                     "only userns=False workspaces can be created", required=False)
-    return Check("user namespaces", True, f"userns=True maps root to host uid {idmap.BASE} "
-                 f"(max_user_namespaces {limit})", required=False)
-
-
 class ProcessPart(Part):
     name = "process"
-    probes = (check_namespaces, check_native, check_init_binary, check_pycriu, check_criu_version,
-              check_criu_check, check_seccomp, check_userns)
+    # Each beside the mechanism it checks.
+    probes = (init.check_namespaces, check_native, init.check_init_binary, criu.check_pycriu,
+              criu.check_criu_version, criu.check_criu_check, seccomp_profile.check_seccomp, idmap.check_userns)
 
     def prepare(self, b: Build) -> None:
         assert b.root is not None and b.rec.fs is not None and b.rec.fs.layer is not None

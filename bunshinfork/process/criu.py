@@ -20,7 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .. import deadlines, native
-from ..errors import CriuError, CriuTimeout
+from ..contract import Check
+from ..errors import BunshinError, CriuError, CriuTimeout
 from . import sessions
 from .init import INIT_BINARY
 
@@ -322,3 +323,35 @@ def check() -> str | None:
         if resp.success:
             return None
         return resp.cr_errmsg or log_tail(Path(d) / "check.log", lines=5)
+
+
+def check_pycriu() -> Check:
+    if rpc is None:
+        return Check("pycriu", False, "pycriu does not import; scripts/setup.sh installs it into the venv",
+                     required=True)
+    return Check("pycriu", True, f"importable ({os.path.dirname(rpc.__file__ or '?')})", required=True)
+
+
+def check_criu_version() -> Check:
+    try:
+        path = binary()
+        v = version()
+    except BunshinError as e:
+        return Check("criu", False, f"{e}; scripts/setup.sh builds 4.2.1", required=True)
+    shown = ".".join(map(str, v))
+    if why := version_problem(v):
+        return Check("criu", False, f"{shown} ({path}) is {why}", required=True)
+    newer = "; newer than the tested 4.2.x" if v[:2] > REQUIRED else ""
+    return Check("criu", True, f"{shown} ({path}){newer}", required=True)
+
+
+def check_criu_check() -> Check:
+    if os.geteuid() != 0:
+        return Check("criu check", False, "criu check needs root", required=True)
+    try:
+        problem = check()
+    except BunshinError as e:
+        return Check("criu check", False, str(e), required=True)
+    if problem is None:
+        return Check("criu check", True, "Looks good.", required=True)
+    return Check("criu check", False, problem, required=True)

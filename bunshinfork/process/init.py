@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .. import idmap, native
 from ..cgroups import Cgroup
+from ..contract import Check
 from ..errors import BunshinError, CgroupError, KernelFeatureError, PrivilegeError, WorkspaceStateError
 from ..state import InitState, Record, proc_starttime
 from . import control, seccomp_profile
@@ -126,3 +127,21 @@ def kill_tree(rec: Record, pidfd: int | None) -> None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.005)
+
+
+NAMESPACES = ("pid", "mnt", "net", "ipc", "uts", "cgroup")
+
+
+def check_namespaces() -> Check:
+    missing = [ns for ns in NAMESPACES if not os.path.exists(f"/proc/self/ns/{ns}")]
+    if missing:
+        return Check("namespaces", False, f"missing {', '.join(missing)} namespace(s); the kernel lacks "
+                     f"CONFIG_{'/'.join(m.upper() for m in missing)}_NS", required=True)
+    return Check("namespaces", True, ", ".join(NAMESPACES), required=True)
+
+
+def check_init_binary() -> Check:
+    if os.access(INIT_BINARY, os.X_OK):
+        return Check("bunshin-init", True, str(INIT_BINARY), required=True)
+    return Check("bunshin-init", False, f"{INIT_BINARY} is missing or not executable; reinstall bunshin "
+                 "(scripts/setup.sh)", required=True)

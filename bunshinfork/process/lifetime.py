@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .. import native, state
-from ..state import Lifetime, Record
+from ..state import Lifetime, Record, Status
 
 FILE = "/.bunshin/lifetime"
 # Sent to the init after the deadline moved, so that it re-reads the file before its next wake-up.
@@ -139,7 +139,7 @@ def cleanup_lock(rec: Record) -> Iterator[bool]:
         return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        yield (rec.dir / "state.json").exists() or rec.status == "creating"
+        yield (rec.dir / "state.json").exists() or rec.status is Status.CREATING
     finally:
         os.close(fd)
 

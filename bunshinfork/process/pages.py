@@ -20,7 +20,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._native import ffi, lib
+from ..native import ffi, lib
 from . import chain
 from .images import PAGEMAP_PREFIX, PAGES_PREFIX
 

@@ -27,6 +27,7 @@ try:
 except ImportError:  # pragma: no cover - set-up installs python3-seccomp
     seccomp = None
 
+from ..contract import Check
 from ..errors import KernelFeatureError
 
 _ALLOWED = """
@@ -128,3 +129,12 @@ def bpf() -> bytes:
         native.export_bpf(out)
         out.seek(0)
         return out.read()
+
+
+def check_seccomp() -> Check:
+    if not available():
+        return Check("seccomp", False, "libseccomp's Python bindings are missing (Debian's python3-seccomp): "
+                     "only privileged=True workspaces can be created; scripts/setup.sh installs them",
+                     required=True)
+    rules = len(bpf()) // 8
+    return Check("seccomp", True, f"Docker's default profile, {rules} BPF instructions", required=True)

@@ -99,7 +99,8 @@ class GuiWorkspace(Desktop):
 
     # ---- bring-up ----
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Bring it up inside its workspace, once (the module's start function calls it)."""
         cfg = self.config
         n = cfg.display.lstrip(":")
         self.ws.files.write(CONFIG_PATH, json.dumps(asdict(cfg)))
@@ -268,7 +269,7 @@ def start_gui(ws: Workspace, apps: Iterable[str] = APPS, width: int = 1280, heig
     for a in apps:
         _app_command(a, GuiConfig())  # reject unknown names before starting anything
     gui = GuiWorkspace(ws, GuiConfig(display=display, width=width, height=height, apps=apps, live_view=live_view))
-    gui._start()
+    gui.start()
     return gui
 
 

@@ -164,7 +164,8 @@ class WaylandWorkspace(Desktop):
 
     # ---- bring-up ----
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Bring it up inside its workspace, once (the module's start function calls it)."""
         cfg = self.config
         add_user(self.ws, DESKTOP_USER, DESKTOP_UID, HOME, "/bin/bash")
         run(self.ws, f"mkdir -p {RUNTIME_DIR} {HOME}/Desktop {HOME}/.config/sway /tmp/.X11-unix /opt/bunshin && "
@@ -367,7 +368,7 @@ def start_wayland(ws: Workspace, apps: Iterable[str] = APPS, width: int = 1280, 
     for a in apps:
         _app_command(a, WaylandConfig())  # reject unknown names before starting anything
     desk = WaylandWorkspace(ws, WaylandConfig(width=width, height=height, apps=apps, live_view=live_view))
-    desk._start()
+    desk.start()
     return desk
 
 

@@ -174,7 +174,8 @@ class WebShopWorkspace:
 
     # ---- bring-up ----
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Bring it up inside its workspace, once (the module's start function calls it)."""
         ws = self.ws
         ws.files.write(AGENT, (HERE / "_cdp_agent.py").read_text())
         ws.files.write(f"{SHOP_DIR}/shop_app.py", (HERE / "_shop_app.py").read_text())
@@ -232,7 +233,7 @@ def _quiet(fn: Any) -> Any:
 def start_webshop(ws: Workspace) -> WebShopWorkspace:
     """Bring the shop, its database and the browser up inside an existing workspace."""
     shop = WebShopWorkspace(ws)
-    shop._start()
+    shop.start()
     return shop
 
 

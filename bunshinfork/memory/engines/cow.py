@@ -1,65 +1,22 @@
-"""The memory engines: what each contributes to a snapshot and to a clone.
-
-An engine is chosen once, when a snapshot is taken, and recorded in it by name; every clone
-of that snapshot is restored with it.
-"""
+"""cow: the bunshin kernel module maps the source's pages copy-on-write into each clone."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 
-from ..cgroups import Cgroup
-from ..contract import Build, Capture, Captured
-from ..errors import ForkError
-from ..process import chain, pages
-from . import cow, holders, ksm, materialize
-
-PAGE = os.sysconf("SC_PAGE_SIZE")
+from ...cgroups import Cgroup
+from ...contract import Build, Capture, Captured, Check
+from ...errors import ForkError
+from .. import cow, holders, materialize
+from .base import PAGE, Engine, best, register
 
 
-class Engine:
-    """copy: plain CRIU restore, a private copy per clone (the paper's CRIU baseline)."""
-
-    name = "copy"
-    # Where a snapshot keeps its anonymous memory: "image" (CRIU's page images) or "cow".
-    kind = "image"
-
-    def before_freeze(self, c: Capture) -> None:
-        pass
-
-    def capture(self, c: Capture) -> None:
-        pass
-
-    def restore(self, b: Build) -> None:
-        pass
-
-    def held_bytes(self, snap: Captured) -> int:
-        """What the memory this process holds for the snapshot costs now, beyond its images."""
-        return 0
-
-    def write_images(self, snap: Captured, dest: Path, incremental: bool) -> bool:
-        """CRIU images of the snapshot at `dest`, for a durable save: complete (the pages its
-        images read from a parent snapshot included), or with `incremental` one level holding
-        all but the pages it reads from its parent snapshot, without the parent link (True)."""
-        pages.squash(snap.images, dest, until=chain.external_parent(snap.dir) if incremental else None)
-        return incremental
-
-    def release(self, snap: Captured) -> None:
-        pass
-
-
-class Ksm(Engine):
-    """The copy restore, with every restored process opted into kernel samepage merging, which
-    deduplicates the clones' identical pages after the fact; ksmd is boosted meanwhile."""
-
-    name = "ksm"
-
-    def restore(self, b: Build) -> None:
-        ksm.tuner.boost()
-        b.deferred.append(ksm.tuner.release)
-        b.ksm_merge = True
+def check_cow_module() -> Check:
+    if cow.available():
+        return Check(cow.DEVICE, True, "copy-on-write kernel module loaded", required=False)
+    return Check(cow.DEVICE, False, f'absent: memory="auto" will use {best().name}; build with '
+                 "`make -C kernel` and insmod on hosts that can load modules", required=False)
 
 
 class Cow(Engine):
@@ -71,6 +28,11 @@ class Cow(Engine):
 
     name = "cow"
     kind = "cow"
+    rank = 2
+    probes = (check_cow_module,)
+
+    def unavailable_reason(self) -> str:
+        return "" if cow.available() else cow.unavailable_reason()
 
     def before_freeze(self, c: Capture) -> None:
         c.dump_env.update(cow.DUMP_ENV)
@@ -120,4 +82,4 @@ class Cow(Engine):
         snap.held.pop("memory", None)
 
 
-ENGINES: dict[str, Engine] = {e.name: e for e in (Engine(), Ksm(), Cow())}
+register(Cow())

@@ -19,9 +19,9 @@ import tty
 from collections.abc import Iterator, Mapping
 from typing import TextIO
 
-from .commands import Foreground, PtySize, decode_status
-from .errors import CommandError
-from .workspace import Workspace
+from ..commands import Foreground, PtySize, decode_status
+from ..errors import CommandError
+from ..workspace import Workspace
 
 NOT_INVOKABLE = 126
 NOT_FOUND = 127
