@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .errors import BunshinError, CommandError, CommandTimeout, NotFoundException, WorkspaceStateError
+from .errors import BunshinError, CommandError, CommandTimeout, NotFoundException
 from .files import Files
 from .process import control, protocol
 from .process.tree import tree
@@ -377,19 +377,12 @@ class Foreground:
         """('O'|'E', bytes) as they arrive, then ('X', status). CommandTimeout at the deadline."""
         conn = self._conn
         conn.settimeout(None if self._deadline is None else max(self._deadline - time.monotonic(), 0.001))
-        status: tuple[str, bytes] | None = None
+        reply = protocol.RunReply(self.argv)
         try:
             for kind, data in conn.frames():
-                if kind == "P":
-                    self.pid = int(data)
-                elif kind == "F":
-                    raise CommandError(f"cannot run {self.argv!r}: {data.decode(errors='replace')}")
-                elif kind == "X":
-                    # Held back until the init closes its end: returning earlier would let a
-                    # snapshot find the workspace still connected to this process.
-                    status = (kind, data)
-                else:
+                if reply.feed(kind, data):
                     yield kind, data
+                self.pid = reply.pid
                 if self._deadline is not None:
                     # recv's timeout only fires on silence: a command that never stops
                     # writing must still end at the deadline.
@@ -400,11 +393,7 @@ class Foreground:
         except TimeoutError:
             # Closing the connection makes the init kill the command's process group.
             raise CommandTimeout(f"command {self.argv!r} timed out after {self.timeout}s and was killed") from None
-        if status is not None:
-            yield status
-            return
-        raise WorkspaceStateError("the workspace's init closed the connection before the command ended "
-                                  "(was the workspace destroyed?)")
+        yield "X", str(reply.status()).encode()
 
     def close(self) -> None:
         self._conn.close()

@@ -25,7 +25,7 @@ from ..commands import (
     no_limit,
     result_of,
 )
-from ..errors import CommandError, CommandTimeout, WorkspaceStateError
+from ..errors import CommandError, CommandTimeout
 from ..process import control_aio, protocol
 from ..process.tree import tree
 from ..workspace import Workspace
@@ -238,30 +238,23 @@ class AsyncCommands:
             return follow(self._ws, handle, on_stdout, on_stderr)
         out, err = Utf8Stream(None, retain_output), Utf8Stream(None, retain_output)
         conn = await control_aio.AsyncConnection.open(init_pid)
-        status: int | None = None
+        reply = protocol.RunReply(launch.argv)
         try:
             async with asyncio.timeout(None if no_limit(timeout) else timeout):
                 await conn.send("run", argv=launch.argv, env=launch.env, cwd=launch.cwd, user=launch.user,
                                 stdin="pipe" if stdin else None)
                 async for kind, data in conn.frames():
-                    if kind in ("O", "E"):
+                    if reply.feed(kind, data):
                         stream, cb = (out, on_stdout) if kind == "O" else (err, on_stderr)
                         if text := stream.feed(data):
                             await call(cb, text)
-                    elif kind == "F":
-                        raise CommandError(f"cannot run {launch.argv!r}: {data.decode(errors='replace')}")
-                    elif kind == "X":
-                        # Read on to the init's hang-up: a snapshot must not find it connected.
-                        status = int(data)
         except TimeoutError:
             raise CommandTimeout(f"command {launch.argv!r} timed out after {timeout}s and was killed",
                                  out.text or "", err.text or "") from None
         finally:
             # Closing the connection is what kills a command that timed out.
             await conn.close()
-        if status is None:
-            raise WorkspaceStateError("the workspace's init closed the connection before the command ended "
-                                      "(was the workspace destroyed?)")
+        status = reply.status()
         for stream, cb in ((out, on_stdout), (err, on_stderr)):
             if text := stream.feed(b"", final=True):
                 await call(cb, text)

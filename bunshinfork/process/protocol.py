@@ -137,6 +137,34 @@ class SimpleReply:
                                    f"{limit}s; is the workspace paused?")
 
 
+class RunReply:
+    """The frames answering a 'run' request: the command's pid ('P'), its output ('O' stdout,
+    'E' stderr), a failure to start it ('F'), its wait status ('X'). feed() every frame up to
+    the init's hang-up, then status(): the status is held until then, since a caller that
+    returned on 'X' would let a snapshot find the workspace still connected to it."""
+
+    def __init__(self, argv: Sequence[str]) -> None:
+        self.argv = list(argv)
+        self.pid: int | None = None
+        self._status: int | None = None
+
+    def feed(self, kind: str, data: bytes) -> bool:
+        """True for output ('O' or 'E') the caller hands on; the rest is taken here."""
+        if kind == "P":
+            self.pid = int(data)
+        elif kind == "F":
+            raise CommandError(f"cannot run {self.argv!r}: {data.decode(errors='replace')}")
+        elif kind == "X":
+            self._status = int(data)
+        return kind in ("O", "E")
+
+    def status(self) -> int:
+        if self._status is None:
+            raise WorkspaceStateError("the workspace's init closed the connection before the command ended "
+                                      "(was the workspace destroyed?)")
+        return self._status
+
+
 def not_answering(init_pid: int, error: BaseException) -> WorkspaceStateError:
     return WorkspaceStateError(f"workspace init (pid {init_pid}) is not answering at {control_path(init_pid)}: "
                                f"{error}")
