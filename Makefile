@@ -11,6 +11,8 @@ setup:
 setup-vllm:
 	bash scripts/setup.sh --vllm
 
+# About 4 minutes after set-up on 2 cores: a workspace forked 8 ways, then a short GRPO run on real
+# workspaces (python -m bunshinrl.demo --long is the whole suite, about 15 minutes).
 demo: setup
 	$(PY) -m bunshinfork.demo
 	$(PY) -m bunshinrl.demo

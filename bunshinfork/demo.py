@@ -69,6 +69,9 @@ def main() -> int:
             print(f"{'total':<18}{mib(total_host):>10}{mib(total_pss):>10}")
             print(f"the host pays {total_host / max(source_host, 1):.2f}x the source's memory for the source and "
                   f"{len(ok)} clones (each clone's counter keeps counting on its own)")
+            if ksm.available():
+                print("(KSM keeps one copy of each merged page, charged to one workspace of the family: the "
+                      "family's total is what the host pays)")
         finally:
             for c in ok:
                 c.destroy()
