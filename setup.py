@@ -26,6 +26,9 @@ class BuildPy(build_py):
         super().run()
 
 
+# Made before setup() discovers the packages, so bunshinfork._bin (built later, by build_py) is
+# one of them.
+os.makedirs(os.path.join(HERE, "bunshinfork", "_bin"), exist_ok=True)
 setup(
     cffi_modules=["bunshinfork/_build_native.py:ffibuilder"],
     cmdclass={"build_py": BuildPy},

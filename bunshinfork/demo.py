@@ -1,4 +1,6 @@
-"""`make demo`: a real workspace on the built-in host root file system, forked 8 ways."""
+"""`make demo`: a real workspace on the built-in host root file system, forked 8 ways, and what
+the host pays for it and its clones (`ws.memory().host`: anonymous memory, tmpfs and shared
+memory, page cache and kernel memory charged to each workspace's cgroup), PSS beside it."""
 
 from __future__ import annotations
 
@@ -32,8 +34,10 @@ def main() -> int:
         info = ws.info()
         print(f"info: state={info.state} rootfs={info.rootfs} ({info.rootfs_digest}) cgroup={info.cgroup_version}")
         m = ws.memory()
-        print(f"memory: rss={mib(m.rss)} MiB pss={mib(m.pss)} MiB uss={mib(m.uss)} MiB "
-              f"cgroup={mib(m.cgroup_usage)} MiB over {m.processes} processes")
+        source_host = m.host.total
+        print(f"memory: the host pays {mib(source_host)} MiB (anon {mib(m.host.anon)}, tmpfs/shmem "
+              f"{mib(m.host.shmem)}, page cache {mib(m.host.page_cache)}, kernel {mib(m.host.kernel)}); "
+              f"pss={mib(m.pss)} MiB over {m.processes} processes")
 
         t1 = time.monotonic()
         snap = ws.snapshot()
@@ -53,15 +57,21 @@ def main() -> int:
                 p = ksm.tuner.wait_settled(timeout=60)
                 print(f"KSM: pages_sharing={p.pages_sharing} (saves {p.saved_bytes / 2**20:.0f} MiB), "
                       f"full_scans={p.full_scans}")
-            print(f"\n{'workspace':<18}{'rss MiB':>10}{'pss MiB':>10}{'uss MiB':>10}  counter  notes")
-            total_pss = 0
+            print(f"\n{'workspace':<18}{'host MiB':>10}{'pss MiB':>10}{'rss MiB':>10}  counter  notes")
+            total_host = total_pss = 0
             for w in [ws, *ok]:
                 mm = w.memory()
+                total_host += mm.host.total
                 total_pss += mm.pss
                 counter = w.files.read("/root/counter").strip()
                 notes = w.files.read("/root/notes.txt").strip()
-                print(f"{w.id:<18}{mib(mm.rss):>10}{mib(mm.pss):>10}{mib(mm.uss):>10}  {counter:>7}  {notes}")
-            print(f"{'total (PSS)':<18}{'':>10}{mib(total_pss):>10}")
+                print(f"{w.id:<18}{mib(mm.host.total):>10}{mib(mm.pss):>10}{mib(mm.rss):>10}  {counter:>7}  {notes}")
+            print(f"{'total':<18}{mib(total_host):>10}{mib(total_pss):>10}")
+            print(f"the host pays {total_host / max(source_host, 1):.2f}x the source's memory for the source and "
+                  f"{len(ok)} clones (each clone's counter keeps counting on its own)")
+            if ksm.available():
+                print("(KSM keeps one copy of each merged page, charged to one workspace of the family: the "
+                      "family's total is what the host pays)")
         finally:
             for c in ok:
                 c.destroy()

@@ -57,6 +57,8 @@ done
 if [ ${#missing[@]} -gt 0 ]; then
   log "apt: installing ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
+  # debconf's "delaying package configuration, since apt-utils is not installed" is noise here.
+  export DEBCONF_NOWARNINGS=yes
   # Others on the host may hold the dpkg lock: wait for it rather than fail.
   apt-get -o DPkg::Lock::Timeout=600 update -q >/dev/null
   apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends "${missing[@]}" >/dev/null

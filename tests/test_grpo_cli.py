@@ -41,9 +41,15 @@ def test_grpo_llm_benchmark_writes_its_report(tmp_path: Path) -> None:
 
 
 def test_demo_trains_and_writes_plots(tmp_path: Path) -> None:
-    out = _run(["-m", "bunshinrl.demo", "--out", str(tmp_path), "--epochs", "2", "--group", "3",
-                "--tasks", "files-ab,fix-add", "--config", "Full"])
+    out = _run(["-m", "bunshinrl.demo", "--out", str(tmp_path), "--epochs", "2", "--untrained-epochs", "1",
+                "--group", "3", "--tasks", "files-ab,fix-add", "--config", "Full", "--max-new-tokens", "64",
+                "--no-learning-target"])
     assert "reward per epoch (Full)" in out and "hit rate per epoch" in out and "peak memory" in out
+    assert out.count("s left]") == 3 and "Why rollouts grow" in out and "bounded to 64" in out
     report = json.loads((tmp_path / "grpo_demo.json").read_text())
     assert set(report["configs"]) == {"Random", "Full"}
+    assert report["settings"]["max_new_tokens"] == 64 and len(report["configs"]["Random"]["reward_per_epoch"]) == 1
+    # What the demo prints as its verdict: the trained model's last epochs against every untrained one.
+    assert report["trained_final"] == pytest.approx(sum(report["configs"]["Full"]["reward_per_epoch"][-2:]) / 2)
+    assert report["beats_untrained"] == (report["trained_final"] > report["untrained_mean"])
     assert (tmp_path / "grpo_demo.png").exists()

@@ -54,8 +54,10 @@ def test_sampling_is_seeded_constrained_and_reproduced_by_the_learner(model_dir:
 def test_training_beats_the_untrained_model(model_dir: Path, tmp_path: Path) -> None:
     """A short CPU run: the trained model's reward rises above what the untrained model scores
     under the same constraints, in the same run. Every epoch's weights are synced (in process)."""
-    epochs, cfg = 5, GRPOConfig(group_size=8, lr=2 * LR)
-    untrained = GRPOTrainer(HFPolicy.from_pretrained(model_dir, TASKS), TASKS, config=cfg, learn=False).run(3)
+    # The demo's size (bunshinrl.demo): its seeded rewards are 0.058 0.137 0.175 trained against
+    # 0.058 0.050 untrained; two more epochs (0.196, 0.429) cost CI a minute and show nothing new.
+    epochs, cfg = 3, GRPOConfig(group_size=8, lr=2 * LR)
+    untrained = GRPOTrainer(HFPolicy.from_pretrained(model_dir, TASKS), TASKS, config=cfg, learn=False).run(2)
     trainer = GRPOTrainer(HFPolicy.from_pretrained(model_dir, TASKS), TASKS, config=cfg, checkpoint_dir=tmp_path)
     history = trainer.run(epochs)
     assert (tmp_path / CHECKPOINT).exists()
@@ -78,8 +80,10 @@ def test_base_spec_and_full_train_identically(model_dir: Path) -> None:
     sampled or learned, epoch by epoch, while they do serve calls."""
     tasks = TASKS[1:]
     cfg = GRPOConfig(group_size=4, lr=LR)
+    # Two epochs: the second is where the cache serves earlier epochs' calls and the selector,
+    # fitted after the first, launches speculation.
     runs = {name: GRPOTrainer(HFPolicy.from_pretrained(model_dir, tasks), tasks, config=cfg,
-                              engine=name).run(3)  # type: ignore[arg-type]
+                              engine=name).run(2)  # type: ignore[arg-type]
             for name in ("Base", "Spec", "Full")}
     for name, history in runs.items():
         for m in history:
@@ -98,14 +102,14 @@ def test_base_spec_and_full_train_identically(model_dir: Path) -> None:
 def test_checkpoint_resume_continues_exactly(model_dir: Path, tmp_path: Path) -> None:
     tasks = TASKS[1:]
     cfg = GRPOConfig(group_size=4, lr=LR, kl_coef=0.05)  # the KL path checkpoints its reference too
-    straight = GRPOTrainer(HFPolicy.from_pretrained(model_dir, tasks), tasks, config=cfg).run(3)
+    straight = GRPOTrainer(HFPolicy.from_pretrained(model_dir, tasks), tasks, config=cfg).run(2)
 
     first = GRPOTrainer(HFPolicy.from_pretrained(model_dir, tasks), tasks, config=cfg, checkpoint_dir=tmp_path)
-    first.run(2)
+    first.run(1)
     resumed = GRPOTrainer(HFPolicy.from_pretrained(model_dir, tasks), tasks, config=cfg, checkpoint_dir=tmp_path)
     resumed.load(tmp_path / CHECKPOINT)
-    assert resumed.epoch == 2 and resumed.version == 2 and resumed.reference is not None
-    history = resumed.run(3)
+    assert resumed.epoch == 1 and resumed.version == 1 and resumed.reference is not None
+    history = resumed.run(2)
     assert [m.trajectory_digest for m in history] == [m.trajectory_digest for m in straight]
     assert history[-1].params_digest == straight[-1].params_digest
     assert max(m.kl for m in straight) > 0

@@ -94,11 +94,13 @@ class Lab:
             self.max_num_seqs = max_num_seqs
 
     def trainer(self, name: str, tasks: Sequence[Task], grpo: Any, seed: int, store: Path | None,
-                **kwargs: Any) -> Any:
+                policy: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
+        """policy: HFPolicy's options for the learner (which is also the in-process rollout),
+        e.g. max_new_tokens."""
         from .hf_policy import HFPolicy
         from .trainer import GRPOTrainer
 
-        learner = HFPolicy.from_pretrained(self.model(seed), tasks, seed=seed)
+        learner = HFPolicy.from_pretrained(self.model(seed), tasks, seed=seed, **(policy or {}))
         engine = "Base" if name == "Random" else name
         common: dict[str, Any] = {"config": grpo, "engine": engine, "learn": name != "Random", "store_dir": store,
                                   **kwargs}
@@ -125,14 +127,16 @@ def lab(backend: str, *, max_num_seqs: int = 8, log_dir: Path | None = None) -> 
 
 
 def run(lb: Lab, name: str, tasks: Sequence[Task], epochs: int, grpo: Any, seed: int,
-        log: Callable[[str, dict[str, Any]], None] | None = None, **kwargs: Any) -> Run:
+        log: Callable[[str, dict[str, Any]], None] | None = None, policy: Mapping[str, Any] | None = None,
+        **kwargs: Any) -> Run:
     """One training run (or, for "Random", the untrained model rolled out `epochs` times)."""
     out = Run(name, seed)
     t0 = time.monotonic()
 
     async def main() -> None:
         with tempfile.TemporaryDirectory(prefix="bunshin-grpo-store-") as store:
-            trainer = lb.trainer(name, tasks, grpo, seed, Path(store) if name == "Full" else None, **kwargs)
+            trainer = lb.trainer(name, tasks, grpo, seed, Path(store) if name == "Full" else None, policy=policy,
+                                 **kwargs)
             try:
                 while trainer.epoch < epochs:
                     row = _row(await trainer.step())
