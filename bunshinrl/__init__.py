@@ -5,7 +5,6 @@ speculative tool execution (Speculator with a ToolSelector), driven by RolloutEn
 also works on its own inside another trainer; see bunshinrl/README.md.
 """
 
-from . import _blas  # noqa: F401  (must run before numpy is imported)
 from .backend import SharedSnapshot, SnapshotBackend, StateBackend
 from .cache import Plan, ReplayDiverged, ToolPrefixCache
 from .core import Rollout, RolloutCore

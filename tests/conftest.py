@@ -7,10 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 
-# As bunshinrl's README asks of a process that imports numpy before bunshinrl (the framework
-# tests import skyrl_gym and verl, which import numpy): BLAS stays single-threaded, or OpenBLAS's
-# fork handler can deadlock under concurrent workspace forks.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # Ray (the cluster tests' local cluster, and what verl imports) keeps to loopback and reports no
 # usage: read when ray is first imported, so set before any test module imports it.
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

@@ -12,6 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+
+# As a trainer does: skyrl_gym (with numpy) is imported before bunshinrl (which rl_support
+# imports); bunshinrl needs no particular order (tests/test_embed.py).
 import skyrl_gym
 from omegaconf import DictConfig
 from rl_support import no_own_leaks  # noqa: F401 (fixture, used by name)

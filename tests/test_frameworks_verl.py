@@ -19,6 +19,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+# As a trainer does: verl (with numpy and torch, their thread pools) is imported before bunshinrl
+# (which rl_support imports); bunshinrl needs no particular order (tests/test_embed.py).
+import verl  # noqa: F401
 from hydra import compose, initialize_config_dir
 from rl_support import no_own_leaks, serve_vllm  # noqa: F401 (no_own_leaks: a fixture, used by name)
 from verl.experimental.agent_loop.agent_loop import AgentLoopWorker, _agent_loop_registry
