@@ -76,8 +76,7 @@ class RolloutEngine:
         workspaces are torn down (teardown_seconds). The epoch (EpochResult.seconds) ends when
         the last rollout finishes, as in the paper. The cache's persistence starts then and runs
         in the gap between epochs (the trainer's update): persistence() reports it."""
-        persisting = self._persisting
-        self.persist_running_at_start = persisting is not None and not persisting.done()
+        self.persist_running_at_start = self.persisting
         t0 = time.monotonic()
         cache = self.core.cache
         extra = (lambda: cache.lru.resident_bytes) if cache is not None else (lambda: 0)
@@ -97,6 +96,11 @@ class RolloutEngine:
         stats = self.core.stats()
         return EpochResult(epoch, max((r.timeline.finished for r in samples), default=0.0),
                            [r.timeline for r in samples], memory, **stats, teardown_seconds=teardown)
+
+    @property
+    def persisting(self) -> bool:
+        """Whether the persistence the last epoch started is still running."""
+        return self._persisting is not None and not self._persisting.done()
 
     async def persistence(self) -> float:
         """Wait for the persistence the last epoch started; the seconds it took (0 without one)."""
