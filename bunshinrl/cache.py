@@ -170,6 +170,7 @@ class ToolPrefixCache:
         with self._lock:
             existing = self.tree.child(parent, call)
             if existing is not None:
+                existing.hits += 1  # a second visitor, though it runs the call itself
                 return existing, False
             node = self.tree.add_child(parent, call)
             self.lru.touch(node)
