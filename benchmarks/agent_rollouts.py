@@ -117,7 +117,7 @@ HEADLINE = {"families": "code,shop,gui", "code_tasks": 1, "group_size": 8, "epoc
             "regime": "paper", "exploration": "decaying", "short_configs": "CRIU,Spec", "short_epochs": 2,
             "short_seeds": "0"}
 QUICK = {"families": "code,shop", "code_tasks": 1, "group_size": 3, "epochs": 3, "seeds": 1, "regime": "local",
-         "exploration": "decaying", "short_configs": "", "short_epochs": 3, "short_seeds": "0"}
+         "exploration": "decaying", "short_configs": "CRIU,Spec", "short_epochs": 2, "short_seeds": "0"}
 PAPER_ROLLOUTS_PER_THREAD = 2  # the paper's host: 128 rollouts on 64 hardware threads
 GUI_HELP = "/root/Desktop/help.html"
 GUI_HELP_PAGE = ("<html><head><title>Editor help</title></head><body><h1>Editing notes</h1>"
@@ -715,7 +715,7 @@ def plots(out: Path, seeds: dict[int, dict[str, Any]], epochs: int, share: str) 
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
-                    help="1 seed, code + shop, 3 samples x 3 epochs, the local regime (CI)")
+                    help="1 seed, code + shop, 3 samples x 3 epochs (CRIU and Spec 2), the local regime (CI)")
     ap.add_argument("--regime", choices=sorted(REGIMES),
                     help=f"paper: steps priced with {PAPER_IN_FLIGHT} requests in flight (the headline); local: "
                          "with this configuration's own")

@@ -90,6 +90,8 @@ class ToolPrefixCache:
         self.snapshot_policy = snapshot_policy
         # A first guess until captures are measured: about what one of a small workspace takes here.
         self.capture_seconds = 0.5
+        # Per task as well: a desktop with a browser takes seconds to capture, a shell workspace less.
+        self._capture_by_task: dict[str, float] = {}
         self.backend = backend
         self.tree = PrefixTree()
         self.lru = AncestorLRU(capacity_bytes)
@@ -184,11 +186,12 @@ class ToolPrefixCache:
         if not revisit:
             self.counters["captures_not_revisited"] += 1
             return False
-        if reasoning is not None and self.capture_seconds > reasoning:
+        capture = self.capture_estimate(node.task_id)
+        if reasoning is not None and capture > reasoning:
             self.counters["captures_off_path"] += 1
             return False
         if self.snapshot_policy == "cost":
-            return self.replay_seconds(node) >= self.capture_seconds
+            return self.replay_seconds(node) >= capture
         if self.snapshot_every == 1 or node.depth % self.snapshot_every == 0:
             return True
         return self.snapshot_slower_than is not None and node.exec_seconds >= self.snapshot_slower_than
@@ -204,10 +207,17 @@ class ToolPrefixCache:
                 a = a.parent
             return total
 
-    def note_capture(self, seconds: float) -> None:
+    def note_capture(self, seconds: float, task_id: str | None = None) -> None:
         """How long a capture of a sample's workspace took (the cost policy weighs it)."""
         with self._lock:
             self.capture_seconds = _ewma(self.capture_seconds, seconds)
+            if task_id is not None:
+                self._capture_by_task[task_id] = _ewma(self._capture_by_task.get(task_id, seconds), seconds)
+
+    def capture_estimate(self, task_id: str | None = None) -> float:
+        """A capture's predicted seconds: the task's measured history, else every task's."""
+        with self._lock:
+            return self._capture_by_task.get(task_id, self.capture_seconds) if task_id else self.capture_seconds
 
     def complete(self, node: Node, observation: str, exec_seconds: float, *, reasoning: float | None = None,
                  revisit: bool = True) -> bool:
@@ -231,9 +241,10 @@ class ToolPrefixCache:
             if node.removed or node.resident or node.disk_ref is not None or not node.done or \
                     (node.capturing is not None and not node.capturing.done()):
                 return False
-            if reasoning is not None and self.capture_seconds > reasoning:
+            capture = self.capture_estimate(node.task_id)
+            if reasoning is not None and capture > reasoning:
                 return False
-            if self.snapshot_policy == "cost" and self.replay_seconds(node) < self.capture_seconds:
+            if self.snapshot_policy == "cost" and self.replay_seconds(node) < capture:
                 return False
             node.capturing = Future()
             node.sparse = False

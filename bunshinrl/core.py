@@ -149,6 +149,7 @@ class RolloutCore:
         self._roots: dict[tuple[str, str], Future[Node]] = {}
         self._groups: dict[tuple[str, str], _Group] = {}
         self._counters = {"rollouts": 0, "forks": 0}
+        self._snapshot_s: dict[str, float] = {}  # per task: a snapshot's measured seconds (EWMA)
 
     # ---- starting samples ----
 
@@ -341,6 +342,29 @@ class RolloutCore:
     def all_workspaces(self) -> list[Workspace]:
         """Every workspace the core holds now, speculative forks included (memory sampling)."""
         return self.workspaces.snapshot() + (self.speculator.workspaces.snapshot() if self.speculator else [])
+
+    def note_snapshot(self, task_id: str, seconds: float) -> None:
+        """How long a snapshot of one of the task's workspaces took (a capture or speculation's)."""
+        with self._lock:
+            old = self._snapshot_s.get(task_id, seconds)
+            self._snapshot_s[task_id] = 0.7 * old + 0.3 * seconds
+
+    def snapshot_estimate(self, task_id: str) -> float | None:
+        with self._lock:
+            return self._snapshot_s.get(task_id)
+
+    def worth_a_snapshot(self, task_id: str) -> bool:
+        """Whether a snapshot started now is predicted to finish within the reasoning step: a
+        speculative chain that needs one is not started otherwise (it would be waited for).
+        Only with a model of the server (ReasoningClock(model=...)): the steps seen are a low
+        quantile, meant for captures, and would stop most speculation on short steps."""
+        if self.reasoning.model is None:
+            return True
+        predicted, snap = self.reasoning.predict(), self.snapshot_estimate(task_id)
+        ok = predicted is None or snap is None or snap <= predicted
+        if not ok and self.speculator is not None:
+            self.speculator.stats["declined_off_path"] = self.speculator.stats.get("declined_off_path", 0) + 1
+        return ok
 
     # ---- background work ----
 
@@ -631,7 +655,7 @@ class Rollout:
         if self.core.speculator is not None and not child.children:
             chain = self.core.speculator.predict(self.task.id, self.ctx.sample, [h.call for h in self.history] + [call],
                                                  self.tools, real_calls=self.timeline.count("tool"))
-            if chain:
+            if chain and self.core.worth_a_snapshot(self.task.id):
                 self.state = Settling(None, asyncio.ensure_future(self._speculate_on(warm, chain)), "materialize")
 
     async def _close_branch(self, branch: SpeculativeBranch) -> Workspace:
@@ -746,6 +770,8 @@ class Rollout:
         calls = [h.call for h in self.history] + [call]
         chain = core.speculator.predict(self.task.id, self.ctx.sample, calls, self.tools,
                                         real_calls=self.timeline.count("tool")) if core.speculator else []
+        if chain and not core.worth_a_snapshot(self.task.id):
+            chain = []
         if capture is None and not chain:
             return
         ws = self.state.ws
@@ -756,8 +782,9 @@ class Rollout:
         try:
             t = time.monotonic()
             snap = await SharedSnapshot.take_async(ws, core.memory)
+            core.note_snapshot(self.task.id, time.monotonic() - t)
             if capture is not None and core.cache is not None:
-                core.cache.note_capture(time.monotonic() - t)
+                core.cache.note_capture(time.monotonic() - t, self.task.id)
         except Exception as e:
             self.timeline.errors.append(f"capture failed: {e!r}")
             if capture is not None and core.cache is not None:
@@ -846,7 +873,8 @@ class Rollout:
         try:
             t = time.monotonic()
             snap = await SharedSnapshot.take_async(ws, self.core.memory)
-            cache.note_capture(time.monotonic() - t)
+            self.core.note_snapshot(self.task.id, time.monotonic() - t)
+            cache.note_capture(time.monotonic() - t, self.task.id)
         except Exception as e:
             self.timeline.errors.append(f"capture failed: {e!r}")
             cache.attach(node, None)
