@@ -119,9 +119,12 @@ class RolloutCore:
     def __init__(self, *, cache: ToolPrefixCache | None = None, speculator: Speculator | None = None,
                  guard: DeterminismGuard | None = None, tail: TailPolicy | None = None, memory: str = "auto",
                  prefetch: bool = True, keep_initial: bool = False, overlap_fork: bool = False,
-                 reasoning: ReasoningClock | None = None) -> None:
+                 reasoning: ReasoningClock | None = None, critical_path_captures: bool = True) -> None:
         self.cache = cache
         self.reasoning = reasoning or ReasoningClock()
+        # False: the cache's policy alone decides a capture, whatever the reasoning step or the
+        # revisits expected (the Ray hosts: replication ships the states captured).
+        self.critical_path_captures = critical_path_captures
         self.speculator = speculator
         self.guard = guard or (cache.guard if cache is not None else None) or DeterminismGuard()
         if cache is not None and cache.guard is not self.guard:
@@ -743,10 +746,17 @@ class Rollout:
         tl.add("tool", t, t + took, call.key)
         core.tail.record_call(call, took)
         capture = created and core.cache.complete(  # type: ignore[union-attr]
-            node, obs, took, reasoning=core.reasoning.predict(), revisit=self._revisit_expected(node))  # type: ignore[arg-type]
+            node, obs, took, **self._capture_context(node))  # type: ignore[arg-type]
         self.node = node
         self._after_real_call(call, node if capture else None)
         return obs
+
+    def _capture_context(self, node: Node) -> dict[str, Any]:
+        """What the cache weighs a capture of `node` with: the next step's predicted reasoning and
+        whether another sample is expected there."""
+        if not self.core.critical_path_captures:
+            return {"reasoning": None, "revisit": True}
+        return {"reasoning": self.core.reasoning.predict(), "revisit": self._revisit_expected(node)}
 
     def _revisit_expected(self, node: Node) -> bool:
         """Will another sample come by `node`? Yes below the root and where its parent had a
@@ -815,8 +825,7 @@ class Rollout:
         if core.cache is not None and self.node is not None:
             node, created = core.cache.begin(self.node, call)
             if created and core.cache.complete(node, hit.observation, hit.exec_seconds,
-                                               reasoning=core.reasoning.predict(),
-                                               revisit=self._revisit_expected(node)):
+                                               **self._capture_context(node)):
                 if branch.exhausted:
                     capture = node  # captured below, from the adopted workspace
                 else:

@@ -26,7 +26,8 @@ class CoreConfig:
     ToolPrefixCache's; persist_between_epochs: persistence waits for the gap between epochs;
     speculation_depth: calls per speculative chain (0: no speculation); slow_tool_seconds,
     task_quantile, online_real_calls: the TailPolicy's; prefetch: warm workspaces behind hits
-    and the root prefetched; keep_initial, overlap_fork: Base's parity with the cache's root."""
+    and the root prefetched; keep_initial, overlap_fork: Base's parity with the cache's root;
+    critical_path_captures: captures weigh the next reasoning step and expected revisits."""
 
     cache_bytes: int = 0
     store: Path | None = None
@@ -44,6 +45,7 @@ class CoreConfig:
     prefetch: bool = True
     keep_initial: bool = False
     overlap_fork: bool = False
+    critical_path_captures: bool = True
 
 
 def build_core(config: CoreConfig, *, guard: DeterminismGuard | None = None, reasoning: ReasoningClock | None = None,
@@ -65,7 +67,7 @@ def build_core(config: CoreConfig, *, guard: DeterminismGuard | None = None, rea
                                 min_probability=config.min_probability, placement=config.placement)
     return RolloutCore(cache=cache, speculator=speculator, guard=guard, tail=tail, memory=config.memory,
                        prefetch=config.prefetch, keep_initial=config.keep_initial, overlap_fork=config.overlap_fork,
-                       reasoning=reasoning)
+                       reasoning=reasoning, critical_path_captures=config.critical_path_captures)
 
 
 __all__ = ["CoreConfig", "build_core"]

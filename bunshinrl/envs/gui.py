@@ -131,11 +131,12 @@ def open_page(ws: Workspace, path: str) -> str:
     html = str(ws.files.read(str(path)))
     m = _TITLE.search(html)
     title = m.group(1).strip() if m else str(path).rsplit("/", 1)[-1]
-    browser = g.find_window("Chromium") or g.launch("browser")
-    assert browser is not None
-    g.activate(browser.title)
+    if g.find_window("Chromium") is None:
+        g.launch("browser")
+    g.activate("Chromium")
     g.key("ctrl+l")
-    g.type(f"file://{path}\n")
+    g.type(f"file://{path}")
+    g.key("Return")
     deadline = time.monotonic() + 60
     while (w := g.find_window(title)) is None:
         if time.monotonic() > deadline:
