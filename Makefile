@@ -52,7 +52,8 @@ bench-guest: setup
 		--out $$BUNSHIN_GUEST_OUT/sizes && \
 	$(CURDIR)/$(PY) benchmarks/snapshot_cost.py --engines copy,ksm,cow --size-mib 1024 --dirty-mib 10 \
 		--snapshots 10 --seeds 2 --forks 1,4 --out $$BUNSHIN_GUEST_OUT/snapshots && \
-	$(CURDIR)/$(PY) benchmarks/agent_rollouts.py --quick --families code --share-engine cow \
+	$(CURDIR)/$(PY) benchmarks/agent_rollouts.py --quick --families shop --group-size 8 --epochs 2 --regime paper \
+		--configs CRIU,Base,Full --share-engine cow \
 		--out $$BUNSHIN_GUEST_OUT/rollouts'
 
 # Compiles the module against bookworm's newest 6.12 headers with warnings as errors.

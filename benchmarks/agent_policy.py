@@ -18,10 +18,18 @@ Constants (DEFAULT_LATENCY; printed before every run, never tuned per result):
   concurrent requests, median TTFT 13.98 ms at 1.
   prefill_s_per_token: 0.04 ms, derived, not measured: an 8B dense model needs ~16 GFLOP per
   prompt token, at 40% of the H100's 989 dense bf16 TFLOPS.
+  Beyond 64 in flight the table has no measured point: tpot continues the last measured slope
+  (16 -> 64), an extrapolation, not a measurement. At the paper's batch (128 requests on one
+  H100, PAPER_IN_FLIGHT) that is 94.9 ms per output token, ~11.4 s for a median step.
+
+Regimes (Server(in_flight=...)): "paper" prices every step with the paper's batch in flight,
+whatever number of rollouts this host runs; "local" with this configuration's own requests in
+flight (at most its rollouts, ~0.9 s steps).
 
 Agent: each decision draws from the candidates the last observation allows (what the test run
 failed on, which products a page lists, what is in the cart), the preferred one with
-probability 1 - explore(epoch), explore = explore0 + drift * epoch. Draws come from a generator
+probability 1 - explore(epoch): schedule[epoch] when a schedule is fixed (the last entry
+beyond it), else explore0 + drift * epoch. Draws come from a generator
 seeded by (seed, epoch, task, sample, step), so a configuration that serves the same
 observations makes the same decisions: rewards are comparable one to one.
 """
@@ -73,6 +81,16 @@ class LatencyModel:
 
 
 DEFAULT_LATENCY = LatencyModel()
+PAPER_IN_FLIGHT = 128  # the paper's rollouts, all served by one H100
+
+# Exploration as a GRPO policy's entropy falls: fixed before any run, never changed after one.
+# Direction: policy entropy falls monotonically and early under GRPO/REINFORCE/PRIME on LLMs
+# (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language
+# Models", arXiv:2505.22617: -73% within the first 200 of ~2400 steps). The levels mirror the
+# earlier rising schedule (0.08, 0.12, 0.16) and continue it.
+EXPLORATION = {"decaying": (0.16, 0.12, 0.08, 0.06, 0.04), "constant": (0.08,)}
+EXPLORATION_SOURCE = ("Cui et al. 2025, The Entropy Mechanism of Reinforcement Learning for Reasoning Language "
+                      "Models, arXiv:2505.22617 (entropy collapses early and monotonically under GRPO)")
 
 
 def tokens(text: str) -> int:
@@ -88,6 +106,7 @@ class AgentConfig:
     output_sigma: float = 0.5
     output_max: int = 400
     system_tokens: int = 900  # system prompt + tool schemas of the first request
+    schedule: tuple[float, ...] = ()  # exploration per epoch (wins over explore0 + drift)
 
 
 Candidates = list[Action]  # preferred first
@@ -96,15 +115,24 @@ Candidates = list[Action]  # preferred first
 class Server:
     """Requests in flight on the modelled server (one per configuration's run)."""
 
-    def __init__(self, model: LatencyModel) -> None:
+    def __init__(self, model: LatencyModel, in_flight: int | None = None) -> None:
         self.model = model
         self.in_flight = 0
+        self.fixed_in_flight = in_flight  # the paper's regime: the batch the server is priced at
         self.reasoning_seconds: dict[tuple[int, str, int], float] = {}
 
+    def load(self) -> int:
+        """The requests in flight a step starting now is priced with (this one included)."""
+        return self.fixed_in_flight or self.in_flight + 1
+
+    def predicted_step(self, output_tokens: int, prompt_tokens: int = 200) -> float:
+        """A step's seconds at the current load: what the rollout core weighs a capture against."""
+        return self.model.seconds(prompt_tokens, output_tokens, self.load())
+
     async def answer(self, key: tuple[int, str, int], prompt_tokens: int, output_tokens: int) -> float:
+        s = self.model.seconds(prompt_tokens, output_tokens, self.load())
         self.in_flight += 1
         try:
-            s = self.model.seconds(prompt_tokens, output_tokens, self.in_flight)
             await asyncio.sleep(s)  # the documented latency model, not a tool
         finally:
             self.in_flight -= 1
@@ -125,6 +153,8 @@ class StochasticAgent:
         return random.Random(int.from_bytes(h[:8], "big"))
 
     def explore(self, epoch: int) -> float:
+        if self.cfg.schedule:
+            return self.cfg.schedule[min(epoch, len(self.cfg.schedule) - 1)]
         return min(0.9, self.cfg.explore0 + self.cfg.drift * epoch)
 
     def decide(self, ctx: SampleContext, history: Sequence[Step]) -> tuple[Action, int, int]:
@@ -224,9 +254,11 @@ def shop_candidates(items: dict[str, int], name: str, address: str) -> Callable[
     return candidates
 
 
-def gui_candidates(target: str, editor: str = "Mousepad") -> Callable[[str, Sequence[Step]], Candidates]:
-    """A desktop user's loop: find the editor's window, focus it, replace the text, save, and look
-    at the window title again until it no longer says the file is modified."""
+def gui_candidates(target: str, editor: str = "Mousepad", launch: bool = False,
+                   help_page: str = "/root/Desktop/help.html") -> Callable[[str, Sequence[Step]], Candidates]:
+    """A desktop user's loop: (launch: start the editor first, or read the help page in
+    Chromium) find the editor's window, focus it, replace the text, save, and look at the window
+    title again until it no longer says the file is modified."""
     typo = target[:-1] if len(target) > 1 else target + "."
 
     def candidates(_task_id: str, history: Sequence[Step]) -> Candidates:
@@ -235,9 +267,15 @@ def gui_candidates(target: str, editor: str = "Mousepad") -> Callable[[str, Sequ
         saved = any(h.call == C("key", {"combo": "ctrl+s"}) for h in history)
         if len(history) >= 12:
             return [FinalAnswer("giving up")]
+        started = any(h.call.name == "launch_app" and h.call.args.get("app") == "editor" for h in history)
+        if launch and not started:
+            # Starting the editor takes real time; reading the help page loads it in Chromium.
+            return [C("launch_app", {"app": "editor"}), C("open_page", {"path": help_page})]
         if last is None or last.observation.startswith("ERROR"):
             return [C("list_windows"), C("activate_window", {"title": editor})]
         name, args = last.call.name, last.call.args
+        if name == "launch_app":
+            return [C("activate_window", {"title": editor}), C("list_windows")]
         if name == "list_windows":
             titles = [line for line in last.observation.splitlines() if editor.lower() in line.lower()]
             if not titles:

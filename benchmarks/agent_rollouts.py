@@ -1,8 +1,17 @@
 """BunshinRL's rollout configurations on real agent workspaces (paper sections 5.2-5.3, Figs. 6-11).
 
 python benchmarks/agent_rollouts.py [--quick] --out DIR [--seeds 3 | --seed S] [--families code,shop]
+                                    [--regime paper|local] [--exploration decaying|constant]
                                     [--placements live,fork_first] [--snapshot-policies cost,depth]
 python benchmarks/agent_rollouts.py --merge DIR0 DIR1 DIR2 --out DIR   (per-seed runs -> one result)
+
+The headline (docs/rl_rollouts_method.md), fixed before any run: --regime paper (every step
+priced with the paper's 128 requests in flight on one H100: the model's table stops at 64, so
+tpot is its linear extrapolation, ~95 ms per output token, ~11 s per step), code + shop + gui x
+G=8 (24 rollouts per epoch), 5 epochs, seeds 0-2 (one --seed each, then --merge), exploration
+0.16, 0.12, 0.08, 0.06, 0.04; Base and Full every seed and epoch, Spec and CRIU at seed 0 in
+epochs 1-2 only (--short-configs, --short-epochs). Beside it: --exploration constant (0.08) at
+seed 0 and --regime local (this configuration's own requests in flight, ~0.9 s steps) at seed 0.
 
 Tasks (each with a verifier that reads the final workspace):
   code   bunshinrl.envs.coding: a C project with a bug; `build` and `run_tests` are real gcc/make
@@ -28,8 +37,12 @@ the order rotating per epoch), each with its own engine kept across epochs:
         a capture, measured); "Full" uses cost
 Parity: every configuration keeps its initialized task snapshots across epochs (Full in its
 cache's root, the others through keep_initial) and forks while the first step is reasoned
-(overlap_fork; Full's prefetch of a fresh root). epoch_seconds is the wall time of the whole
-epoch, teardown and the cache's persistence included.
+(overlap_fork; Full's prefetch of its root). epoch_seconds ends when the last rollout finishes
+(the paper's epoch); the teardown after it and the cache's persistence (deferred to the gap
+between epochs, the trainer's update phase) are reported beside it, and persistence is waited
+for before the next epoch starts, so it is shown done before the next epoch needs it.
+Hit rates count the agents' tool calls only (the hidden verifier call is none); a call served by
+waiting for a sibling's running call is counted apart (sibling_waits) and is no hit.
 
 DIR/agent_rollouts.json: per configuration and seed epoch_seconds, oracle_seconds (the longest
 rollout's reasoning alone), hit_rate_per_epoch (cache and speculation split), peak_memory_bytes
@@ -63,6 +76,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from agent_policy import (
     DEFAULT_LATENCY,
+    EXPLORATION,
+    EXPLORATION_SOURCE,
+    PAPER_IN_FLIGHT,
     AgentConfig,
     LatencyModel,
     Server,
@@ -74,17 +90,16 @@ from agent_policy import (
 
 from bunshinfork import BunshinError, host_memory
 from bunshinrl import (
-    DeterminismGuard,
     EpochResult,
     RolloutEngine,
-    SnapshotBackend,
     Speculator,
-    TailPolicy,
     Task,
     ToolPrefixCache,
 )
 from bunshinrl.envs import coding, gui, webshop
+from bunshinrl.reasoning import ReasoningClock
 from bunshinrl.speculator import PLACEMENTS
+from bunshinrl.wiring import CoreConfig, build_core
 
 DEFAULT_PLACEMENT = Speculator().placement
 SNAPSHOT_POLICIES = ("depth", "cost")
@@ -95,6 +110,19 @@ CONFIGS = ("CRIU", "Base", "Spec", "Full")
 SHOP_ORDERS = ({"MUG-BLU": 2, "TEA-GRN": 1}, {"TEA-GRN": 1}, {"MUG-BLU": 1})
 GUI_TARGETS = ("Meeting moved to Friday 10:00", "Ship it on Friday", "Lunch at noon in room 4")
 FAMILIES = ("code", "shop", "gui")
+REGIMES = {"paper": PAPER_IN_FLIGHT, "local": None}  # requests in flight a step is priced with
+# The headline's size, fixed before any run (the issue: >= 16 rollouts per epoch, G >= 8, 5 epochs,
+# seeds 0-2; Spec and CRIU at seed 0 in epochs 1-2).
+HEADLINE = {"families": "code,shop,gui", "code_tasks": 1, "group_size": 8, "epochs": 5, "seeds": 3, "rollouts": 24,
+            "regime": "paper", "exploration": "decaying", "short_configs": "CRIU,Spec", "short_epochs": 2,
+            "short_seeds": "0"}
+QUICK = {"families": "code,shop", "code_tasks": 1, "group_size": 3, "epochs": 3, "seeds": 1, "regime": "local",
+         "exploration": "decaying", "short_configs": "CRIU,Spec", "short_epochs": 2, "short_seeds": "0"}
+PAPER_ROLLOUTS_PER_THREAD = 2  # the paper's host: 128 rollouts on 64 hardware threads
+GUI_HELP = "/root/Desktop/help.html"
+GUI_HELP_PAGE = ("<html><head><title>Editor help</title></head><body><h1>Editing notes</h1>"
+                 "<p>Start the editor, select all (ctrl+a), type the new text and save with ctrl+s.</p>"
+                 + "<p>" + "Notes are plain text files. " * 400 + "</p></body></html>")
 
 
 # ---- tasks ----
@@ -113,10 +141,13 @@ def build_tasks(families: list[str], seed: int, code_tasks: int) -> tuple[list[T
         tasks.append(t)
         cands[t.id] = shop_candidates(items, webshop.DEFAULT_NAME, webshop.DEFAULT_ADDRESS)
     if "gui" in families:
+        # The agent starts the editor itself (an application start) or first reads the help page
+        # in Chromium (a page load): tools that take real time, as OSWorld's do.
         target = GUI_TARGETS[seed % len(GUI_TARGETS)]
-        t = dataclasses.replace(gui.make_env(target=target, apps=("editor",)), id=f"gui-{seed}")
+        t = dataclasses.replace(gui.make_env(target=target, apps=(), files={GUI_HELP: GUI_HELP_PAGE}),
+                                id=f"gui-{seed}")
         tasks.append(t)
-        cands[t.id] = gui_candidates(target)
+        cands[t.id] = gui_candidates(target, launch=True, help_page=GUI_HELP)
     unknown = set(families) - set(FAMILIES)
     if unknown:
         raise SystemExit(f"unknown task families {sorted(unknown)}; use {', '.join(FAMILIES)}")
@@ -182,40 +213,39 @@ class ConfigRun:
 
 
 def make_config(name: str, tasks: list[Task], cands: dict[str, Any], agent_cfg: AgentConfig, model: LatencyModel,
-                store: Path, cache_mib: int, spec_depth: int, slow_seconds: float, share: str = "ksm") -> ConfigRun:
-    """name: one of CONFIGS, or Spec@PLACEMENT."""
-    kind, _, placement = name.partition("@")
-    guard = DeterminismGuard()
-    cache = spec = None
-    if kind == "Full":
-        # depth: every other depth and every slow call captured; cost: a state is captured when the
-        # replay it saves takes as long as a capture (ToolPrefixCache's snapshot_policy).
-        policy = placement or DEFAULT_SNAPSHOT_POLICY
-        cache = ToolPrefixCache(SnapshotBackend(store / name), cache_mib * MiB, guard=guard,
-                                snapshot_every=2, snapshot_slower_than=slow_seconds,
-                                snapshot_policy=policy)  # type: ignore[arg-type]
-    if kind in ("Spec", "Full"):
-        tail = TailPolicy(slow_tool_seconds=slow_seconds, task_quantile=0.5,
-                          online_real_calls=2 if kind == "Full" else None)
-        spec = Speculator(depth=spec_depth, min_probability=0.5, tail=tail,
-                          placement=placement if kind == "Spec" and placement else DEFAULT_PLACEMENT)  # type: ignore[arg-type]
-    server = Server(model)
+                store: Path, cache_mib: int, spec_depth: int, slow_seconds: float, share: str = "ksm",
+                in_flight: int | None = None) -> ConfigRun:
+    """name: one of CONFIGS, or Spec@PLACEMENT, Full@POLICY. The core is built by build_core, as
+    every driver's is; its reasoning prediction is the latency model's step at the server's load."""
+    kind, _, variant = name.partition("@")
+    server = Server(model, in_flight)
+    cfg = CoreConfig(
+        # Full: the cache captures by cost (a state when the replay it saves takes as long as a
+        # capture), beside reasoning steps predicted to outlast a capture; Full@depth: every
+        # other depth and every slow call.
+        cache_bytes=cache_mib * MiB if kind == "Full" else 0, store=store / name,
+        snapshot_policy=(variant or DEFAULT_SNAPSHOT_POLICY) if kind == "Full" else DEFAULT_SNAPSHOT_POLICY,  # type: ignore[arg-type]
+        snapshot_every=2, snapshot_slower_than=slow_seconds,
+        speculation_depth=spec_depth if kind in ("Spec", "Full") else 0, slow_tool_seconds=slow_seconds,
+        task_quantile=0.5, online_real_calls=2 if kind == "Full" else None, min_probability=0.5,
+        placement=variant if kind == "Spec" and variant else DEFAULT_PLACEMENT,  # type: ignore[arg-type]
+        memory="copy" if name == "CRIU" else share, keep_initial=True, overlap_fork=True)
+    core = build_core(cfg, reasoning=ReasoningClock(model=lambda: server.predicted_step(agent_cfg.output_median)))
     agent = StochasticAgent(agent_cfg, server, cands)
-    memory = "copy" if name == "CRIU" else share
     # CRIU: processes stay out of KSM, so restored copies are really private.
     own = [t.with_spec(ksm=False) for t in tasks] if name == "CRIU" else tasks
-    engine = RolloutEngine(agent, cache=cache, speculator=spec, guard=guard, memory=memory,
-                           keep_initial=True, overlap_fork=True)
-    return ConfigRun(name, engine, server, own, cache)
+    engine = RolloutEngine(agent, core=core)
+    return ConfigRun(name, engine, server, own, core.cache)
 
 
-PHASES = ("setup", "reason", "tool", "cache_hit", "audit", "materialize", "post_wait", "spec_hit", "spec_miss")
+PHASES = ("setup", "reason", "tool", "cache_hit", "sibling_wait", "audit", "materialize", "post_wait", "spec_hit",
+          "spec_miss")
 
 
 def phases(r: EpochResult, epoch_seconds: float) -> dict[str, Any]:
     """Where an epoch's time went: per event kind, the seconds of the rollout that finished last
     (the critical path) and the sum over all rollouts, and the time after the last rollout
-    (teardown, the cache's persistence) that the epoch still paid."""
+    (teardown; the cache's persistence is reported apart)."""
     if not r.samples:
         return {}
     last = max(r.samples, key=lambda t: t.finished)
@@ -236,7 +266,12 @@ async def run_epoch(run: ConfigRun, group: int, epoch: int) -> dict[str, Any]:
         r = await run.engine.run_epoch(run.tasks, group, epoch)
     finally:
         memory = sampler.stop()
-    seconds = time.monotonic() - t0
+    wall = time.monotonic() - t0
+    # The gap between epochs (the trainer's update phase): the cache's persistence runs there,
+    # and is done before the next epoch starts.
+    tp = time.monotonic()
+    persist = await run.engine.persistence()
+    persist_wait = time.monotonic() - tp
     if run.engine.speculator is not None:
         run.engine.fit_selector()
     run.results.append(r)
@@ -244,12 +279,18 @@ async def run_epoch(run: ConfigRun, group: int, epoch: int) -> dict[str, Any]:
     rewards = {f"{s.task_id}/{s.sample}": s.reward for s in r.samples}
     calls = r.tool_calls
     row = {
-        "epoch_seconds": round(seconds, 3),
-        "last_rollout_seconds": round(r.seconds, 3),
+        "epoch_seconds": round(r.seconds, 3),
+        "wall_seconds": round(wall, 3),
+        "teardown_seconds": round(r.teardown_seconds, 3),
+        "persist_seconds": round(persist, 3),
+        "persist_wait_after_epoch": round(persist_wait, 3),
+        "persist_running_at_start": run.engine.persist_running_at_start,
         "oracle_seconds": round(max(reason, default=0.0), 3),
+        "median_rollout_seconds": round(statistics.median(s.finished for s in r.samples), 3) if r.samples else 0.0,
         "cache_hit_rate": round(r.cache_hits / calls, 4) if calls else 0.0,
         "spec_hit_rate": round(r.spec_hits / calls, 4) if calls else 0.0,
         "hit_rate": round(r.hit_rate, 4),
+        "sibling_waits": r.sibling_waits,
         "tool_calls": calls,
         "peak_memory_bytes": max((b for _, b in memory), default=0),
         "memory": [(round(t, 2), b) for t, b in memory],
@@ -259,17 +300,19 @@ async def run_epoch(run: ConfigRun, group: int, epoch: int) -> dict[str, Any]:
         "rewards": rewards,
         "errors": [e for s in r.samples for e in s.errors],
         "wasted_speculation_seconds": round(r.wasted_seconds, 3),
-        "phases": phases(r, seconds),
+        "phases": phases(r, r.seconds + r.teardown_seconds),
     }
     run.epochs.append(row)
-    print(f"  {run.name:4s} epoch {epoch}: {seconds:6.1f} s (oracle {row['oracle_seconds']:5.1f} s)  hit rate "
-          f"{row['hit_rate']:5.1%} (cache {r.cache_hits}, spec {r.spec_hits} of {calls})  peak "
+    print(f"  {run.name:4s} epoch {epoch}: {r.seconds:6.1f} s (oracle {row['oracle_seconds']:5.1f} s, median "
+          f"rollout {row['median_rollout_seconds']:5.1f} s)  hit rate {row['hit_rate']:5.1%} (cache "
+          f"{r.cache_hits}, spec {r.spec_hits}, sibling waits {r.sibling_waits} of {calls})  peak "
           f"{row['peak_memory_bytes'] / MiB:7.1f} MiB  reward {row['reward']}  errors {len(row['errors'])}",
           flush=True)
+    print(f"        beside it: teardown {r.teardown_seconds:.1f} s, persistence {persist:.1f} s (done before the "
+          f"next epoch: yes)", flush=True)
     if row["phases"]:
         path = row["phases"]["critical_path"]
-        print("        last rollout: " + "  ".join(f"{k} {v:.1f}" for k, v in path.items() if v)
-              + f"  | after it {row['phases']['after_last_rollout']:.1f} s", flush=True)
+        print("        last rollout: " + "  ".join(f"{k} {v:.1f}" for k, v in path.items() if v), flush=True)
     return row
 
 
@@ -278,6 +321,10 @@ def summarize(run: ConfigRun) -> dict[str, Any]:
     return {
         "epoch_seconds": [e["epoch_seconds"] for e in ep],
         "oracle_seconds": [e["oracle_seconds"] for e in ep],
+        "median_rollout_seconds": [e["median_rollout_seconds"] for e in ep],
+        "teardown_seconds": [e["teardown_seconds"] for e in ep],
+        "persist_seconds": [e["persist_seconds"] for e in ep],
+        "sibling_waits_per_epoch": [e["sibling_waits"] for e in ep],
         "hit_rate_per_epoch": {"cache": [e["cache_hit_rate"] for e in ep],
                                "speculation": [e["spec_hit_rate"] for e in ep],
                                "total": [e["hit_rate"] for e in ep]},
@@ -298,14 +345,20 @@ async def run_seed(seed: int, args: argparse.Namespace, agent_cfg: AgentConfig, 
                    store: Path) -> dict[str, Any]:
     tasks, cands = build_tasks(args.families, seed, args.code_tasks)
     print(f"seed {seed}: tasks {[t.id for t in tasks]} x {args.group_size} samples x {args.epochs} epochs", flush=True)
+    # Spec and CRIU (--short-configs) run at the first seed and in the first --short-epochs only:
+    # Spec for its memory figure, CRIU for Base's memory against it.
+    short = [n for n in args.configs if n in args.short_configs]
+    names = [n for n in args.configs if n not in short or seed in args.short_seeds]
     runs = {n: make_config(n, tasks, cands, dataclasses.replace(agent_cfg, seed=seed), model, store,
-                           args.cache_mib, args.spec_depth, args.slow_seconds, args.share_engine)
-            for n in args.configs}
-    names = list(args.configs)
+                           args.cache_mib, args.spec_depth, args.slow_seconds, args.share_engine,
+                           REGIMES[args.regime])
+            for n in names}
     try:
         for e in range(args.epochs):
             order = names[e % len(names):] + names[:e % len(names)]  # interleaved, rotating
             for n in order:
+                if n in short and e >= args.short_epochs:
+                    continue
                 await run_epoch(runs[n], args.group_size, e)
     finally:
         for r in runs.values():
@@ -315,7 +368,7 @@ async def run_seed(seed: int, args: argparse.Namespace, agent_cfg: AgentConfig, 
     out = {n: summarize(r) for n, r in runs.items()}
     trio = [n for n in runs if n.partition("@")[0] in ("Base", "Spec", "Full")]
     out["rewards_identical"] = all(runs[trio[0]].epochs[e]["rewards"] == runs[n].epochs[e]["rewards"]
-                                   for n in trio for e in range(args.epochs))
+                                   for n in trio for e in range(min(len(runs[n].epochs), len(runs[trio[0]].epochs))))
     out["_series"] = {n: {"memory": [x["memory"] for x in r.epochs], "running": [x["running"] for x in r.epochs]}
                       for n, r in runs.items()}
     return out
@@ -324,6 +377,8 @@ async def run_seed(seed: int, args: argparse.Namespace, agent_cfg: AgentConfig, 
 # ---- targets and figures ----
 
 def _spread(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {"n": 0}
     return {"mean": round(statistics.mean(xs), 4), "min": round(min(xs), 4), "max": round(max(xs), 4),
             "n": len(xs)}
 
@@ -333,31 +388,59 @@ def _later(epochs: int) -> list[int]:
     return list(range(1, epochs)) or [0]
 
 
+def _with(seeds: dict[int, dict[str, Any]], *names: str) -> list[dict[str, Any]]:
+    """The seeds that ran every configuration named."""
+    return [s for s in seeds.values() if all(n in s for n in names)]
+
+
+def _common(s: dict[str, Any], later: list[int], *names: str) -> list[int]:
+    """The epochs of `later` every configuration named ran in this seed."""
+    return [e for e in later if all(e < len(s[n]["epoch_seconds"]) for n in names)] or \
+        list(range(min(len(s[n]["epoch_seconds"]) for n in names)))
+
+
 def _epoch_ratios(seeds: dict[int, dict[str, Any]], a: str, b: str, later: list[int]) -> list[float]:
-    """Per seed, configuration a's mean epoch time over `later` over b's: paired within the seed."""
-    return [statistics.mean(s[a]["epoch_seconds"][e] for e in later)
-            / statistics.mean(s[b]["epoch_seconds"][e] for e in later) for s in seeds.values()]
+    """Per seed, configuration a's summed epoch time over `later` over b's: paired within the seed."""
+    out = []
+    for s in _with(seeds, a, b):
+        es = _common(s, later, a, b)
+        out.append(sum(s[a]["epoch_seconds"][e] for e in es) / sum(s[b]["epoch_seconds"][e] for e in es))
+    return out
 
 
 def _peak_ratios(seeds: dict[int, dict[str, Any]], a: str, b: str) -> list[float]:
-    """Per seed, configuration a's peak memory over b's."""
-    return [s[a]["peak_memory_bytes"] / s[b]["peak_memory_bytes"] for s in seeds.values()]
+    """Per seed, configuration a's peak memory over b's, over the epochs both ran."""
+    out = []
+    for s in _with(seeds, a, b):
+        es = _common(s, list(range(max(len(s[a]["epoch_seconds"]), len(s[b]["epoch_seconds"])))), a, b)
+        out.append(max(s[a]["peak_memory_bytes_per_epoch"][e] for e in es)
+                   / max(max(s[b]["peak_memory_bytes_per_epoch"][e] for e in es), 1))
+    return out
 
 
 def summary(seeds: dict[int, dict[str, Any]], epochs: int) -> dict[str, Any]:
-    """Per configuration, the mean and spread over seeds (epoch figures: the mean of the later epochs)."""
+    """Per configuration, the mean and spread over the seeds it ran (epoch figures: the mean of
+    the later epochs it ran)."""
     later = _later(epochs)
-    vals = list(seeds.values())
-    names = [n for n in vals[0] if isinstance(vals[0][n], dict) and "epoch_seconds" in vals[0][n]]
-    e3 = min(2, epochs - 1)
-    return {n: {"epoch_seconds": _spread([statistics.mean(s[n]["epoch_seconds"][e] for e in later) for s in vals]),
-                "oracle_seconds": _spread([statistics.mean(s[n]["oracle_seconds"][e] for e in later) for s in vals]),
-                "peak_memory_mib": _spread([s[n]["peak_memory_bytes"] / MiB for s in vals]),
-                "hit_rate_epoch3": _spread([s[n]["hit_rate_per_epoch"]["total"][e3] for s in vals]),
-                "reward": _spread([statistics.mean(r for r in s[n]["reward_per_epoch"] if r is not None)
-                                   for s in vals]),
-                "errors": sum(len(s[n]["errors"]) for s in vals), "epochs": later}
-            for n in names}
+    names: list[str] = []
+    for v in seeds.values():
+        names += [n for n in v if isinstance(v[n], dict) and "epoch_seconds" in v[n] and n not in names]
+    out = {}
+    for n in names:
+        vals = _with(seeds, n)
+        ran = lambda s, n=n: _common(s, later, n)  # noqa: E731
+        e3 = lambda s, n=n: min(2, len(s[n]["epoch_seconds"]) - 1)  # noqa: E731
+        out[n] = {
+            "epoch_seconds": _spread([statistics.mean(s[n]["epoch_seconds"][e] for e in ran(s)) for s in vals]),
+            "oracle_seconds": _spread([statistics.mean(s[n]["oracle_seconds"][e] for e in ran(s)) for s in vals]),
+            "median_rollout_seconds": _spread([statistics.mean(s[n]["median_rollout_seconds"][e] for e in ran(s))
+                                               for s in vals]),
+            "peak_memory_mib": _spread([s[n]["peak_memory_bytes"] / MiB for s in vals]),
+            "hit_rate_epoch3": _spread([s[n]["hit_rate_per_epoch"]["total"][e3(s)] for s in vals]),
+            "reward": _spread([statistics.mean(r for r in s[n]["reward_per_epoch"] if r is not None) for s in vals]),
+            "errors": sum(len(s[n]["errors"]) for s in vals), "epochs": sorted({e for s in vals for e in ran(s)}),
+            "seeds": len(vals)}
+    return out
 
 
 def placements(seeds: dict[int, dict[str, Any]], summ: dict[str, Any], epochs: int) -> dict[str, Any]:
@@ -367,7 +450,7 @@ def placements(seeds: dict[int, dict[str, Any]], summ: dict[str, Any], epochs: i
     for n, v in summ.items():
         kind, _, p = n.partition("@")
         if kind == "Spec":
-            stats = [s[n].get("speculation") or {} for s in seeds.values()]
+            stats = [s[n].get("speculation") or {} for s in seeds.values() if n in s]
             out.setdefault(p or DEFAULT_PLACEMENT, {
                 "config": n, "epoch_seconds": v["epoch_seconds"], "peak_memory_mib": v["peak_memory_mib"],
                 # chains launched, calls adopted and chains mismatched, over all epochs and seeds
@@ -400,7 +483,7 @@ def snapshot_policies(seeds: dict[int, dict[str, Any]], summ: dict[str, Any], ep
     for n, v in summ.items():
         kind, _, p = n.partition("@")
         if kind == "Full":
-            caches = [s[n].get("cache") or {} for s in seeds.values()]
+            caches = [s[n].get("cache") or {} for s in seeds.values() if n in s]
             out[p or DEFAULT_SNAPSHOT_POLICY] = {
                 "config": n, "epoch_seconds": v["epoch_seconds"], "peak_memory_mib": v["peak_memory_mib"],
                 "hit_rate_epoch3": v["hit_rate_epoch3"],
@@ -411,33 +494,134 @@ def snapshot_policies(seeds: dict[int, dict[str, Any]], summ: dict[str, Any], ep
     return out
 
 
+def _met(value: float, target: float, at_most: bool = False) -> bool:
+    return value <= target if at_most else value >= target
+
+
 def targets(seeds: dict[int, dict[str, Any]], epochs: int, share: str = "ksm") -> dict[str, Any]:
+    """The issue's targets with what was reached (printed, never asserted in a test). Speedups
+    are per seed: summed epoch times over epochs 2-5, Base's over Full's; the oracle is the
+    longest rollout's reasoning alone (the same decisions in every configuration)."""
     later = _later(epochs)
     out: dict[str, Any] = {}
-    vals = list(seeds.values())
-    if all(k in vals[0] for k in ("Base", "Full")):
-        out["full_speedup_vs_base"] = {**_spread([1 / x for x in _epoch_ratios(seeds, "Full", "Base", later)]),
-                                       "target": 1.2, "paper": 1.22, "epochs": later}
-        full_over_oracle = [statistics.mean(s["Full"]["epoch_seconds"][e] / max(s["Full"]["oracle_seconds"][e], 1e-9)
-                                            for e in later) for s in vals]
-        out["full_vs_oracle"] = {**_spread(full_over_oracle), "target_at_most": 1.25}
-        out["full_peak_memory_vs_base"] = {**_spread(_peak_ratios(seeds, "Full", "Base")), "target_at_most": 1.1,
-                                           "paper": 1.014}
+    bf = _with(seeds, "Base", "Full")
+    if bf:
+        def tot(s: dict[str, Any], n: str, key: str) -> float:
+            return sum(s[n][key][e] for e in _common(s, later, "Base", "Full"))
+
+        speed = [tot(s, "Base", "epoch_seconds") / tot(s, "Full", "epoch_seconds") for s in bf]
+        ceiling = [tot(s, "Base", "epoch_seconds") / tot(s, "Base", "oracle_seconds") for s in bf]
+        over_oracle = [tot(s, "Full", "epoch_seconds") / tot(s, "Full", "oracle_seconds") for s in bf]
+        removable = [(tot(s, "Base", "epoch_seconds") - tot(s, "Full", "epoch_seconds"))
+                     / max(tot(s, "Base", "epoch_seconds") - tot(s, "Base", "oracle_seconds"), 1e-9) for s in bf]
+        median = [tot(s, "Base", "median_rollout_seconds") / tot(s, "Full", "median_rollout_seconds") for s in bf]
+        per_epoch = [[round(s["Base"]["epoch_seconds"][e] / s["Full"]["epoch_seconds"][e], 3)
+                      for e in _common(s, later, "Base", "Full")] for s in bf]
+        sp = _spread(speed)
+        out["full_speedup_vs_base"] = {**sp, "target_mean": 1.2, "target_min_seed": 1.1, "paper": 1.22,
+                                       "met": sp["mean"] >= 1.2 and sp["min"] >= 1.1,
+                                       "epochs": [e + 1 for e in later], "per_epoch_per_seed": per_epoch,
+                                       "ceiling_base_over_oracle": _spread(ceiling),
+                                       "removable_share_removed": _spread(removable),
+                                       "median_rollout_speedup": _spread(median)}
+        fo = _spread(over_oracle)
+        out["full_vs_oracle"] = {**fo, "target_at_most": 1.25, "met": _met(fo["mean"], 1.25, True)}
+        rs = _spread(removable)
+        out["removable_share"] = {**rs, "target": 0.5, "met": _met(rs["mean"], 0.5)}
         e3 = min(2, epochs - 1)
-        out["full_hit_rate_epoch3"] = {**_spread([s["Full"]["hit_rate_per_epoch"]["total"][e3] for s in vals]),
-                                       "target": 0.65, "aim": 0.70, "epoch": e3 + 1}
-    if all(k in vals[0] for k in ("Base", "CRIU")):
+        h3 = _spread([s["Full"]["hit_rate_per_epoch"]["total"][e3] for s in bf])
+        through = _spread([min(s["Full"]["hit_rate_per_epoch"]["total"][e3:]) for s in bf])
+        out["full_hit_rate_epoch3"] = {**h3, "target": 0.65, "epoch": e3 + 1, "met": _met(h3["min"], 0.65)}
+        out["full_hit_rate_through_epoch5"] = {**through, "target": 0.60, "epochs": [e3 + 1, epochs],
+                                               "met": _met(through["min"], 0.60)}
+        pm = _spread(_peak_ratios(seeds, "Full", "Base"))
+        out["full_peak_memory_vs_base"] = {**pm, "target_at_most": 1.1, "paper": 1.014,
+                                           "met": _met(pm["max"], 1.1, True)}
+    bc = _with(seeds, "Base", "CRIU")
+    if bc:
         per_epoch = [[s["Base"]["peak_memory_bytes_per_epoch"][e] / max(s["CRIU"]["peak_memory_bytes_per_epoch"][e], 1)
-                      for s in vals] for e in range(epochs)]
+                      for s in bc if e < len(s["CRIU"]["epoch_seconds"])] for e in range(epochs)]
+        ratio = _spread(_peak_ratios(seeds, "Base", "CRIU"))
         out["base_peak_memory_vs_criu"] = {
-            **_spread(_peak_ratios(seeds, "Base", "CRIU")), "target_at_most": 0.6, "engine": share,
-            "per_epoch": [_spread(r) for r in per_epoch],
+            **ratio, "target_at_most": 0.6, "engine": share,
+            "per_epoch": [_spread(r) for r in per_epoch if r],
+            "met": _met(ratio["max"], 0.6, True) if "max" in ratio else None,
             **({"note": "the target is for cow in a guest; ksm merges the clones only as ksmd scans, "
                         "after the fork"} if share == "ksm" else {})}
-    if all(k in vals[0] for k in ("Base", "Spec")):
+    if _with(seeds, "Base", "Spec"):
         out["spec_speedup_vs_base"] = _spread([1 / x for x in _epoch_ratios(seeds, "Spec", "Base", later)])
-    out["rewards_identical"] = all(s["rewards_identical"] for s in vals)
+    out["rewards_identical"] = {"value": all(s["rewards_identical"] for s in seeds.values()),
+                                "met": all(s["rewards_identical"] for s in seeds.values())}
     return out
+
+
+def explain_misses(seeds: dict[int, dict[str, Any]], tg: dict[str, Any], epochs: int) -> list[str]:
+    """For every target missed, why: the critical path's phases (the last rollout's seconds per
+    kind) of Base and Full in each compared epoch, and the time-consuming phases all rollouts
+    summed."""
+    missed = [k for k, v in tg.items() if isinstance(v, dict) and v.get("met") is False]
+    if not missed:
+        return []
+    lines = [f"targets missed: {', '.join(missed)}; the critical path of each compared epoch "
+             "(the last rollout's seconds per phase, Base | Full), and Full's summed over all rollouts:"]
+    for k, s in seeds.items():
+        if "Base" not in s or "Full" not in s:
+            continue
+        for e in _common(s, _later(epochs), "Base", "Full"):
+            b, f = s["Base"]["phases_per_epoch"][e], s["Full"]["phases_per_epoch"][e]
+            if not b or not f:
+                continue
+            cp = "  ".join(f"{p} {b['critical_path'][p]:.1f}|{f['critical_path'][p]:.1f}" for p in PHASES
+                           if b["critical_path"].get(p) or f["critical_path"].get(p))
+            calls = f["critical_path_calls"]
+            lines.append(f"  seed {k} epoch {e + 1}: Base {s['Base']['epoch_seconds'][e]:.1f} s, Full "
+                         f"{s['Full']['epoch_seconds'][e]:.1f} s, oracle {s['Full']['oracle_seconds'][e]:.1f} s; "
+                         f"{cp}; Full's last rollout: {calls['real']} real calls, {calls['cache_hits']} hits, "
+                         f"{calls['spec_hits']} speculative")
+            lines.append("      Full, all rollouts: " + "  ".join(
+                f"{p} {f['all_rollouts'][p]:.1f}" for p in ("tool", "materialize", "post_wait", "sibling_wait",
+                                                            "spec_miss") if f["all_rollouts"].get(p)))
+    return lines
+
+
+def headline_estimate(seeds: dict[int, dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
+    """The headline's wall time, estimated from this run: per rollout step, the reasoning the
+    paper's regime prices plus the tool and wait time this run measured on the critical path,
+    scaled to the headline's size; compared with the 2-hour budget."""
+    size = meta["size"]
+    step_paper = meta["latency_model"].get("paper_step_seconds")
+    if step_paper is None or not any("Base" in s for s in seeds.values()):
+        return {}
+    nonreason, steps = [], []
+    for s in seeds.values():
+        for n in ("Base", "Full"):
+            for ph in s.get(n, {}).get("phases_per_epoch", []):
+                if not ph:
+                    continue
+                cp = ph["critical_path"]
+                calls = sum(ph["critical_path_calls"].values())
+                steps.append(calls + 1)
+                nonreason.append(sum(v for p, v in cp.items() if p != "reason"))
+    if not steps:
+        return {}
+    # Tool time on the path grows with the rollouts sharing the CPUs: the pessimistic bound
+    # scales it by the headline's rollouts per epoch over this run's.
+    measured = statistics.mean(len(s["Base"]["rewards_per_sample_per_epoch"][0]) for s in seeds.values() if "Base" in s)
+    scale = max(1.0, HEADLINE["rollouts"] / measured)
+    per_epoch = statistics.mean(steps) * step_paper + statistics.mean(nonreason)
+    worst_epoch = statistics.mean(steps) * step_paper + statistics.mean(nonreason) * scale
+    # Base and Full: 3 seeds x 5 epochs; Spec and CRIU: seed 0, 2 epochs; the constant
+    # exploration (Base, Full) at seed 0; the local regime (Base, Full) at seed 0, ~0.9 s steps.
+    local_epoch = statistics.mean(steps) * 0.9 + statistics.mean(nonreason)
+    epochs = 3 * 5 * 2 + 2 * 2 + 5 * 2
+    setup = 60.0 * (3 + 1 + 1)  # initialized workspaces per seed run (measured order: a minute)
+    total = epochs * per_epoch + 5 * 2 * local_epoch + setup
+    worst = epochs * worst_epoch + 5 * 2 * local_epoch * scale + setup
+    return {"epoch_seconds_estimate": round(per_epoch, 1), "epoch_seconds_pessimistic": round(worst_epoch, 1),
+            "epochs": epochs, "total_seconds": round(total), "total_seconds_pessimistic": round(worst),
+            "fits_2_hours": total <= 7200, "fits_2_hours_pessimistic": worst <= 7200,
+            "from": {"steps_per_rollout": round(statistics.mean(steps), 1),
+                     "non_reasoning_seconds_on_path": round(statistics.mean(nonreason), 1), "measured_size": size}}
 
 
 def plots(out: Path, seeds: dict[int, dict[str, Any]], epochs: int, share: str) -> list[str]:
@@ -463,6 +647,8 @@ def plots(out: Path, seeds: dict[int, dict[str, Any]], epochs: int, share: str) 
     def memory_chart(which: list[str], epoch: int, title: str, name: str) -> None:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for n in which:
+            if epoch >= len(series[n]["memory"]):
+                continue  # a configuration run in the first epochs only
             pts = series[n]["memory"][epoch]
             ax.plot([t for t, _ in pts], [b / MiB for _, b in pts], color=colors[n],
                     label=f"{n} (peak {max((b for _, b in pts), default=0) / MiB:.0f} MiB)")
@@ -479,6 +665,8 @@ def plots(out: Path, seeds: dict[int, dict[str, Any]], epochs: int, share: str) 
     for e in range(epochs):
         ax = axes[0][e]
         for n in names:
+            if e >= len(series[n]["running"]):
+                continue
             pts = series[n]["running"][e]
             ax.step([t for t, _ in pts], [k for _, k in pts], where="post", color=colors[n],
                     label=f"{n} ({first[n]['epoch_seconds'][e]:.0f} s)")
@@ -497,9 +685,10 @@ def plots(out: Path, seeds: dict[int, dict[str, Any]], epochs: int, share: str) 
         for kind, style in (("cache", "-"), ("speculation", "--"), ("total", ":")):
             if kind == "cache" and n != "Full":
                 continue
-            ys = [100 * statistics.mean(s[n]["hit_rate_per_epoch"][kind][e] for s in seeds.values())
-                  for e in range(epochs)]
-            ax.plot(xs, ys, style, marker="o", color=colors[n], label=f"{n} {kind}")
+            ran = [s for s in seeds.values() if n in s]
+            es = range(min(len(s[n]["hit_rate_per_epoch"][kind]) for s in ran))
+            ys = [100 * statistics.mean(s[n]["hit_rate_per_epoch"][kind][e] for s in ran) for e in es]
+            ax.plot(xs[:len(ys)], ys, style, marker="o", color=colors[n], label=f"{n} {kind}")
     ax.axhline(65, color="k", linewidth=0.5)
     ax.set_xticks(xs)
     ax.set_xlabel("epoch")
@@ -509,8 +698,10 @@ def plots(out: Path, seeds: dict[int, dict[str, Any]], epochs: int, share: str) 
     save(fig, "fig10_hit_rate.png")
     fig, ax = plt.subplots(figsize=(5.5, 3.5))
     for i, n in enumerate(names):
-        ys = [statistics.mean(s[n]["reward_per_epoch"][e] or 0.0 for s in seeds.values()) for e in range(epochs)]
-        ax.plot([x + 0.03 * i for x in xs], ys, marker="o", color=colors[n], label=n)
+        ran = [s for s in seeds.values() if n in s]
+        es = range(min(len(s[n]["reward_per_epoch"]) for s in ran))
+        ys = [statistics.mean(s[n]["reward_per_epoch"][e] or 0.0 for s in ran) for e in es]
+        ax.plot([x + 0.03 * i for x in xs[:len(ys)]], ys, marker="o", color=colors[n], label=n)
     ax.set_xticks(xs)
     ax.set_xlabel("epoch")
     ax.set_ylabel("mean reward")
@@ -523,7 +714,17 @@ def plots(out: Path, seeds: dict[int, dict[str, Any]], epochs: int, share: str) 
 
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="1 seed, code + shop, 3 samples x 3 epochs (CI)")
+    ap.add_argument("--quick", action="store_true",
+                    help="1 seed, code + shop, 3 samples x 3 epochs (CRIU and Spec 2), the local regime (CI)")
+    ap.add_argument("--regime", choices=sorted(REGIMES),
+                    help=f"paper: steps priced with {PAPER_IN_FLIGHT} requests in flight (the headline); local: "
+                         "with this configuration's own")
+    ap.add_argument("--exploration", choices=sorted(EXPLORATION),
+                    help="the exploration schedule over epochs (decaying: the headline's; constant: 0.08)")
+    ap.add_argument("--short-configs", help="configurations run only at --short-seeds and in the first "
+                                            "--short-epochs epochs (default CRIU,Spec in the headline)")
+    ap.add_argument("--short-epochs", type=int)
+    ap.add_argument("--short-seeds", help="comma-separated seeds the short configurations run at")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--seeds", type=int, help="run seeds 0..N-1")
     ap.add_argument("--seed", type=int, help="run this one seed only (merge such runs with --merge)")
@@ -540,19 +741,17 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--group-size", type=int)
     ap.add_argument("--epochs", type=int)
     ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--drift", type=float, default=AgentConfig.drift, help="added exploration per epoch")
-    ap.add_argument("--explore", type=float, default=AgentConfig.explore0, help="exploration at epoch 0")
     ap.add_argument("--cache-mib", type=int, default=1024, help="resident budget of Full's prefix cache")
     ap.add_argument("--spec-depth", type=int, default=2)
     ap.add_argument("--share-engine", default="ksm", help="fork engine of Base, Spec and Full (cow in a guest)")
     ap.add_argument("--slow-seconds", type=float, default=1.0, help="a call this slow is a 'slow tool'")
     a = ap.parse_args()
-    quick = {"seeds": 1, "families": "code,shop", "code_tasks": 1, "group_size": 3, "epochs": 3}
-    full = {"seeds": 3, "families": "code,shop,gui", "code_tasks": 2, "group_size": 4, "epochs": 3}
-    for k, v in (quick if a.quick else full).items():
-        if getattr(a, k) is None:
+    for k, v in (QUICK if a.quick else HEADLINE).items():
+        if hasattr(a, k) and getattr(a, k) is None:
             setattr(a, k, v)
     a.families = [f for f in a.families.split(",") if f]
+    a.short_configs = [c for c in a.short_configs.split(",") if c]
+    a.short_seeds = [int(x) for x in a.short_seeds.split(",") if x]
     a.configs = [c for c in a.configs.split(",") if c]
     extra = [p for p in a.placements.split(",") if p]
     if set(extra) - set(PLACEMENTS):
@@ -568,6 +767,41 @@ def parse() -> argparse.Namespace:
         ap.error(f"unknown configurations {bad}")
     a.seed_list = [a.seed] if a.seed is not None else list(range(a.seeds))
     return a
+
+
+def preamble(args: argparse.Namespace, model: LatencyModel, agent_cfg: AgentConfig) -> list[str]:
+    """The constants, with their citations, and the run's size, printed before the run."""
+    n_tasks = len(args.families) + (args.code_tasks - 1 if "code" in args.families else 0)
+    rollouts = n_tasks * args.group_size
+    cpus = os.cpu_count() or 1
+    fixed = REGIMES[args.regime]
+    tpot128 = model.tpot(PAPER_IN_FLIGHT)
+    return [
+        f"latency model: {model.describe()}",
+        f"regime {args.regime}: " + (
+            f"every step priced with {fixed} requests in flight (the paper's 128 rollouts on one H100), whatever "
+            f"this host runs. The table stops at {model.tpot_table[-1][0]} in flight: tpot({fixed}) = "
+            f"{tpot128 * 1e3:.1f} ms per output token is its linear extrapolation (the 16 -> 64 slope), not a "
+            f"measurement; a median step ({agent_cfg.output_median} output tokens) takes "
+            f"{model.seconds(200, agent_cfg.output_median, fixed):.1f} s" if fixed else
+            f"steps priced with this configuration's own requests in flight (at most {rollouts}); a median step "
+            f"takes {model.seconds(200, agent_cfg.output_median, rollouts):.2f} s with all in flight"),
+        f"exploration ({args.exploration}, fixed before any run): "
+        f"{', '.join(f'{x:g}' for x in agent_cfg.schedule)} in epochs 1-{len(agent_cfg.schedule)} (the last "
+        f"beyond); direction: {EXPLORATION_SOURCE}",
+        f"agent: output tokens median {agent_cfg.output_median} (sigma {agent_cfg.output_sigma}, max "
+        f"{agent_cfg.output_max})",
+        f"size: {n_tasks} tasks ({', '.join(args.families)}) x G={args.group_size} = {rollouts} rollouts per epoch, "
+        f"{args.epochs} epochs, seeds {args.seed_list}; configs {args.configs} (interleaved)"
+        + (f"; {', '.join(args.short_configs)} at seeds {args.short_seeds} in epochs 1-{args.short_epochs} only"
+           if args.short_configs else ""),
+        f"CPU oversubscription: {rollouts} rollouts on {cpus} hardware threads = {rollouts / cpus:.1f} per thread "
+        f"(the paper: {PAPER_ROLLOUTS_PER_THREAD} per thread)",
+        "targets (printed after the run, never asserted): Full >= 1.2x Base over epochs 2-5 (per seed, summed; the "
+        "mean over seeds, no seed below 1.1x); Full within 1.25x of the oracle; removable share >= 50%; hit rate "
+        ">= 65% by epoch 3 and >= 60% through epoch 5; Full's peak memory <= 1.1x Base's; Base's <= 0.6x CRIU's "
+        "(cow); rewards identical across Base, Spec and Full",
+    ]
 
 
 def finish(out: Path, seeds: dict[int, dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
@@ -595,8 +829,18 @@ def finish(out: Path, seeds: dict[int, dict[str, Any]], meta: dict[str, Any]) ->
               f"errors {v['errors']}")
     print("placements: " + json.dumps(result["placements"]))
     print("snapshot policies: " + json.dumps(result["snapshot_policies"]))
-    print("targets (reached vs target):")
+    print("targets (reached vs target; printed, never asserted):")
     print(json.dumps(tg, indent=1))
+    for line in explain_misses(seeds, tg, epochs):
+        print(line)
+    est = headline_estimate(seeds, meta)
+    result["headline_estimate"] = est
+    (out / "agent_rollouts.json").write_text(json.dumps(result, indent=1))
+    if est:
+        print(f"headline wall time, estimated from this run ({est['from']}): {est['epoch_seconds_estimate']} s per "
+              f"epoch ({est['epoch_seconds_pessimistic']} s if tool time grows with the rollouts per CPU), "
+              f"{est['epochs']} paper-regime epochs: {est['total_seconds']} s ({est['total_seconds_pessimistic']} s); "
+              f"within 2 hours: {est['fits_2_hours']} ({est['fits_2_hours_pessimistic']})")
     return result
 
 
@@ -629,26 +873,30 @@ async def main() -> int:
     if args.merge:
         return merge(args.merge, args.out)
     model = DEFAULT_LATENCY
-    agent_cfg = AgentConfig(explore0=args.explore, drift=args.drift)
+    agent_cfg = AgentConfig(schedule=EXPLORATION[args.exploration])
     args.out.mkdir(parents=True, exist_ok=True)
     store = args.out / "prefix-store"
     shutil.rmtree(store, ignore_errors=True)
-    print(f"latency model: {model.describe()}")
-    print(f"agent: explore {agent_cfg.explore0} + drift {agent_cfg.drift} x epoch; output tokens median "
-          f"{agent_cfg.output_median} (sigma {agent_cfg.output_sigma}, max {agent_cfg.output_max}); seeds "
-          f"{args.seed_list}; families {args.families}; configs {args.configs} (interleaved)", flush=True)
+    for line in preamble(args, model, agent_cfg):
+        print(line, flush=True)
     t0 = time.monotonic()
     seeds: dict[int, dict[str, Any]] = {}
     for seed in args.seed_list:
         seeds[seed] = await run_seed(seed, args, agent_cfg, model, store)
     shutil.rmtree(store, ignore_errors=True)
     meta = {
-        "latency_model": {**dataclasses.asdict(model), "formula": model.describe()},
-        "agent": dataclasses.asdict(agent_cfg),
+        "latency_model": {**dataclasses.asdict(model), "formula": model.describe(), "regime": args.regime,
+                          "in_flight": REGIMES[args.regime],
+                          "paper_tpot_seconds": round(model.tpot(PAPER_IN_FLIGHT), 5),
+                          "paper_step_seconds": round(model.seconds(200, agent_cfg.output_median, PAPER_IN_FLIGHT), 3),
+                          "extrapolated_beyond": model.tpot_table[-1][0]},
+        "agent": {**dataclasses.asdict(agent_cfg), "exploration": args.exploration,
+                  "exploration_source": EXPLORATION_SOURCE},
         "share_engine": args.share_engine,
         "size": {"seeds": args.seed_list, "families": args.families, "code_tasks": args.code_tasks,
                  "group_size": args.group_size, "epochs": args.epochs, "quick": args.quick,
-                 "configs": args.configs},
+                 "configs": args.configs, "short_configs": args.short_configs, "short_epochs": args.short_epochs,
+                 "short_seeds": args.short_seeds},
         "host": {"cpus": os.cpu_count(), "load_average": os.getloadavg()},
         "wall_seconds": round(time.monotonic() - t0, 1),
     }

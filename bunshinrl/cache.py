@@ -68,11 +68,21 @@ class ToolPrefixCache:
     capture freezes the sample's workspace, so it is paid on the sample's path whenever it
     outlasts the next reasoning step, while a replay runs beside reasoning (a prefetch).
     background=False persists states synchronously (deterministic tests).
+
+    The critical path decides when a capture may start (complete(reasoning=, revisit=)): a
+    capture freezes the sample's workspace, so it starts only when the predicted reasoning step
+    that follows outlasts the predicted capture (capture_seconds, measured); otherwise the state
+    stays uncaptured until a second visitor's warm workspace reaches it (claim_capture). A state
+    no other sample is expected to revisit (revisit=False: an off-tree straggler) is not captured.
+    persist_between_epochs=True queues persistence until flush_persistence(), which the engine
+    calls once the epoch's last rollout has finished (the trainer's update phase); the queue is
+    flushed at once only when resident states exceed the budget, as eviction needs copies on disk.
     """
 
     def __init__(self, backend: StateBackend[Any], capacity_bytes: int, *, guard: DeterminismGuard | None = None,
                  snapshot_every: int = 1, snapshot_slower_than: float | None = None,
-                 snapshot_policy: SnapshotPolicy = "depth", background: bool = True) -> None:
+                 snapshot_policy: SnapshotPolicy = "depth", background: bool = True,
+                 persist_between_epochs: bool = False) -> None:
         if snapshot_every < 1:
             raise ValueError("snapshot_every must be >= 1")
         if snapshot_policy not in ("depth", "cost"):
@@ -80,6 +90,8 @@ class ToolPrefixCache:
         self.snapshot_policy = snapshot_policy
         # A first guess until captures are measured: about what one of a small workspace takes here.
         self.capture_seconds = 0.5
+        # Per task as well: a desktop with a browser takes seconds to capture, a shell workspace less.
+        self._capture_by_task: dict[str, float] = {}
         self.backend = backend
         self.tree = PrefixTree()
         self.lru = AncestorLRU(capacity_bytes)
@@ -91,10 +103,15 @@ class ToolPrefixCache:
         # One writer keeps persists in insertion order, so a parent's delta exists before its child's.
         self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bunshinrl-persist") if background else None
         self._jobs: set[Future[Any]] = set()
+        self.persist_between_epochs = persist_between_epochs
+        self._deferred: list[tuple[Node, Any, bool]] = []
         self.fork_seconds = 0.15
         self.load_seconds_per_byte = 1 / 150e6
         self.counters = {"hits": 0, "misses": 0, "forks": 0, "loads": 0, "replayed_calls": 0,
-                         "persisted": 0, "evicted": 0, "persist_failures": 0}
+                         "persisted": 0, "evicted": 0, "persist_failures": 0,
+                         # captures declined because they would outlast the next reasoning step,
+                         # because no second visitor was expected, and taken for a second visitor
+                         "captures_off_path": 0, "captures_not_revisited": 0, "captures_on_demand": 0}
 
     # ---- roots and lookups ----
 
@@ -155,16 +172,26 @@ class ToolPrefixCache:
         with self._lock:
             existing = self.tree.child(parent, call)
             if existing is not None:
+                existing.hits += 1  # a second visitor, though it runs the call itself
                 return existing, False
             node = self.tree.add_child(parent, call)
             self.lru.touch(node)
             return node, True
 
-    def should_capture(self, node: Node) -> bool:
+    def should_capture(self, node: Node, reasoning: float | None = None, revisit: bool = True) -> bool:
+        """Capture `node`'s state after its call? reasoning: the predicted seconds of the reasoning
+        step that follows (None: unknown); revisit: whether another sample is expected there."""
         if node.parent is None:
             return True
+        if not revisit:
+            self.counters["captures_not_revisited"] += 1
+            return False
+        capture = self.capture_estimate(node.task_id)
+        if reasoning is not None and capture > reasoning:
+            self.counters["captures_off_path"] += 1
+            return False
         if self.snapshot_policy == "cost":
-            return self.replay_seconds(node) >= self.capture_seconds
+            return self.replay_seconds(node) >= capture
         if self.snapshot_every == 1 or node.depth % self.snapshot_every == 0:
             return True
         return self.snapshot_slower_than is not None and node.exec_seconds >= self.snapshot_slower_than
@@ -180,22 +207,49 @@ class ToolPrefixCache:
                 a = a.parent
             return total
 
-    def note_capture(self, seconds: float) -> None:
+    def note_capture(self, seconds: float, task_id: str | None = None) -> None:
         """How long a capture of a sample's workspace took (the cost policy weighs it)."""
         with self._lock:
             self.capture_seconds = _ewma(self.capture_seconds, seconds)
+            if task_id is not None:
+                self._capture_by_task[task_id] = _ewma(self._capture_by_task.get(task_id, seconds), seconds)
 
-    def complete(self, node: Node, observation: str, exec_seconds: float) -> bool:
-        """Record the observation; True when the caller should capture the state and attach() it."""
+    def capture_estimate(self, task_id: str | None = None) -> float:
+        """A capture's predicted seconds: the task's measured history, else every task's."""
+        with self._lock:
+            return self._capture_by_task.get(task_id, self.capture_seconds) if task_id else self.capture_seconds
+
+    def complete(self, node: Node, observation: str, exec_seconds: float, *, reasoning: float | None = None,
+                 revisit: bool = True) -> bool:
+        """Record the observation; True when the caller should capture the state and attach() it
+        (see should_capture for reasoning and revisit)."""
         with self._lock:
             node.exec_seconds = exec_seconds
-            capture = self.should_capture(node)
+            capture = self.should_capture(node, reasoning, revisit)
             if capture:
                 node.capturing = Future()
             else:
                 node.sparse = True
         node.result.set_result(observation)
         return capture
+
+    def claim_capture(self, node: Node, reasoning: float | None) -> bool:
+        """A second visitor holds a live workspace in `node`'s uncaptured state: True when it
+        should capture it now (the caller then attach()es the result), which it does only when
+        the predicted reasoning step outlasts a capture and the cost policy wants the state."""
+        with self._lock:
+            if node.removed or node.resident or node.disk_ref is not None or not node.done or \
+                    (node.capturing is not None and not node.capturing.done()):
+                return False
+            capture = self.capture_estimate(node.task_id)
+            if reasoning is not None and capture > reasoning:
+                return False
+            if self.snapshot_policy == "cost" and self.replay_seconds(node) < capture:
+                return False
+            node.capturing = Future()
+            node.sparse = False
+            self.counters["captures_on_demand"] += 1
+            return True
 
     def abandon(self, node: Node, error: BaseException) -> None:
         """The call that was to create `node` failed: forget it; waiting samples see `error`."""
@@ -221,7 +275,7 @@ class ToolPrefixCache:
                 self.lru.add(node, payload, size)
                 if self.backend.persists and node.disk_ref is None:
                     node.pins += 1
-                    self._submit(self._persist, node, payload, False)
+                    self._queue_persist(node, payload, False)
             elif self.backend.persists and node.disk_ref is None:
                 # Its ancestors are not resident (or it alone exceeds the budget): keep it on disk only.
                 persist_only = True
@@ -229,12 +283,38 @@ class ToolPrefixCache:
                 victims.append((node, payload))
             victims += self._evict_locked()
         if persist_only:
-            self._submit(self._persist, node, payload, True)
+            self._queue_persist(node, payload, True)
         elif payload is not None and node.removed:
             self.backend.release(payload)
         if node.capturing is not None and not node.capturing.done():
             node.capturing.set_result(None)
         self._release(victims)
+        with self._lock:
+            # Eviction needs copies on disk: over budget, the deferred persists cannot wait.
+            over = bool(self._deferred) and self.lru.resident_bytes > self.lru.capacity
+        if over:
+            self.flush_persistence()
+
+    def _queue_persist(self, node: Node, payload: Any, release_after: bool) -> None:
+        if self.persist_between_epochs and self._bg is not None:
+            with self._lock:
+                self._deferred.append((node, payload, release_after))
+            return
+        self._submit(self._persist, node, payload, release_after)
+
+    def flush_persistence(self) -> int:
+        """Start every deferred persist (in order, on the cache's one writer); returns how many."""
+        with self._lock:
+            queued, self._deferred = self._deferred, []
+        for node, payload, release_after in queued:
+            self._submit(self._persist, node, payload, release_after)
+        return len(queued)
+
+    @property
+    def persistence_pending(self) -> int:
+        """Persists deferred or still running."""
+        with self._lock:
+            return len(self._deferred) + len(self._jobs)
 
     def _persist(self, node: Node, payload: Any, release_after: bool) -> None:
         with self._lock:
@@ -435,7 +515,8 @@ class ToolPrefixCache:
         self._release(victims)
 
     def drain(self) -> None:
-        """Wait for queued persists and releases."""
+        """Start the deferred persists and wait for them and every queued release."""
+        self.flush_persistence()
         while True:
             with self._lock:
                 jobs = list(self._jobs)
@@ -471,6 +552,7 @@ class ToolPrefixCache:
                 "disk_stored_bytes": sum(n.disk_bytes for n in nodes),
                 "captured": sum(not n.sparse for n in nodes),
                 "capture_seconds": round(self.capture_seconds, 3),
+                "persist_deferred": len(self._deferred),
             }
 
     def check(self) -> list[str]:

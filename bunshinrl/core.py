@@ -20,6 +20,20 @@ is served, in order, by a speculative branch that predicted exactly it (adopted)
 cache (skipped: the recorded observation, the sample moves to the child node and drops its
 workspace), or run for real from the state of the last call served (a miss: the branch is rolled
 back, or the cached state is materialised by a fork, a disk load or a replay).
+
+The critical path (paper Fig. 3, adapted to engines whose capture is not free):
+- A sample served from the cache keeps a warm workspace behind it: the workspace it held is
+  brought to the new state in the background while the policy reasons (the skipped call
+  replayed on it, or a fork of the state when that is cheaper), so a later miss adopts it
+  without a fork on its path. Every sample's root state is prefetched the same way, as Base
+  overlaps its group's fork with the first reasoning step.
+- A state is captured after its call only when the reasoning step that follows is predicted to
+  outlast the capture (RolloutCore.reasoning, ToolPrefixCache.capture_seconds) and another
+  sample is expected to come by (an off-tree straggler's states are not captured unless the
+  selector predicts the call); a second visitor's warm workspace captures a state that was not.
+  A misprediction is paid as post_wait on the sample's path.
+- When a cached path ends (the node has no children: the next call is likely a miss) and the
+  selector predicts a chain, the chain is speculated on the warm workspace.
 """
 
 from __future__ import annotations
@@ -41,7 +55,8 @@ from .cache import ReplayDiverged, ToolPrefixCache
 from .guard import DeterminismGuard
 from .metrics import WorkspaceRegistry
 from .policy import SampleContext, Step
-from .selector import SelectorReport, Trajectory, train_selector
+from .reasoning import ReasoningClock
+from .selector import SelectorContext, SelectorReport, Trajectory, train_selector
 from .signature import ToolCall, template_digest
 from .speculator import SpecHit, SpeculativeBranch, Speculator
 from .tail import TailPolicy
@@ -65,8 +80,9 @@ class Live:
 
 @dataclass
 class Settling:
-    ws: Workspace | None  # None: the sample's first fork is still under way
+    ws: Workspace | None  # None: the sample's first fork (or its warm workspace) is still under way
     task: asyncio.Future[Live | Speculating]
+    kind: str = "post_wait"  # what a wait for it is counted as on the sample's path
 
 
 @dataclass
@@ -95,13 +111,20 @@ class RolloutCore:
     the tail policy and the memory engine; the workspaces alive right now (memory sampling),
     background work, and every finished trajectory (the selector's training data).
 
-    cache=None and speculator=None is plain memory sharing (Base).
+    cache=None and speculator=None is plain memory sharing (Base). prefetch: warm workspaces
+    behind cache hits and the root prefetched (see the module doc); reasoning: what predicts the
+    next reasoning step (default: the steps seen). Build one with bunshinrl.wiring.build_core.
     """
 
     def __init__(self, *, cache: ToolPrefixCache | None = None, speculator: Speculator | None = None,
                  guard: DeterminismGuard | None = None, tail: TailPolicy | None = None, memory: str = "auto",
-                 prefetch: bool = True, keep_initial: bool = False, overlap_fork: bool = False) -> None:
+                 prefetch: bool = True, keep_initial: bool = False, overlap_fork: bool = False,
+                 reasoning: ReasoningClock | None = None, critical_path_captures: bool = True) -> None:
         self.cache = cache
+        self.reasoning = reasoning or ReasoningClock()
+        # False: the cache's policy alone decides a capture, whatever the reasoning step or the
+        # revisits expected (the Ray hosts: replication ships the states captured).
+        self.critical_path_captures = critical_path_captures
         self.speculator = speculator
         self.guard = guard or (cache.guard if cache is not None else None) or DeterminismGuard()
         if cache is not None and cache.guard is not self.guard:
@@ -129,6 +152,7 @@ class RolloutCore:
         self._roots: dict[tuple[str, str], Future[Node]] = {}
         self._groups: dict[tuple[str, str], _Group] = {}
         self._counters = {"rollouts": 0, "forks": 0}
+        self._snapshot_s: dict[str, float] = {}  # per task: a snapshot's measured seconds (EWMA)
 
     # ---- starting samples ----
 
@@ -322,6 +346,29 @@ class RolloutCore:
         """Every workspace the core holds now, speculative forks included (memory sampling)."""
         return self.workspaces.snapshot() + (self.speculator.workspaces.snapshot() if self.speculator else [])
 
+    def note_snapshot(self, task_id: str, seconds: float) -> None:
+        """How long a snapshot of one of the task's workspaces took (a capture or speculation's)."""
+        with self._lock:
+            old = self._snapshot_s.get(task_id, seconds)
+            self._snapshot_s[task_id] = 0.7 * old + 0.3 * seconds
+
+    def snapshot_estimate(self, task_id: str) -> float | None:
+        with self._lock:
+            return self._snapshot_s.get(task_id)
+
+    def worth_a_snapshot(self, task_id: str) -> bool:
+        """Whether a snapshot started now is predicted to finish within the reasoning step: a
+        speculative chain that needs one is not started otherwise (it would be waited for).
+        Only with a model of the server (ReasoningClock(model=...)): the steps seen are a low
+        quantile, meant for captures, and would stop most speculation on short steps."""
+        if self.reasoning.model is None:
+            return True
+        predicted, snap = self.reasoning.predict(), self.snapshot_estimate(task_id)
+        ok = predicted is None or snap is None or snap <= predicted
+        if not ok and self.speculator is not None:
+            self.speculator.stats["declined_off_path"] = self.speculator.stats.get("declined_off_path", 0) + 1
+        return ok
+
     # ---- background work ----
 
     def _background(self, aw: Any) -> asyncio.Future[Any]:
@@ -336,12 +383,35 @@ class RolloutCore:
 
     async def drain(self) -> None:
         """Wait for every background capture, teardown and persist."""
+        await self.drain_rollouts()
+        if self.cache is not None:
+            await run_blocking(self.cache.drain)
+
+    async def drain_rollouts(self) -> None:
+        """Wait for the rollouts' background work (captures, teardowns, discarded branches), not
+        for the cache's persistence."""
         while self._bg:
             await asyncio.gather(*list(self._bg), return_exceptions=True)
         if self.speculator is not None:
             await self.speculator.drain()
-        if self.cache is not None:
-            await run_blocking(self.cache.drain)
+
+    def start_persistence(self) -> Future[float] | None:
+        """Start the cache's deferred persists (the gap between epochs); a future of the seconds
+        they took, None without a cache."""
+        if self.cache is None:
+            return None
+        cache = self.cache
+        fut: Future[float] = Future()
+
+        def work() -> None:
+            t = time.monotonic()
+            try:
+                cache.drain()
+            finally:
+                fut.set_result(time.monotonic() - t)
+
+        threading.Thread(target=work, name="bunshinrl-persist-epoch", daemon=True).start()
+        return fut
 
     async def close(self) -> None:
         """Drain, then release the initialized snapshots keep_initial kept."""
@@ -385,8 +455,11 @@ class Rollout:
         self.forked_from: str | None = None
         self._group = group
         self._lock: asyncio.Lock | None = None
-        if isinstance(self.state, Idle):
-            self._prefetch(None)
+        self._returned: float | None = None  # when the last call returned (reasoning steps)
+        self._decision: int | None = None
+        if isinstance(self.state, Idle) and core.prefetch and core.cache is not None and node is not None:
+            # The root is always prefetched, as Base forks its group while the first step is reasoned.
+            self.state.shadow = asyncio.ensure_future(self._rebuild(node))
 
     def now(self) -> float:
         return time.monotonic() - self.origin
@@ -410,6 +483,9 @@ class Rollout:
     async def call(self, call: ToolCall, decision: int | None = None) -> str:
         """Run one tool call and return its observation. decision: the history length when the
         model made the decision issuing it (parallel calls share one); default: now."""
+        if self._returned is not None and (decision is None or decision != self._decision):
+            self.core.reasoning.note(time.monotonic() - self._returned)
+        self._decision = decision
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
@@ -420,6 +496,7 @@ class Rollout:
             self.history.append(step)
             self.served.append(self._served)
             self.timeline.steps.append(step)
+            self._returned = time.monotonic()
             return step.observation
 
     async def finish(self, answer: str | None = None) -> float | None:
@@ -472,10 +549,10 @@ class Rollout:
 
     async def _settle(self) -> None:
         if isinstance(self.state, Settling):
-            t = self.now()
+            t, kind = self.now(), self.state.kind
             self.state = await self.state.task
             if self.now() - t > 0.001:
-                self.timeline.add("post_wait", t, self.now())
+                self.timeline.add(kind, t, self.now())
 
     async def _step(self, call: ToolCall) -> str:
         tl, core = self.timeline, self.core
@@ -527,30 +604,88 @@ class Rollout:
         assert isinstance(self.state, Live)
         return self.state.ws
 
-    def _drop_workspace(self) -> asyncio.Task[Workspace] | None:
-        """The sample is moving to a cached state: whatever it holds goes (in the background);
-        a shadow rebuild is kept for the caller to reuse or drop."""
-        st = self.state
-        if isinstance(st, Speculating):
-            self.core._background(self._close_and_destroy(st.branch))
-        elif isinstance(st, Live):
-            self.core._background(self.core._destroy(st.ws))
-        return st.shadow if isinstance(st, Idle) else None
-
     async def _serve_from_cache(self, call: ToolCall, tool: Tool, child: Node) -> str | None:
         t = self.now()
+        running = not child.result.done()
         try:
             obs = await asyncio.wrap_future(child.result)  # another sample may still be running it
         except Exception:
             return None  # that execution failed; run it ourselves
         if self.core.guard.should_audit():
             return await self._audit(call, tool, child, obs)
-        self.timeline.add("cache_hit", t, self.now(), call.key)
+        # Waiting for a sibling's call still running skipped no work of this sample's own: it is
+        # counted apart from the hits that did (and not toward the hit rate).
+        self.timeline.add("sibling_wait" if running else "cache_hit", t, self.now(), call.key)
         self._served = "cache"
-        self.state = Idle(self._drop_workspace())
-        parent, self.node = self.node, child
-        self._prefetch(parent)
+        self._move_to(call, child)
         return obs
+
+    def _move_to(self, call: ToolCall, child: Node) -> None:
+        """The sample moves to a cached state. Without prefetch its workspace goes; with it, the
+        workspace is kept warm: brought to the child's state in the background (a replay of the
+        skipped call, or a fork of the child's state when that is cheaper), and at the tree's
+        frontier a predicted chain is speculated on it."""
+        st, self.node = self.state, child
+        cache = self.core.cache
+        assert cache is not None
+        if not self.core.prefetch:
+            if isinstance(st, Speculating):
+                self.core._background(self._close_and_destroy(st.branch))
+            elif isinstance(st, Live):
+                self.core._background(self.core._destroy(st.ws))
+            elif isinstance(st, Idle):
+                self._discard_shadow(st.shadow)
+            self.state = Idle()
+            return
+        prev: asyncio.Future[Workspace] | None = None
+        if isinstance(st, Live):
+            prev = asyncio.get_running_loop().create_future()
+            prev.set_result(st.ws)
+        elif isinstance(st, Speculating):
+            prev = asyncio.ensure_future(self._close_branch(st.branch))
+        elif isinstance(st, Idle):
+            prev = st.shadow
+        try:
+            plan_s = cache.plan(child).seconds + cache.fork_seconds
+        except LookupError:
+            plan_s = float("inf")
+        if prev is not None and child.exec_seconds <= plan_s:
+            warm = asyncio.ensure_future(self._extend_shadow(prev, child))
+        else:
+            self._discard_shadow(prev)
+            warm = asyncio.ensure_future(self._rebuild(child))
+        self.state = Idle(warm)
+        if self.core.speculator is not None and not child.children:
+            chain = self.core.speculator.predict(self.task.id, self.ctx.sample, [h.call for h in self.history] + [call],
+                                                 self.tools, real_calls=self.timeline.count("tool"))
+            if chain and self.core.worth_a_snapshot(self.task.id):
+                self.state = Settling(None, asyncio.ensure_future(self._speculate_on(warm, chain)), "materialize")
+
+    async def _close_branch(self, branch: SpeculativeBranch) -> Workspace:
+        return self.core.workspaces.add(await branch.close())
+
+    async def _speculate_on(self, warm: asyncio.Future[Workspace], chain: list[ToolCall]) -> Live | Speculating:
+        """Speculation at the tree's frontier: the chain runs on the sample's warm workspace."""
+        try:
+            ws = await warm
+        except ReplayDiverged as e:
+            self.timeline.errors.append(str(e))
+            self.node = None
+            ws = e.workspace
+        except Exception as e:
+            self.timeline.errors.append(f"prefetch failed: {e!r}")
+            assert self.core.cache is not None and self.node is not None
+            ws = self.core.workspaces.add(await self.core.cache.materialize(self.node, self.tools))
+        await self._note_fork(ws)
+        assert self.core.speculator is not None
+        try:
+            branch = await self.core.speculator.launch(ws, chain, self.tools)
+        except Exception as e:
+            self.timeline.errors.append(f"speculation not started: {e!r}")
+            return Live(ws)
+        self.branches.append(branch)
+        self.core.workspaces.discard(ws)  # held by the branch now
+        return Speculating(branch)
 
     async def _audit(self, call: ToolCall, tool: Tool, child: Node, recorded: str) -> str:
         """Re-execute a hit from its parent state; the policy gets the fresh observation."""
@@ -610,10 +745,33 @@ class Rollout:
         took = self.now() - t
         tl.add("tool", t, t + took, call.key)
         core.tail.record_call(call, took)
-        capture = created and core.cache.complete(node, obs, took)  # type: ignore[union-attr,arg-type]
+        capture = created and core.cache.complete(  # type: ignore[union-attr]
+            node, obs, took, **self._capture_context(node))  # type: ignore[arg-type]
         self.node = node
         self._after_real_call(call, node if capture else None)
         return obs
+
+    def _capture_context(self, node: Node) -> dict[str, Any]:
+        """What the cache weighs a capture of `node` with: the next step's predicted reasoning and
+        whether another sample is expected there."""
+        if not self.core.critical_path_captures:
+            return {"reasoning": None, "revisit": True}
+        return {"reasoning": self.core.reasoning.predict(), "revisit": self._revisit_expected(node)}
+
+    def _revisit_expected(self, node: Node) -> bool:
+        """Will another sample come by `node`? Yes below the root and where its parent had a
+        visitor besides its creator; on a path only this sample took (an off-tree straggler),
+        only when the selector predicts the call from the parent's state."""
+        parent = node.parent
+        if parent is None or parent.parent is None or parent.hits > 0:
+            return True
+        spec = self.core.speculator
+        sel = spec.selector if spec is not None else None
+        if sel is None or not hasattr(sel, "classes_") or node.call is None:
+            return False
+        calls = tuple(h.call for h in self.history if h.call.name != REWARD_TOOL)
+        top = sel.top_k(SelectorContext(self.task.id, calls), 1)
+        return bool(top) and top[0][0] == node.call.key and top[0][1] >= 0.5
 
     def _after_real_call(self, call: ToolCall, capture: Node | None) -> None:
         """Capture the new state for the cache and/or start speculating, while the policy reasons."""
@@ -622,6 +780,8 @@ class Rollout:
         calls = [h.call for h in self.history] + [call]
         chain = core.speculator.predict(self.task.id, self.ctx.sample, calls, self.tools,
                                         real_calls=self.timeline.count("tool")) if core.speculator else []
+        if chain and not core.worth_a_snapshot(self.task.id):
+            chain = []
         if capture is None and not chain:
             return
         ws = self.state.ws
@@ -632,8 +792,9 @@ class Rollout:
         try:
             t = time.monotonic()
             snap = await SharedSnapshot.take_async(ws, core.memory)
+            core.note_snapshot(self.task.id, time.monotonic() - t)
             if capture is not None and core.cache is not None:
-                core.cache.note_capture(time.monotonic() - t)
+                core.cache.note_capture(time.monotonic() - t, self.task.id)
         except Exception as e:
             self.timeline.errors.append(f"capture failed: {e!r}")
             if capture is not None and core.cache is not None:
@@ -663,7 +824,8 @@ class Rollout:
         capture = None
         if core.cache is not None and self.node is not None:
             node, created = core.cache.begin(self.node, call)
-            if created and core.cache.complete(node, hit.observation, hit.exec_seconds):
+            if created and core.cache.complete(node, hit.observation, hit.exec_seconds,
+                                               **self._capture_context(node)):
                 if branch.exhausted:
                     capture = node  # captured below, from the adopted workspace
                 else:
@@ -683,44 +845,19 @@ class Rollout:
 
     # ---- rebuilding cached states ahead of a miss ----
 
-    def _prefetch(self, parent: Node | None) -> None:
-        """Start rebuilding the state of the sample's node while its policy reasons, when the next
-        call will probably miss there: the node is a leaf that an earlier batch of rollouts left
-        behind, or a task's root that has no calls below it yet.
-
-        Rebuilding is a fork (plus a disk load or a replay for a state not in memory), so doing it
-        for every hit would waste most of them: a node with children, or one a sibling made in
-        this batch (it is likely just ahead and about to add the next call), is rebuilt only on
-        an actual miss.
-        """
-        cache = self.core.cache
-        assert isinstance(self.state, Idle)
-        if not self.core.prefetch or cache is None or self.node is None:
-            return
-        node = self.node
-        # A fresh root has no children either, and every sample of the group leaves it with a
-        # fork as Base would: start that fork while the first step is being reasoned.
-        likely_miss = not node.children and (node.created < self.origin or node.parent is None)
-        old, self.state.shadow = self.state.shadow, None
-        if not likely_miss:
-            self._discard_shadow(old)
-            return
-        if old is not None and parent is not None and node.parent is parent and not node.resident and \
-                node.exec_seconds <= cache.plan(node).seconds:
-            self.state.shadow = asyncio.ensure_future(self._extend_shadow(old, node))
-            return
-        self._discard_shadow(old)
-        self.state.shadow = asyncio.ensure_future(self._rebuild(node))
-
     async def _rebuild(self, node: Node) -> Workspace:
         assert self.core.cache is not None
+        t = time.monotonic()
         try:
-            return self.core.workspaces.add(await self.core.cache.materialize(node, self.tools))
+            ws = self.core.workspaces.add(await self.core.cache.materialize(node, self.tools))
         except ReplayDiverged as e:
             self.core.workspaces.add(e.workspace)
             raise
+        await self._capture_for_second_visitor(ws, node, t)
+        return ws
 
-    async def _extend_shadow(self, previous: asyncio.Task[Workspace], node: Node) -> Workspace:
+    async def _extend_shadow(self, previous: asyncio.Future[Workspace], node: Node) -> Workspace:
+        t = time.monotonic()
         ws = await previous
         assert self.core.cache is not None
         try:
@@ -730,7 +867,31 @@ class Rollout:
         except BaseException:
             await self.core._destroy(ws)
             raise
+        await self._capture_for_second_visitor(ws, node, t)
         return ws
+
+    async def _capture_for_second_visitor(self, ws: Workspace, node: Node, since: float) -> None:
+        """This warm workspace is a second visitor's copy of `node`'s state: capture it when the
+        cache wants it and what is left of the reasoning step is predicted to outlast a capture."""
+        cache = self.core.cache
+        assert cache is not None
+        predicted = self.core.reasoning.predict()
+        left = None if predicted is None else predicted - (time.monotonic() - since)
+        if node.parent is None or not cache.claim_capture(node, left):
+            return
+        try:
+            t = time.monotonic()
+            snap = await SharedSnapshot.take_async(ws, self.core.memory)
+            self.core.note_snapshot(self.task.id, time.monotonic() - t)
+            cache.note_capture(time.monotonic() - t, self.task.id)
+        except Exception as e:
+            self.timeline.errors.append(f"capture failed: {e!r}")
+            cache.attach(node, None)
+            return
+        try:
+            cache.attach(node, snap.acquire())
+        finally:
+            await snap.release_async()
 
     def _discard_shadow(self, shadow: asyncio.Task[Workspace] | None) -> None:
         if shadow is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 from .cache import ToolPrefixCache
 from .core import Rollout, RolloutCore
@@ -23,6 +24,7 @@ from .speculator import Speculator
 from .tail import TailPolicy
 from .task import Task
 from .timeline import EpochResult
+from .wiring import CoreConfig, build_core
 
 
 class RolloutEngine:
@@ -39,10 +41,15 @@ class RolloutEngine:
                  memory_interval: float = 0.25, prefetch: bool = True, keep_initial: bool = False,
                  overlap_fork: bool = False, core: RolloutCore | None = None) -> None:
         self.policy = policy
-        self.core = core or RolloutCore(cache=cache, speculator=speculator, guard=guard, tail=tail, memory=memory,
-                                        prefetch=prefetch, keep_initial=keep_initial, overlap_fork=overlap_fork)
+        self.core = core or build_core(CoreConfig(memory=memory, prefetch=prefetch, keep_initial=keep_initial,
+                                                  overlap_fork=overlap_fork),
+                                       cache=cache, speculator=speculator, guard=guard, tail=tail)
         self.max_steps = max_steps
         self.memory_interval = memory_interval
+        self._persisting: Future[float] | None = None
+        # Whether the last run_epoch started while the previous epoch's persistence still ran
+        # (the cache serves from memory meanwhile; a state not yet on disk is pinned there).
+        self.persist_running_at_start = False
 
     @property
     def cache(self) -> ToolPrefixCache | None:
@@ -65,7 +72,11 @@ class RolloutEngine:
         return self.core.history
 
     async def run_epoch(self, tasks: Sequence[Task], group_size: int, epoch: int = 0) -> EpochResult:
-        """Roll out `group_size` samples of every task; returns once all have finished."""
+        """Roll out `group_size` samples of every task; returns once all have finished and their
+        workspaces are torn down (teardown_seconds). The epoch (EpochResult.seconds) ends when
+        the last rollout finishes, as in the paper. The cache's persistence starts then and runs
+        in the gap between epochs (the trainer's update): persistence() reports it."""
+        self.persist_running_at_start = self.persisting
         t0 = time.monotonic()
         cache = self.core.cache
         extra = (lambda: cache.lru.resident_bytes) if cache is not None else (lambda: 0)
@@ -74,17 +85,33 @@ class RolloutEngine:
         try:
             groups = await asyncio.gather(*(self._run_group(t, group_size, epoch, t0) for t in tasks))
         finally:
-            await self.core.drain()
+            t_last = time.monotonic()
+            await self.core.drain_rollouts()
+            teardown = time.monotonic() - t_last
             memory = await sampler.stop()
+            self._persisting = self.core.start_persistence()
         samples = [r for g in groups for r in g]
         for r in samples:
             r.timeline.wasted_seconds = r.wasted_seconds
         stats = self.core.stats()
         return EpochResult(epoch, max((r.timeline.finished for r in samples), default=0.0),
-                           [r.timeline for r in samples], memory, **stats)
+                           [r.timeline for r in samples], memory, **stats, teardown_seconds=teardown)
+
+    @property
+    def persisting(self) -> bool:
+        """Whether the persistence the last epoch started is still running."""
+        return self._persisting is not None and not self._persisting.done()
+
+    async def persistence(self) -> float:
+        """Wait for the persistence the last epoch started; the seconds it took (0 without one)."""
+        fut = self._persisting
+        if fut is None:
+            return 0.0
+        return await asyncio.wrap_future(fut)
 
     async def close(self) -> None:
         """Release what the engine keeps between epochs (keep_initial's snapshots)."""
+        await self.persistence()
         await self.core.close()
 
     def fit_selector(self, held_out_epochs: Sequence[int] = ()) -> SelectorReport | None:

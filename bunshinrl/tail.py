@@ -6,6 +6,7 @@ for samples that were slow before and for tools whose recorded executions are sl
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 from collections import defaultdict
@@ -120,7 +121,9 @@ class TailPolicy:
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:
+    """The value at quantile q, rounded up to the next recorded value: with 2 tasks q=0.5 is the
+    slower one (round(0.5) is 0 under banker's rounding, which let every task through)."""
     if not sorted_values:
         return 0.0
-    i = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    i = min(len(sorted_values) - 1, max(0, math.ceil(q * (len(sorted_values) - 1) - 1e-9)))
     return sorted_values[i]

@@ -7,12 +7,18 @@ from typing import Any
 
 from .policy import Step
 from .selector import Trajectory
+from .signature import ToolCall
+from .task import REWARD_TOOL
 
 # reason: the policy generating; tool: a real call on the critical path; cache_hit / spec_hit:
 # a call served without running it then (the span is any wait for a call still in flight);
 # materialize: rebuilding a cached state on a miss; audit: a re-execution checking a hit;
-# post_wait: the next call waiting for the previous one's capture or speculative fork.
-KINDS = ("reason", "tool", "cache_hit", "spec_hit", "spec_miss", "materialize", "audit", "setup", "post_wait")
+# post_wait: the next call waiting for the previous one's capture or speculative fork;
+# sibling_wait: a call served by waiting for the same call a sibling was running (it skipped no
+# work of the sample's own, so it is no hit).
+KINDS = ("reason", "tool", "cache_hit", "spec_hit", "spec_miss", "materialize", "audit", "setup", "post_wait",
+         "sibling_wait")
+_VERIFIER_KEY = ToolCall(REWARD_TOOL).key
 
 
 @dataclass
@@ -47,12 +53,21 @@ class SampleTimeline:
     def count(self, kind: str) -> int:
         return sum(e.kind == kind for e in self.events)
 
+    def agent_count(self, kind: str) -> int:
+        """Events of `kind` for the agent's own calls (the hidden verifier's call left out)."""
+        return sum(e.kind == kind and e.detail != _VERIFIER_KEY for e in self.events)
+
     def seconds(self, kind: str) -> float:
         return sum(e.seconds for e in self.events if e.kind == kind)
 
     @property
     def tool_calls(self) -> int:
         return len(self.steps)
+
+    @property
+    def agent_calls(self) -> int:
+        """The agent's tool calls: the hidden verifier's call is not one."""
+        return sum(s.call.name != REWARD_TOOL for s in self.steps)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -78,21 +93,30 @@ class EpochResult:
     speculation: dict[str, Any] | None = None
     guard: dict[str, Any] | None = None
 
+    teardown_seconds: float = 0.0  # after the last rollout: its workspaces torn down, branches discarded
+
     @property
     def tool_calls(self) -> int:
-        return sum(s.tool_calls for s in self.samples)
+        """The agents' tool calls (the hidden verifier's call is not counted)."""
+        return sum(s.agent_calls for s in self.samples)
 
     @property
     def cache_hits(self) -> int:
-        return sum(s.count("cache_hit") for s in self.samples)
+        return sum(s.agent_count("cache_hit") for s in self.samples)
+
+    @property
+    def sibling_waits(self) -> int:
+        """Calls served by waiting for a sibling's running call (not hits)."""
+        return sum(s.agent_count("sibling_wait") for s in self.samples)
 
     @property
     def spec_hits(self) -> int:
-        return sum(s.count("spec_hit") for s in self.samples)
+        return sum(s.agent_count("spec_hit") for s in self.samples)
 
     @property
     def hit_rate(self) -> float:
-        """Share of tool calls served from a cached state or a speculative fork."""
+        """Share of the agents' tool calls served from a cached state or a speculative fork (a
+        wait for a sibling's running call is not a hit)."""
         return (self.cache_hits + self.spec_hits) / self.tool_calls if self.tool_calls else 0.0
 
     @property

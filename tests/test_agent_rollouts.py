@@ -46,6 +46,30 @@ def test_latency_model_arithmetic() -> None:
     assert "H100" in m.describe() and "vLLM" in m.describe()
 
 
+def test_paper_regime_prices_every_step_with_the_papers_batch() -> None:
+    """128 requests in flight whatever this host runs: tpot continues the table's last slope
+    (~95 ms per output token), a median step ~11 s; the local regime prices its own load."""
+    m = DEFAULT_LATENCY
+    assert m.tpot(agent_policy.PAPER_IN_FLIGHT) == pytest.approx(94.87e-3, abs=0.05e-3)
+    paper, local = Server(m, agent_policy.PAPER_IN_FLIGHT), Server(m)
+    assert paper.load() == 128 and local.load() == 1
+    assert 11.0 < paper.predicted_step(120) < 12.0
+    assert local.predicted_step(120) < 1.0
+
+    async def one(server: Server) -> float:
+        return await server.answer((0, "t", 0), 10, 1)  # one token: the step's pricing, quickly
+
+    assert asyncio.run(one(paper)) == pytest.approx(m.seconds(10, 1, 128))
+
+
+def test_exploration_schedule_is_fixed_per_epoch() -> None:
+    a = StochasticAgent(AgentConfig(schedule=agent_policy.EXPLORATION["decaying"]), Server(DEFAULT_LATENCY), {})
+    assert [a.explore(e) for e in range(6)] == [0.16, 0.12, 0.08, 0.06, 0.04, 0.04]
+    c = StochasticAgent(AgentConfig(schedule=agent_policy.EXPLORATION["constant"]), Server(DEFAULT_LATENCY), {})
+    assert {c.explore(e) for e in range(5)} == {0.08}
+    assert "2505.22617" in agent_policy.EXPLORATION_SOURCE
+
+
 def _agent(seed: int, drift: float = 0.04) -> StochasticAgent:
     return StochasticAgent(AgentConfig(seed=seed, drift=drift), Server(DEFAULT_LATENCY),
                            {"code-fix-0": coding_candidates})
@@ -100,6 +124,13 @@ def test_gui_candidates_follow_the_window_titles() -> None:
     dirty = [*saved, Step(C("list_windows"), "0x1 at (0, 0) size 640x480 '*notes.txt - Mousepad'")]
     assert gui("gui-0", dirty)[0] == C("key", {"combo": "ctrl+s"})
     assert isinstance(gui("gui-0", [*saved, Step(C("list_windows"), windows)])[0], FinalAnswer)
+    # The headline's task: the editor is not running; start it (or read the help page first).
+    launch = gui_candidates("Ship it", launch=True, help_page="/root/h.html")
+    assert launch("gui-0", []) == [C("launch_app", {"app": "editor"}), C("open_page", {"path": "/root/h.html"})]
+    helped = [Step(C("open_page", {"path": "/root/h.html"}), "loaded 'Editor help - Chromium'")]
+    assert launch("gui-0", helped)[0] == C("launch_app", {"app": "editor"})
+    started = [Step(C("launch_app", {"app": "editor"}), "started editor: window 'notes.txt - Mousepad'")]
+    assert launch("gui-0", started)[0] == C("activate_window", {"title": "Mousepad"})
 
 
 def test_one_real_epoch_of_base_on_the_coding_task() -> None:
@@ -130,6 +161,7 @@ def _seed_result(seed: int, spec_s: float, fork_s: float) -> dict:
     """What one --seed run writes: three configurations over two epochs."""
     def config(seconds: float, peak: int) -> dict:
         return {"epoch_seconds": [seconds + 5, seconds], "oracle_seconds": [3.0, 3.0],
+                "median_rollout_seconds": [seconds, seconds - 1], "peak_memory_bytes_per_epoch": [peak, peak],
                 "hit_rate_per_epoch": {"cache": [0, 0], "speculation": [0, 0.5], "total": [0, 0.5]},
                 "peak_memory_bytes": peak, "reward_per_epoch": [1.0, 0.5], "errors": []}
     series = {"memory": [[[0.0, 1 << 20]], [[0.0, 2 << 20]]], "running": [[[0.0, 2], [1.0, 0]]] * 2}

@@ -202,3 +202,50 @@ def test_growing_states_are_measured_again_before_eviction() -> None:
     assert cache.lru.resident_bytes == 40
     assert cache.check() == []
     cache.close()
+
+
+def test_capture_decision_weighs_the_next_reasoning_step_and_revisits() -> None:
+    """The cost policy wants a slow call's state; it is captured only beside a reasoning step
+    predicted to outlast a capture and where a revisit is expected; a second visitor may claim
+    it later, when its own step is long enough."""
+    backend = FakeBackend(persists=False)
+    cache = ToolPrefixCache(backend, 10**6, snapshot_policy="cost", background=False)
+    cache.capture_seconds = 1.0
+    root = cache.add_root("t", "d", backend.new((), 10))
+    slow, _ = cache.begin(root, ToolCall("a"))
+    assert not cache.complete(slow, "o", 3.0, reasoning=0.5)  # the capture would outlast the step
+    assert slow.sparse and cache.counters["captures_off_path"] == 1
+    other, _ = cache.begin(root, ToolCall("b"))
+    assert not cache.complete(other, "o", 3.0, reasoning=10.0, revisit=False)  # an off-tree straggler
+    assert cache.counters["captures_not_revisited"] == 1
+    third, _ = cache.begin(root, ToolCall("c"))
+    assert cache.complete(third, "o", 3.0, reasoning=10.0)
+    cache.attach(third, backend.new(("c{}",), 10))
+    fast, _ = cache.begin(root, ToolCall("f"))
+    assert not cache.complete(fast, "o", 0.01, reasoning=10.0)  # replaying it is cheaper than a capture
+    # A second visitor holding `slow`'s state: not with a short step left, yes with a long one, once.
+    assert not cache.claim_capture(slow, 0.5)
+    assert cache.claim_capture(slow, 5.0) and not cache.claim_capture(slow, 5.0)
+    cache.attach(slow, backend.new(("a{}",), 10))
+    assert slow.resident and not cache.claim_capture(fast, 5.0)
+    assert cache.counters["captures_on_demand"] == 1
+    cache.close()
+    assert backend.live == set()
+
+
+def test_persistence_waits_for_the_gap_between_epochs_unless_over_budget() -> None:
+    backend = FakeBackend(persists=True)
+    cache = ToolPrefixCache(backend, 100, persist_between_epochs=True)
+    root = cache.add_root("t", "d", backend.new((), 10))
+    a = captured(cache, backend, root, "a", 30)
+    assert cache.persistence_pending == 2 and cache.counters["persisted"] == 0 and not backend.disk
+    assert cache.flush_persistence() == 2
+    cache.drain()
+    assert cache.counters["persisted"] == 2 and a.disk_ref is not None and cache.persistence_pending == 0
+    captured(cache, backend, a, "b", 30)
+    assert cache.counters["persisted"] == 2  # deferred again
+    captured(cache, backend, root, "c", 50)  # 120 > 100: eviction needs copies on disk, now
+    cache.drain()
+    assert cache.counters["persisted"] == 4 and cache.lru.resident_bytes <= 100
+    cache.close()
+    assert backend.live == set()

@@ -172,6 +172,16 @@ def test_prediction_respects_determinism_and_tail() -> None:
     assert spec.predict("t", 0, [], TOOLS) == []  # a fast sample: not in the tail
 
 
+def test_tail_filter_with_two_tasks() -> None:
+    """task_quantile 0.5 over 2 tasks is the slower one: round(0.5) == 0 once let both through."""
+    tail = TailPolicy(slow_tool_seconds=0.5, task_quantile=0.5)
+    tail.record_rollout("fast", 0, 10.0)
+    tail.record_rollout("slow", 0, 30.0)
+    assert tail.is_tail_sample("slow", 0) and not tail.is_tail_sample("fast", 0)
+    tail.record_rollout("mid", 0, 20.0)  # 3 tasks: the median and above
+    assert tail.is_tail_sample("mid", 0) and tail.is_tail_sample("slow", 0) and not tail.is_tail_sample("fast", 0)
+
+
 def test_tail_timings_travel_between_policies_once() -> None:
     """The hosts of a pool learn each other's timings: a journal taken from one, replayed into
     another, is known there as if recorded there, and not journalled a second time."""

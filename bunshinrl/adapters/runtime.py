@@ -23,14 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from .._async import LoopThread, run_blocking
-from ..backend import SnapshotBackend
-from ..cache import ToolPrefixCache
-from ..core import Rollout, RolloutCore
-from ..guard import DeterminismGuard
+from ..cache import SnapshotPolicy
+from ..core import Rollout
 from ..policy import SampleContext
-from ..speculator import Speculator
-from ..tail import TailPolicy
 from ..task import REWARD_TOOL, Task
+from ..wiring import CoreConfig, build_core
 
 # ---- tasks by name ----
 
@@ -84,6 +81,7 @@ class RuntimeConfig:
     cache_mib: int = 512
     store: str | None = None
     snapshot_every: int = 1
+    snapshot_policy: SnapshotPolicy = "cost"
     speculation_depth: int = 2
     slow_tool_seconds: float = 0.0
     min_probability: float = 0.3
@@ -116,16 +114,12 @@ class Runtime:
     def __init__(self, config: RuntimeConfig | None = None) -> None:
         self.config = config or RuntimeConfig()
         c = self.config
-        guard = DeterminismGuard()
-        cache = None
-        if c.cache_mib > 0:
-            cache = ToolPrefixCache(SnapshotBackend(Path(c.store) if c.store else None), c.cache_mib << 20,
-                                    guard=guard, snapshot_every=c.snapshot_every)
-        spec = None
-        if c.speculation_depth > 0:
-            spec = Speculator(depth=c.speculation_depth, memory=c.memory, min_probability=c.min_probability,
-                              tail=TailPolicy(slow_tool_seconds=c.slow_tool_seconds))
-        self.core = RolloutCore(cache=cache, speculator=spec, guard=guard, memory=c.memory)
+        self.core = build_core(CoreConfig(
+            cache_bytes=c.cache_mib << 20, store=Path(c.store) if c.store else None,
+            snapshot_policy=c.snapshot_policy, snapshot_every=c.snapshot_every,
+            # No trainer's epoch boundary reaches the runtime: it persists as states come.
+            persist_between_epochs=False, speculation_depth=c.speculation_depth,
+            slow_tool_seconds=c.slow_tool_seconds, min_probability=c.min_probability, memory=c.memory))
         self._open: dict[str, _Open] = {}
         # The last trajectories ended, (key, rollout), for inspection (tests, debugging); metrics
         # go to the framework.

@@ -39,7 +39,7 @@ from bunshinfork.cgroups import cgroup
 from bunshinfork.host import DEFAULT_RUN_ROOT, HOST, HostConfig
 
 from .._async import run_blocking
-from ..backend import SharedSnapshot, SnapshotBackend
+from ..backend import SharedSnapshot
 from ..cache import ToolPrefixCache
 from ..core import Rollout, RolloutCore
 from ..policy import SampleContext, Step
@@ -48,6 +48,7 @@ from ..signature import ToolCall
 from ..task import Task
 from ..timeline import SampleTimeline
 from ..tree import Node
+from ..wiring import CoreConfig, build_core
 
 CoreFactory = Callable[[], RolloutCore]
 
@@ -66,8 +67,11 @@ class WorkspaceHost:
         self.name = name
         state.run_root()
         # Made here, after the host's environment: a core's cache and snapshots are this host's.
-        self.core = core() if core is not None else \
-            RolloutCore(cache=ToolPrefixCache(SnapshotBackend(), cache_bytes), memory=memory)
+        # Replication ships the states a host holds, so the default host captures every state
+        # (the depth policy, whatever the reasoning step); a pool's `core` factory may choose else.
+        self.core = core() if core is not None else build_core(CoreConfig(
+            cache_bytes=cache_bytes, memory=memory, snapshot_policy="depth", critical_path_captures=False,
+            persist_between_epochs=False))
         self.cache = self.core.cache
         self.core.tail.journal = []  # the pool's other hosts learn this one's timings (learn())
         self.tasks: dict[str, Task] = {}

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import base64
 import hashlib
-from collections.abc import Callable
+import re
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from bunshinfork import BunshinError, Workspace
@@ -111,8 +113,41 @@ def activate_window(ws: Workspace, title: str) -> str:
     return f"activated {w.title!r}"
 
 
+@agent_tool
+def launch_app(ws: Workspace, app: str) -> str:
+    """Start an application (terminal, editor or browser) and wait until its window is up."""
+    w = _gui(ws).launch(str(app))
+    return f"started {app}" + (f": window {w.title!r}" if w is not None else "")
+
+
+_TITLE = re.compile(r"<title>(.*?)</title>", re.S | re.I)
+
+
+@agent_tool
+def open_page(ws: Workspace, path: str) -> str:
+    """Open a page (an HTML file in the workspace) in Chromium, starting it if needed, and wait
+    until the page has loaded (its title shows in the window's)."""
+    g = _gui(ws)
+    html = str(ws.files.read(str(path)))
+    m = _TITLE.search(html)
+    title = m.group(1).strip() if m else str(path).rsplit("/", 1)[-1]
+    if g.find_window("Chromium") is None:
+        g.launch("browser")
+    g.activate("Chromium")
+    g.key("ctrl+l")
+    g.type(f"file://{path}")
+    g.key("Return")
+    deadline = time.monotonic() + 60
+    while (w := g.find_window(title)) is None:
+        if time.monotonic() > deadline:
+            raise BunshinError(f"the page {path} did not load within 60 s")
+        time.sleep(0.1)  # polling the window list while Chromium loads the page
+    text = re.sub(r"<[^>]+>", " ", _TITLE.sub("", html))
+    return f"loaded {w.title!r}:\n" + " ".join(text.split())[:2000]
+
+
 TOOLS: list[Tool] = tools_of((screenshot, click, move, drag, type_text, key, scroll, clipboard_get, clipboard_set,
-                              list_windows, activate_window), nondeterministic=("screenshot",))
+                              list_windows, activate_window, launch_app, open_page), nondeterministic=("screenshot",))
 
 
 def reward_for(target: str, desktop: str = "x11") -> Callable[[Workspace], float]:
@@ -140,9 +175,13 @@ def reward(ws: Workspace) -> float:
 
 
 def make_env(target: str = DEFAULT_TARGET, initial_text: str = INITIAL_TEXT, width: int = 1280, height: int = 800,
-             apps: tuple[str, ...] = ("terminal", "editor"), desktop: str = "x11", **spec: Any) -> Task:
+             apps: tuple[str, ...] = ("terminal", "editor"), desktop: str = "x11",
+             files: Mapping[str, str] | None = None, **spec: Any) -> Task:
     """The desktop editing task on the X11 (default) or the Wayland desktop. `spec` holds
-    WorkspaceSpec fields for the workspace."""
+    WorkspaceSpec fields for the workspace; files: more files written before the desktop starts
+    (a help page for open_page, say). apps=() leaves starting the editor to the agent
+    (launch_app)."""
+    files = dict(files or {})
     if "\n" in target:
         raise ValueError("target must be a single line")
     if desktop not in NOTES_ON:
@@ -153,13 +192,16 @@ def make_env(target: str = DEFAULT_TARGET, initial_text: str = INITIAL_TEXT, wid
     def setup(ws: Workspace) -> None:
         # Written before the editor starts, so the editor opens it with this content.
         ws.files.write(notes, initial_text)
+        for path, text in files.items():
+            ws.files.write(path, text)
         start(ws, apps=apps, width=width, height=height)
 
     prompt = (f"A desktop is open ({width}x{height}). The text editor (Mousepad) shows {notes}. "
               f"Replace the whole content of that file with exactly this line:\n{target}\n"
               "and save it (Ctrl+S). Use the tools to look at the screen and to click and type.")
     # The X11 task keeps its name and fingerprint from before the Wayland desktop existed.
-    key = ("gui-v1", target, initial_text, width, height, apps) + (() if desktop == "x11" else (desktop,))
+    key = ("gui-v1", target, initial_text, width, height, apps) + (() if desktop == "x11" else (desktop,)) \
+        + ((tuple(sorted(files.items())),) if files else ())
     fp = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
     return Task("gui-edit-notes" if desktop == "x11" else f"{desktop}-edit-notes", prompt, TOOLS, setup,
                 reward_for(target, desktop), spec=dict(spec), fingerprint=fp, family="gui")

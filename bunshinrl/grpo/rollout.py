@@ -19,15 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from ..backend import SnapshotBackend
-from ..cache import ToolPrefixCache
+from ..cache import SnapshotPolicy, ToolPrefixCache
 from ..engine import RolloutEngine
-from ..guard import DeterminismGuard
 from ..policy import Action, Policy, SampleContext, Step
-from ..speculator import Speculator
-from ..tail import TailPolicy
 from ..task import REWARD_TOOL, Task
 from ..timeline import EpochResult, SampleTimeline
+from ..wiring import CoreConfig, build_core
 from .actions import FINAL, action_text, from_text
 
 Config = Literal["Base", "Spec", "Full"]
@@ -143,28 +140,27 @@ class EngineBundle:
 def make_engine(config: Config, policy: Policy, tasks: Sequence[Task], *, store: Path | None = None,
                 memory: str = "auto", cache_bytes: int = 1 << 40, spec_depth: int = 2,
                 slow_tool_seconds: float = 0.0, snapshot_every: int = 2, snapshot_slower_than: float | None = 0.1,
-                memory_interval: float = 0.25) -> EngineBundle:
+                memory_interval: float = 0.25, snapshot_policy: SnapshotPolicy = "cost") -> EngineBundle:
     """Base: memory sharing only. Spec: + speculative tool execution. Full: + tool-prefix cache.
 
     slow_tool_seconds=0 lets speculation run for every tool: the suite's tools take tens of
     milliseconds, below any threshold a real workload would use, and the point here is to
     exercise speculation on every call (and show it changes nothing about the rewards).
-    The cache snapshots sparsely by default: a capture costs more than replaying one of these
-    calls, except for slow ones (starting a service), which are always captured.
+    The cache captures by cost (snapshot_policy="cost"): a state is captured when the replay it
+    saves takes as long as a capture, and only beside a reasoning step predicted to outlast it
+    (bunshinrl.wiring.build_core, shared with every other driver); "depth" captures every
+    snapshot_every-th depth and calls slower than snapshot_slower_than.
     """
     if config not in CONFIGS:
         raise ValueError(f"unknown configuration {config!r}; one of {', '.join(CONFIGS)}")
-    guard = DeterminismGuard()
-    cache = spec = None
-    if config == "Full":
-        cache = ToolPrefixCache(SnapshotBackend(store), cache_bytes, guard=guard,
-                                snapshot_every=snapshot_every, snapshot_slower_than=snapshot_slower_than)
-    if config in ("Spec", "Full"):
-        spec = Speculator(depth=spec_depth, tail=TailPolicy(slow_tool_seconds=slow_tool_seconds),
-                          min_probability=0.3)
-    engine = RolloutEngine(policy, cache=cache, speculator=spec, guard=guard, memory=memory,
-                           max_steps=max(t.budget for t in tasks) + 1, memory_interval=memory_interval)
-    return EngineBundle(engine, cache, store if cache is not None else None)
+    core = build_core(CoreConfig(
+        cache_bytes=cache_bytes if config == "Full" else 0, store=store, snapshot_policy=snapshot_policy,
+        snapshot_every=snapshot_every, snapshot_slower_than=snapshot_slower_than,
+        speculation_depth=spec_depth if config in ("Spec", "Full") else 0, slow_tool_seconds=slow_tool_seconds,
+        min_probability=0.3, memory=memory))
+    engine = RolloutEngine(policy, core=core, max_steps=max(t.budget for t in tasks) + 1,
+                           memory_interval=memory_interval)
+    return EngineBundle(engine, core.cache, store if core.cache is not None else None)
 
 
 __all__ = ["CONFIGS", "Config", "EngineBundle", "Episode", "RandomPolicy", "action_text", "episode", "episodes",

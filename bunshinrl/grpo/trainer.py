@@ -212,6 +212,11 @@ class GRPOTrainer:
             self.bundle.engine.fit_selector(held_out_epochs=())
         m = self._metrics(epoch, result, eps, stats, update_seconds, sync_seconds, served)
         m.extra["rollout_wall_seconds"] = rollout_wall
+        m.extra["teardown_seconds"] = result.teardown_seconds
+        # The cache's persistence ran beside the update (the gap between epochs): its seconds, and
+        # whether it was done when the update and sync were.
+        m.extra["persist_done_by_update_end"] = not self.bundle.engine.persisting
+        m.extra["persist_seconds"] = await self.bundle.engine.persistence()
         m.extra["speculation"] = dict(result.speculation) if result.speculation else None
         m.extra["cache"] = dict(result.cache) if result.cache else None
         noted = sorted(eps, key=lambda e: e.ok)  # failed rollouts first: those are what errors counts

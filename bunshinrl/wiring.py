@@ -1,0 +1,73 @@
+"""build_core: the one place that wires a prefix cache, a speculator and a rollout core together.
+
+Every driver builds its core here (RolloutEngine, the GRPO trainer's configurations, the Ray
+pool's hosts, verl's and SkyRL's runtime), so a change of policy (when states are captured,
+when they are persisted, warm workspaces behind hits, where speculation runs) reaches them all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .backend import SnapshotBackend
+from .cache import SnapshotPolicy, ToolPrefixCache
+from .core import RolloutCore
+from .guard import DeterminismGuard
+from .reasoning import ReasoningClock
+from .speculator import Placement, Speculator
+from .tail import TailPolicy
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    """cache_bytes: the prefix cache's resident budget (0: no cache); store: its directory for
+    states on disk (None: a private one); snapshot_policy and the rest of the snapshot_* fields:
+    ToolPrefixCache's; persist_between_epochs: persistence waits for the gap between epochs;
+    speculation_depth: calls per speculative chain (0: no speculation); slow_tool_seconds,
+    task_quantile, online_real_calls: the TailPolicy's; prefetch: warm workspaces behind hits
+    and the root prefetched; keep_initial, overlap_fork: Base's parity with the cache's root;
+    critical_path_captures: captures weigh the next reasoning step and expected revisits."""
+
+    cache_bytes: int = 0
+    store: Path | None = None
+    snapshot_policy: SnapshotPolicy = "cost"
+    snapshot_every: int = 1
+    snapshot_slower_than: float | None = None
+    persist_between_epochs: bool = True
+    speculation_depth: int = 0
+    slow_tool_seconds: float | None = 0.5
+    min_probability: float = 0.5
+    placement: Placement = "live"
+    task_quantile: float = 0.0
+    online_real_calls: int | None = None
+    memory: str = "auto"
+    prefetch: bool = True
+    keep_initial: bool = False
+    overlap_fork: bool = False
+    critical_path_captures: bool = True
+
+
+def build_core(config: CoreConfig, *, guard: DeterminismGuard | None = None, reasoning: ReasoningClock | None = None,
+               cache: ToolPrefixCache | None = None, speculator: Speculator | None = None,
+               tail: TailPolicy | None = None) -> RolloutCore:
+    """A RolloutCore with the cache and speculator `config` describes. cache, speculator and tail
+    given here are used as they are instead (drivers that bring their own); they must share
+    `guard` when one is given."""
+    guard = guard or (cache.guard if cache is not None else None) or DeterminismGuard()
+    if cache is None and config.cache_bytes > 0:
+        cache = ToolPrefixCache(SnapshotBackend(config.store), config.cache_bytes, guard=guard,
+                                snapshot_every=config.snapshot_every, snapshot_slower_than=config.snapshot_slower_than,
+                                snapshot_policy=config.snapshot_policy,
+                                persist_between_epochs=config.persist_between_epochs)
+    if speculator is None and config.speculation_depth > 0:
+        tail = tail or TailPolicy(slow_tool_seconds=config.slow_tool_seconds, task_quantile=config.task_quantile,
+                                  online_real_calls=config.online_real_calls)
+        speculator = Speculator(depth=config.speculation_depth, memory=config.memory, tail=tail,
+                                min_probability=config.min_probability, placement=config.placement)
+    return RolloutCore(cache=cache, speculator=speculator, guard=guard, tail=tail, memory=config.memory,
+                       prefetch=config.prefetch, keep_initial=config.keep_initial, overlap_fork=config.overlap_fork,
+                       reasoning=reasoning, critical_path_captures=config.critical_path_captures)
+
+
+__all__ = ["CoreConfig", "build_core"]

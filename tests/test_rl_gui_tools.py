@@ -1,0 +1,38 @@
+"""The GUI family's tools that take real time (the headline's GUI task): the agent starts the
+editor itself and reads a help page in Chromium, on a real X11 desktop."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from bunshinrl.envs import gui as gui_env
+
+HELP = "/root/Desktop/help.html"
+PAGE = "<html><head><title>Editor help</title></head><body><p>Select all, type, save.</p></body></html>"
+
+
+@pytest.mark.slow
+def test_launch_app_and_open_page_then_the_task_is_solved() -> None:
+    env = gui_env.make_env(target="Ship it", apps=(), files={HELP: PAGE})
+    assert env.fingerprint != gui_env.make_env(target="Ship it", apps=()).fingerprint
+    ws = env.create()
+    try:
+        assert "Mousepad" not in env.call(ws, "list_windows")  # nothing started yet
+        t = time.monotonic()
+        page = env.call(ws, "open_page", path=HELP)
+        assert page.startswith("loaded 'Editor help") and "Select all, type, save." in page, page
+        assert time.monotonic() - t > 0.3  # a browser start and a page load: real time
+        assert env.call(ws, "launch_app", app="editor").startswith("started editor: window")
+        assert env.call(ws, "activate_window", title="Mousepad").startswith("activated")
+        env.call(ws, "key", combo="ctrl+a")
+        env.call(ws, "type_text", text="Ship it")
+        env.call(ws, "key", combo="ctrl+s")
+        deadline = time.monotonic() + 20
+        while env.reward(ws) != 1.0:
+            assert time.monotonic() < deadline, env.reward(ws)
+            time.sleep(0.2)
+        assert env.call(ws, "open_page", path="/root/none.html").startswith("ERROR")
+    finally:
+        ws.destroy()
