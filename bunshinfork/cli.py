@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from . import __version__, cli_exec, doctor, memory, pipeline, spec, state
+from . import __version__, cli_exec, cli_template, doctor, memory, pipeline, spec, state
 from .errors import (
     BunshinError,
     CommandError,
@@ -143,7 +143,8 @@ def _memory_dict(mem: MemoryStats, per_process: bool = True) -> dict[str, Any]:
 
 
 def _create_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rootfs", help="'host' (default), 'debian', 'docker:IMAGE' or an absolute directory")
+    p.add_argument("--rootfs", help="'host' (default), 'debian', 'docker:IMAGE', 'oci:DIR[:TAG]', 'registry:REF' "
+                   "or an absolute directory")
     p.add_argument("--hostname", help="host name inside the workspace (default: its id)")
     p.add_argument("--memory", metavar="SIZE", help="memory limit, e.g. 512M or 2G")
     p.add_argument("--disk", metavar="SIZE", help="what the workspace may write (its layer, /tmp, /dev/shm), e.g. 1G")
@@ -157,6 +158,7 @@ def _create_args(p: argparse.ArgumentParser) -> None:
                    help="environment of every command (repeatable)")
     p.add_argument("--timeout", type=_positive_float, metavar="S",
                    help="the workspace's lifetime: its init ends it after S seconds (default: none)")
+    cli_template.add_create_args(p)
 
 
 def _create(args: argparse.Namespace) -> int:
@@ -179,7 +181,7 @@ def _create(args: argparse.Namespace) -> int:
         overrides["userns"] = True
     if args.env:
         overrides["env"] = dict(args.env)
-    ws = Workspace.create(timeout=args.timeout, **overrides)
+    ws = cli_template.create(args, overrides) or Workspace.create(timeout=args.timeout, **overrides)
     print(ws.id)
     return 0
 
@@ -540,6 +542,8 @@ register(Subcommand("fork", "live-fork a running workspace (or a saved snapshot)
                     _fork_args, _fork))
 register(Subcommand("snapshot", "snapshot a running workspace and save it durably; prints the path",
                     _snapshot_args, _snapshot))
+register(Subcommand("template", "warm templates: create NAME --from IMAGE [--start CMD] [--ready CMD], ls, rm",
+                    cli_template.configure, cli_template.run))
 register(Subcommand("storage", "where layers live; 'setup' makes the btrfs layer store", _storage_args,
                     _storage))
 

@@ -47,6 +47,7 @@ class Conventions:
     default_user: str | None = None  # None: root
     login_shell: bool = False  # strings run in `bash -l -c` rather than the workspace's shell
     raise_on_exit: bool = False  # a non-zero exit raises CommandExitException
+    workdir: str | None = None  # where commands start unless told (an image's WorkingDir); None: home
 
 
 BUNSHIN = Conventions()
@@ -416,6 +417,8 @@ class Commands:
                  cwd: str | None) -> tuple[str | None, dict[str, str], str]:
         who: User = self._files._user(user)
         full_env = {**DEFAULT_ENV, **who.env(), **self._env, **(envs or {}), **(env or {})}
+        if cwd is None and self._conv.workdir:
+            cwd = self._conv.workdir  # as docker exec starts in the image's WorkingDir, whoever runs
         if cwd is None:
             # A user whose home does not exist (nobody's /nonexistent) starts in /, as under podman.
             cwd = who.home if who.is_root or self._files.exists(who.home, user="root") else "/"

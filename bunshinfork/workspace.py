@@ -10,13 +10,14 @@ import contextlib
 import dataclasses
 import os
 import threading
-from collections.abc import Iterable
+from collections import ChainMap
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import accounting, pipeline, snapshot, state
+from . import accounting, images, pipeline, snapshot, state
 from . import memory as memory_engines
 from .accounting import HostMemory
 from .cgroups import Cgroup
@@ -61,6 +62,8 @@ class WorkspaceInfo:
     timings: dict[str, float] = field(default_factory=dict)
     # A clone's CRIU restore (wall clock: started, answered); None for a created workspace.
     restore_window: tuple[float, float] | None = None
+    # An image rootfs's ExposedPorts ("80/tcp"), as the image declares them.
+    exposed_ports: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -106,21 +109,39 @@ class Workspace:
         self._lock = threading.Lock()
         self._shell_path: str | None = None
         conv = self.conventions
+        image = images.config.of(record.fs.rootfs if record.fs else None)
+        env: Mapping[str, str] = record.spec.env
+        if image is not None:
+            # As docker exec: the image's Env under the workspace's own, its WorkingDir, and its
+            # User where the front door has no default user of its own (a Sandbox keeps E2B's).
+            env = ChainMap(record.spec.env, image.env)
+            conv = dataclasses.replace(conv, workdir=image.working_dir or conv.workdir,
+                                       default_user=conv.default_user or image.user)
+        self._image = image
         self.files = Files(self._live_init_pid, conv.default_user)
-        self.commands = Commands(self._live_init_pid, self.files, record.spec.env, self._shell, self._pids, conv)
+        self.commands = Commands(self._live_init_pid, self.files, env, self._shell, self._pids, conv)
         self.pty = Pty(self.commands)
 
     # ---- construction ----
 
     @classmethod
     def create(cls, spec: WorkspaceSpec | None = None, *, timeout: float | None = None,
-               die_with_creator: bool = False, **overrides: Any) -> Workspace:
+               die_with_creator: bool = False, template: str | None = None, **overrides: Any) -> Workspace:
         """Create and start a workspace. Keyword overrides are WorkspaceSpec fields.
+
+        template: the name of a warm template (bunshin template create) or saved snapshot to
+        fork instead: it starts running and initialised, with the template's spec.
 
         timeout: seconds until the workspace's init ends it (None or 0: never); set_timeout()
         moves it. die_with_creator: it also ends within lifetime.LEASE_SECONDS of this
         process's exit, however that comes.
         """
+        if template is not None:
+            if spec is not None or overrides:
+                raise SpecError("a workspace from a template has the template's spec; pass no spec or fields")
+            from .images import templates
+
+            return cls._adopt_clone(templates.start(template, timeout=timeout))
         base = spec or WorkspaceSpec()
         if overrides:
             try:
@@ -128,7 +149,25 @@ class Workspace:
             except TypeError as e:
                 raise SpecError(str(e)) from e
         b = pipeline.create(base.validate(), lifetime.asked(timeout, die_with_creator))
-        return cls(b.rec, b.pidfd)
+        ws = cls(b.rec, b.pidfd)
+        if b.rec.spec.start == "entrypoint":
+            try:
+                ws._start_service()
+            except BaseException:
+                ws.destroy()
+                raise
+        return ws
+
+    @classmethod
+    def _adopt_clone(cls, clone: Workspace) -> Workspace:
+        return clone if type(clone) is cls else cls(clone._rec, clone._pidfd)
+
+    def _start_service(self) -> None:
+        """The image's Entrypoint and Cmd, in the background, as `docker run` starts them."""
+        argv = list(self._image.service) if self._image else []
+        if not argv:
+            raise SpecError(f"image {self._rec.spec.rootfs} has neither Entrypoint nor Cmd to start")
+        self.commands.run(argv, background=True, timeout=0)
 
     @classmethod
     def connect(cls, ws_id: str) -> Workspace:
@@ -200,7 +239,7 @@ class Workspace:
             cgroup_version=rec.cgroups.version if rec.cgroups else "",
             memory_limit=limit if isinstance(limit, int) else None, pids_limit=rec.spec.pids_limit,
             parent=rec.parent, disk_limit=rec.spec.disk_limit, timings=dict(rec.timings),
-            restore_window=rec.restore_window,
+            restore_window=rec.restore_window, exposed_ports=self._image.exposed_ports if self._image else (),
         )
 
     def memory(self) -> MemoryStats:
