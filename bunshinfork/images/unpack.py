@@ -125,9 +125,7 @@ class _Applier:
         rel = clean_name(m.name)
         base = rel.rsplit("/", 1)[-1]
         if rel == "":
-            if m.isdir():
-                self._meta(self.root, m)
-            return
+            return  # the workspace's root directory is its upper's, as under Docker
         parent = self._parent(rel)
         path = os.path.join(parent, base)
         if base == OPAQUE_MARK:
