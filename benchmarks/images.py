@@ -60,12 +60,12 @@ def resident_bytes(paths: list[Path]) -> int:
         if not stat.S_ISREG(st.st_mode) or st.st_size == 0 or (st.st_dev, st.st_ino) in seen:
             continue
         seen.add((st.st_dev, st.st_ino))
-        with open(p, "rb") as f, mmap.mmap(f.fileno(), st.st_size, prot=mmap.PROT_READ) as m:
+        with open(p, "rb") as f, mmap.mmap(f.fileno(), st.st_size, access=mmap.ACCESS_COPY) as m:
             pages = (st.st_size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
             vec = (ctypes.c_ubyte * pages)()
-            addr = ctypes.c_void_p.from_buffer(m)  # type: ignore[arg-type]
-            _libc.mincore(addr, ctypes.c_size_t(st.st_size), vec)
-            del addr
+            start = ctypes.c_char.from_buffer(m)
+            _libc.mincore(ctypes.c_void_p(ctypes.addressof(start)), ctypes.c_size_t(st.st_size), vec)
+            del start  # the mapping cannot close while a ctypes view holds it
             total += sum(v & 1 for v in vec) * mmap.PAGESIZE
     return total
 

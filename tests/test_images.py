@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from images_support import APP, BASE, DEEP, DEEP_LAYERS, SWE, Engine, build_images, dockerd, registry, skopeo
 
 from bunshinfork import Workspace, images
 from bunshinfork.errors import (
@@ -25,8 +26,6 @@ from bunshinfork.errors import (
 )
 from bunshinfork.fs import frozen
 from bunshinfork.images import store, templates
-
-from .images_support import APP, BASE, DEEP, DEEP_LAYERS, SWE, Engine, build_images, dockerd, registry, skopeo
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/usr/sbin/dockerd"), reason="needs docker.io (scripts/setup.sh)")
 
@@ -124,7 +123,7 @@ def test_swe_like_image_forks_four_ways(engine: Engine) -> None:
             for clone, (name, line) in zip(clones, PATCHES.items(), strict=True):
                 _out(clone, f"python3 -c \"import pathlib; p = pathlib.Path('calc.py'); "
                             f"p.write_text(p.read_text().replace('return a - b', '{line}')); "
-                            f"open('/tmp/patch', 'w').write('{name}')\"")
+                            f"open('/tmp/patch', 'w').write('{name}\\n')\"")
             for clone, (name, line) in zip(clones, PATCHES.items(), strict=True):
                 assert _out(clone, "cat /tmp/patch; grep return calc.py") == f"{name}\n    {line}"
                 passed = clone.commands.run("python3 test_calc.py").exit_code == 0
@@ -139,13 +138,13 @@ def test_swe_like_image_forks_four_ways(engine: Engine) -> None:
 def _resident(path: Path) -> int:
     """Pages of `path` in the host's page cache (mincore)."""
     size = path.stat().st_size
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as m:
         pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
         vec = (ctypes.c_ubyte * pages)()
-        addr = ctypes.c_void_p.from_buffer(m)  # type: ignore[arg-type]
+        start = ctypes.c_char.from_buffer(m)
         libc = ctypes.CDLL(None, use_errno=True)
-        assert libc.mincore(addr, ctypes.c_size_t(size), vec) == 0
-        del addr
+        assert libc.mincore(ctypes.c_void_p(ctypes.addressof(start)), ctypes.c_size_t(size), vec) == 0
+        del start  # the mapping cannot close while a ctypes view holds it
         return sum(v & 1 for v in vec)
 
 
