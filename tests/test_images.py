@@ -56,7 +56,7 @@ CHECKS = ("id -un; pwd; echo $GREETING; ls /srv/opq; ls /opt; test -e /etc/debia
           "stat -c %A /usr/bin/sudo")
 
 
-def test_image_layers_config_setuid_caps_and_whiteouts(engine: Engine) -> None:
+def test_image_layers_config_setuid_caps_and_whiteouts(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     info = json.loads(engine.docker("image", "inspect", APP))[0]
     diff_ids = info["RootFS"]["Layers"]
     with Workspace.create(rootfs=f"docker:{APP}") as ws:
@@ -74,8 +74,16 @@ def test_image_layers_config_setuid_caps_and_whiteouts(engine: Engine) -> None:
         assert "cap_net_raw=ep" in _out(ws, "/sbin/getcap /usr/local/bin/rawping")
         assert ws.info().exposed_ports == ("8080/tcp",)
         assert _out(ws, "id -un", user="root") == "root"
-    # Every diff_id is stored now: the next create skips the engine's save.
+    # Every diff_id is stored now: the next create asks the engine only for the image's config.
     assert all(store.has(d) for d in diff_ids)
+    from bunshinfork.images import docker_engine
+
+    def no_save(*args: object) -> None:
+        raise AssertionError("the image was saved again although its layers are stored")
+
+    monkeypatch.setattr(docker_engine, "_save_layers", no_save)
+    with Workspace.create(rootfs=f"docker:{APP}") as ws:
+        assert _out(ws, "echo $GREETING") == "hello"
 
 
 def test_entrypoint_serves_its_port(engine: Engine) -> None:
@@ -249,6 +257,9 @@ def test_templates_start_warm(engine: Engine, tmp_path: Path, monkeypatch: pytes
     listed = _cli("template", "ls", "--json", env=env)
     rows = json.loads(listed.stdout)
     assert [(r["name"], r["kind"], r["source"]) for r in rows] == [("web", "template", f"docker:{SWE}")]
+    # The saved snapshot's image lowers resolve from the layer store, with no engine to ask.
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-engine.sock")
+    env["DOCKER_HOST"] = f"unix://{tmp_path}/no-engine.sock"
     with Workspace.create(template="web") as ws:
         counts = _out(ws, f"cat {COUNT}").splitlines()
         assert counts[0] == "start" and counts.count("start") == 1 and set(counts[1:]) == {"ready"}

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import stat
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -145,3 +148,22 @@ def test_odd_references_are_typed_errors(ref: str) -> None:
                                  "registry:quay.io/x/y@sha256:" + "b" * 64, "oci:/var/layout", "oci:/var/layout:v1"])
 def test_good_references_parse(ref: str) -> None:
     assert str(reference.parse(ref)).startswith(ref.split(":", 1)[0])
+
+
+def test_nodes_that_cannot_be_made_are_reported(tmp_path: Path) -> None:
+    """In a user namespace (no CAP_MKNOD over the host's devices) a device node cannot be made:
+    the unpack goes on, and says which entries are missing."""
+    raw = _tar(("dev/null", "chr", {"devmajor": 1, "devminor": 3, "mode": 0o666}),
+               ("run/fifo", "fifo", {"mode": 0o644}), ("etc/f", "file", {"data": b"x"}))
+    (tmp_path / "layer.tar").write_bytes(raw)
+    (tmp_path / "out").mkdir()
+    code = ("import json, sys; from pathlib import Path; from bunshinfork.images import unpack; "
+            "print(json.dumps(unpack.unpack(open(sys.argv[1], 'rb'), Path(sys.argv[2])).skipped))")
+    proc = subprocess.run(["unshare", "--user", "--map-root-user", sys.executable, "-c", code,
+                           str(tmp_path / "layer.tar"), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    skipped = json.loads(proc.stdout)
+    assert len(skipped) == 1 and skipped[0].startswith("dev/null:")
+    assert not (tmp_path / "out/dev/null").exists()
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "out/run/fifo").st_mode) and (tmp_path / "out/etc/f").read_bytes() == b"x"

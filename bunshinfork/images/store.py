@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
@@ -40,6 +41,10 @@ LINKS = CACHE / "l"
 TMP = ".tmp-"
 SHORT = 12  # hex digits of a short link's name; longer only on a clash
 _DIFF_ID = re.compile(r"^sha256:([0-9a-f]{64})$")
+
+
+class LayerWarning(UserWarning):
+    """Some entries of a layer could not be made (device nodes in a user namespace)."""
 
 
 def hex_of(diff_id: str) -> str:
@@ -104,6 +109,9 @@ def add(diff_id: str, opener: Callable[[], IO[bytes]]) -> list[str]:
             os.rename(tmp, dest)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+    if done.skipped:
+        warnings.warn(f"layer {diff_id}: {len(done.skipped)} entries could not be made and are missing: "
+                      + "; ".join(done.skipped[:5]), LayerWarning, stacklevel=2)
     return done.skipped
 
 
