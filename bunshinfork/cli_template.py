@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any
 
 from .images import templates
@@ -26,6 +27,17 @@ def _image(text: str) -> str:
     return text if text.startswith(("docker:", "oci:", "registry:")) else f"docker:{text}"
 
 
+def _tls_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-verify", choices=("true", "false"),
+                   help="verify a registry:REF's TLS (default: yes, except on loopback, as Docker does)")
+
+
+def _apply_tls(args: argparse.Namespace) -> None:
+    if getattr(args, "tls_verify", None) is not None:
+        # skopeo runs in this process's environment (images.registry reads it).
+        os.environ["BUNSHIN_REGISTRY_TLS_VERIFY"] = "1" if args.tls_verify == "true" else "0"
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     subs = p.add_subparsers(dest="template_cmd", metavar="ACTION", required=True)
     c = subs.add_parser("create", help="start a workspace from an image, wait until it is ready, save it as NAME")
@@ -39,6 +51,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="seconds the ready command has to succeed (default 60)")
     c.add_argument("--network", choices=("none", "bridge"), help="network mode of the template's workspace")
     c.add_argument("--json", action="store_true", help="print the template as JSON")
+    _tls_option(c)
     ls = subs.add_parser("ls", help="list templates and saved snapshots (one namespace)")
     ls.add_argument("--json", action="store_true")
     rm = subs.add_parser("rm", help="remove templates or saved snapshots by name or id")
@@ -47,6 +60,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.template_cmd == "create":
+        _apply_tls(args)
         spec: dict[str, Any] = {"network": args.network} if args.network else {}
         info = templates.create(args.name, args.source, start=args.start, ready=args.ready,
                                 ready_timeout=args.ready_timeout, **spec)
@@ -73,10 +87,12 @@ def add_create_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--image", metavar="IMAGE", type=_image,
                    help="an image as the rootfs, its Entrypoint and Cmd started as the workspace's service")
     g.add_argument("--template", metavar="NAME", help="fork a warm template (bunshin template create)")
+    _tls_option(p)
 
 
 def create(args: argparse.Namespace, overrides: dict[str, Any]) -> Workspace | None:
     """The workspace `bunshin create --image/--template` asks for; None without either."""
+    _apply_tls(args)
     if args.template:
         return Workspace.create(template=args.template, timeout=args.timeout, **overrides)
     if args.image:

@@ -19,6 +19,7 @@ from bunshinfork import Workspace, images
 from bunshinfork.errors import (
     CorruptLayer,
     EngineUnavailable,
+    ImageError,
     ImageNotFound,
     TemplateNotFound,
     TemplateNotReady,
@@ -177,7 +178,7 @@ def test_images_sharing_a_base_share_its_page_cache(engine: Engine) -> None:
             assert _resident(host_file) * mmap.PAGESIZE >= host_file.stat().st_size * 0.9
 
 
-def test_registry_and_oci_layout(engine: Engine, tmp_path: Path) -> None:
+def test_registry_and_oci_layout(engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     layout = tmp_path / "layout"
     skopeo(f"docker-daemon:{SWE}", f"oci:{layout}:v1", engine=engine)
     with registry(tmp_path) as where:
@@ -186,6 +187,11 @@ def test_registry_and_oci_layout(engine: Engine, tmp_path: Path) -> None:
             assert _out(ws, "pwd; cat calc.py") == "/repo\n" + CALC_TEXT
         with pytest.raises(ImageNotFound):
             Workspace.create(rootfs=f"registry:{where}/nothing:1")
+        # TLS verified on demand even on loopback: this registry speaks plain HTTP.
+        monkeypatch.setenv("BUNSHIN_REGISTRY_TLS_VERIFY", "1")
+        with pytest.raises(ImageError, match="HTTPS") as refused:
+            Workspace.create(rootfs=f"registry:{where}/swe:other")
+        assert not isinstance(refused.value, ImageNotFound)
     with Workspace.create(rootfs=f"oci:{layout}:v1") as ws:
         assert _out(ws, "cat /repo/calc.py") == CALC_TEXT
     with pytest.raises(ImageNotFound):

@@ -67,7 +67,7 @@ def pull(ref: str, tls: bool | None = None) -> str:
             raise ImageError(f"skopeo copy of {ref!r} ran past {TIMEOUT:.0f}s and was stopped") from e
     if proc.returncode != 0:
         err = proc.stderr.strip()[-800:]
-        if any(s in err for s in ("manifest unknown", "not found", "name unknown", "404")):
+        if any(s in err for s in ("manifest unknown", "name unknown", "not found")):
             raise ImageNotFound(f"registry has no image {ref!r}: {err}")
         raise ImageError(f"skopeo copy of {ref!r} failed (exit {proc.returncode}): {err}")
     return tag
