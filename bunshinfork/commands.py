@@ -47,6 +47,7 @@ class Conventions:
     default_user: str | None = None  # None: root
     login_shell: bool = False  # strings run in `bash -l -c` rather than the workspace's shell
     raise_on_exit: bool = False  # a non-zero exit raises CommandExitException
+    workdir: str | None = None  # where commands start unless told (an image's WorkingDir); None: home
 
 
 BUNSHIN = Conventions()
@@ -446,6 +447,8 @@ class Commands:
         # The files API resolves its default user the same way: both follow the conventions.
         who: User = self._files.accounts.resolve(user or self._conv.default_user or "root")
         full_env = {**DEFAULT_ENV, **who.env(), **self._env, **(envs or {}), **(env or {})}
+        if cwd is None and self._conv.workdir:
+            cwd = self._conv.workdir  # as docker exec starts in the image's WorkingDir, whoever runs
         if cwd is None:
             # A user whose home does not exist (nobody's /nonexistent) starts in /, as under podman.
             cwd = who.home if who.is_root or self._files.exists(who.home, user="root") else "/"

@@ -107,3 +107,44 @@ class WorkspaceFileNotFound(FileOperationError, NotFoundException, FileNotFoundE
 
 
 FileNotFoundException = WorkspaceFileNotFound
+
+
+class ImageError(RootfsError):
+    """A container image could not be read, fetched or unpacked (bunshinfork.images)."""
+
+
+class ImageReferenceError(ImageError, InvalidArgumentException):
+    """An image reference ('docker:IMAGE', 'oci:DIR[:TAG]', 'registry:REF') is malformed."""
+
+
+class EngineUnavailable(ImageError):
+    """No Docker engine is reachable (or its SDK is missing) for a 'docker:IMAGE' rootfs."""
+
+
+class ImageNotFound(ImageError, NotFoundException):
+    """The engine, OCI layout or registry has no image by that reference."""
+
+
+class CorruptLayer(ImageError):
+    """A layer's content does not match its digest (or is not a readable tar): it is not stored."""
+
+
+class UnsupportedMediaType(ImageError):
+    """A manifest or layer has a media type bunshin cannot unpack (e.g. a foreign compression)."""
+
+
+class UnsafeLayerEntry(ImageError):
+    """A layer's tar entry would land outside the layer: '..', an absolute path, a link out of it,
+    or a path through a symlink."""
+
+
+class WarmTemplateError(BunshinError):
+    """A warm template (bunshinfork.images.templates) could not be made, found or removed."""
+
+
+class TemplateNotFound(WarmTemplateError, NotFoundException):
+    """No template or saved snapshot by that name."""
+
+
+class TemplateNotReady(WarmTemplateError, TimeoutException):
+    """A template's ready command did not succeed within its timeout; nothing was kept."""

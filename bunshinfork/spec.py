@@ -40,7 +40,9 @@ class WorkspaceSpec:
     """Everything a workspace is created from.
 
     rootfs: "host" (the host's /usr under a generated /etc; the default), "debian"
-      (debootstrap, cached), "docker:IMAGE" (needs a Docker engine), or an absolute directory.
+      (debootstrap, cached), a container image ("docker:IMAGE" from a Docker engine,
+      "oci:DIR[:TAG]" an OCI image layout, "registry:REF" copied with skopeo; its layers are
+      stacked, and its Env, WorkingDir and User apply to commands), or an absolute directory.
     memory_limit / pids_limit: enforced by the workspace's cgroup; the OOM killer acts inside it.
     network: "none" (loopback only) or "bridge" (a veth on the bunshin0 bridge; nat=True adds
       masquerading to the host's uplink).
@@ -64,6 +66,9 @@ class WorkspaceSpec:
       gives root capabilities over the workspace's own namespaces only. Its rootfs is a copy
       owned by those ids, made once per rootfs and cached; rootfs='host' (the host's own
       /usr) cannot be given away and is refused. Forks keep the map.
+    start: "entrypoint" starts an image rootfs's Entrypoint and Cmd (as `docker run` does) as
+      the workspace's service once it is up, in the background, as the image's User in its
+      WorkingDir with its Env; None starts nothing.
     """
 
     rootfs: str = "host"
@@ -80,6 +85,7 @@ class WorkspaceSpec:
     mount_sysfs: bool = True
     privileged: bool = False
     userns: bool = False
+    start: str | None = None
 
     def validate(self) -> WorkspaceSpec:
         """Return a normalised copy, or raise SpecError saying what to change."""
@@ -118,6 +124,10 @@ class WorkspaceSpec:
             raise SpecError("nat=True needs network='bridge'")
         if not isinstance(self.cgroup, str) or self.cgroup not in CGROUP_VERSIONS:
             raise SpecError(f"unknown cgroup layout {self.cgroup!r}; use one of {', '.join(CGROUP_VERSIONS)}")
+        if self.start is not None and self.start != "entrypoint":
+            raise SpecError(f"start must be None or 'entrypoint', got {self.start!r}")
+        if self.start == "entrypoint" and not self.rootfs.startswith(("docker:", "oci:", "registry:")):
+            raise SpecError("start='entrypoint' needs an image rootfs ('docker:IMAGE', 'oci:DIR' or 'registry:REF')")
         for k, v in self.env.items():
             if not isinstance(k, str) or not k or "=" in k or "\0" in k or not isinstance(v, str) or "\0" in v:
                 raise SpecError(f"env entry {k!r}={v!r} is invalid: names are non-empty without '=' or NUL")

@@ -81,6 +81,32 @@ def lookup(name: str, passwd: str, group: str) -> User | None:
     return User(name, uid, gid, tuple(groups), home, shell)
 
 
+def lookup_spec(spec: str, passwd: str, group: str) -> User | None:
+    """A user as an image's User names it, the way Docker resolves it: 'name', 'uid',
+    'name:group' or 'uid:gid' (numbers need no entry in /etc/passwd: such a user has gid 0 and
+    home /, as under Docker). None where a name is not in the workspace's files."""
+    who, _, grp = spec.partition(":")
+    if not who:
+        return None
+    base = lookup(who, passwd, group)
+    if base is None and who.isdigit():
+        uid = int(who)
+        by_uid = [n for n, (u, *_rest) in parse_passwd(passwd).items() if u == uid]
+        base = lookup(by_uid[0], passwd, group) if by_uid else User(who, uid, 0, (0,), "/", "/bin/sh")
+    if base is None:
+        return None
+    if not grp:
+        return base
+    if grp.isdigit():
+        gid = int(grp)
+    else:
+        found = [g for n, g, _ in parse_group(group) if n == grp]
+        if not found:
+            return None
+        gid = found[0]
+    return User(base.name, base.uid, gid, tuple(sorted({gid, *base.groups} - {base.gid})), base.home, base.shell)
+
+
 def names_by_id(text: str, field: int) -> dict[int, str]:
     """uid (field 2 of passwd) or gid (field 2 of group) -> name."""
     out: dict[int, str] = {}
@@ -174,7 +200,8 @@ class Accounts:
         if name == "root":
             return ROOT
         passwd, group = self._current()
-        user = lookup(name, passwd, group)
+        user = lookup(name, passwd, group) or (lookup_spec(name, passwd, group) if ":" in name or name.isdigit()
+                                                 else None)
         if user is None:
             from .errors import InvalidArgumentException
 

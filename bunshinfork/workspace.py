@@ -11,20 +11,29 @@ import dataclasses
 import os
 import signal as _signal
 import threading
+from collections import ChainMap
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import accounting, pipeline, snapshot, state
+from . import accounting, images, pipeline, snapshot, state
 from . import memory as memory_engines
 from .accounting import HostMemory
 from .cgroups import Cgroup
 from .commands import BUNSHIN, Commands, Conventions, Pty
 from .contract import Build, Captured
-from .errors import BunshinError, SpecError, WorkspaceNotFound, WorkspaceStateError
+from .errors import (
+    BunshinError,
+    SpecError,
+    TemplateNotFound,
+    WarmTemplateError,
+    WorkspaceNotFound,
+    WorkspaceStateError,
+)
 from .files import Files
+from .images import templates
 from .process import lifetime
 from .spec import WorkspaceSpec
 from .state import Record, Status, Timing
@@ -71,6 +80,8 @@ class WorkspaceInfo:
     timings: dict[str, float] = field(default_factory=dict)
     # A clone's CRIU restore (wall clock: started, answered); None for a created workspace.
     restore_window: tuple[float, float] | None = None
+    # An image rootfs's ExposedPorts ("80/tcp"), as the image declares them.
+    exposed_ports: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -132,13 +143,20 @@ class Workspace:
         self._pidfd = pidfd
         self._lock = threading.Lock()
         self._shell_path: str | None = None
+        self._image = images.config.of(record.fs.rootfs if record.fs else None)
         self._serve(self.conventions)
 
     def _serve(self, conv: Conventions) -> None:
         self.conventions = conv
+        env: Mapping[str, str] = _SpecEnv(lambda: self._rec.spec.env)
+        if self._image is not None:
+            # As docker exec: the image's Env under the workspace's own, its WorkingDir, and its
+            # User where the front door has no default user of its own (a Sandbox keeps E2B's).
+            env = ChainMap(env, self._image.env)  # type: ignore[arg-type]
+            conv = dataclasses.replace(conv, workdir=self._image.working_dir or conv.workdir,
+                                       default_user=conv.default_user or self._image.user)
         self.files = Files(self.live_init_pid, conv.default_user)
-        self.commands = Commands(self.live_init_pid, self.files, _SpecEnv(lambda: self._rec.spec.env), self._shell,
-                                 self.host_pids, conv)
+        self.commands = Commands(self.live_init_pid, self.files, env, self._shell, self.host_pids, conv)
         self.pty = Pty(self.commands)
 
     def set_conventions(self, conventions: Conventions) -> None:
@@ -150,13 +168,20 @@ class Workspace:
 
     @classmethod
     def create(cls, spec: WorkspaceSpec | None = None, *, timeout: float | None = None,
-               die_with_creator: bool = False, **overrides: Any) -> Workspace:
+               die_with_creator: bool = False, template: str | None = None, **overrides: Any) -> Workspace:
         """Create and start a workspace. Keyword overrides are WorkspaceSpec fields.
+
+        template: the name of a warm template (bunshin template create) or saved snapshot to
+        fork instead: it starts running and initialised, with the template's spec.
 
         timeout: seconds until the workspace's init ends it (None or 0: never); set_timeout()
         moves it. die_with_creator: it also ends within lifetime.LEASE_SECONDS of this
         process's exit, however that comes.
         """
+        if template is not None:
+            if spec is not None or overrides:
+                raise SpecError("a workspace from a template has the template's spec; pass no spec or fields")
+            return cls.from_template(template, timeout=timeout)
         base = spec or WorkspaceSpec()
         if overrides:
             try:
@@ -164,7 +189,39 @@ class Workspace:
             except TypeError as e:
                 raise SpecError(str(e)) from e
         b = pipeline.create(base.validate(), lifetime.asked(timeout, die_with_creator))
-        return cls(b.rec, b.pidfd)
+        ws = cls(b.rec, b.pidfd)
+        if b.rec.spec.start == "entrypoint":
+            try:
+                ws.start_service()
+            except BaseException:
+                ws.destroy()
+                raise
+        return ws
+
+    @classmethod
+    def from_template(cls, name: str, *, timeout: float | None = None) -> Workspace:
+        """A workspace forked from the warm template (bunshin template create) or saved snapshot
+        `name` (an id or a name in the template store): running and initialised, with the
+        default memory engine. TemplateNotFound where the store has no such name."""
+        d = templates.find(name)
+        if d is None:
+            raise TemplateNotFound(f"no template or saved snapshot {name!r}; see 'bunshin template ls'")
+        snap = Snapshot.load(d)
+        try:
+            (clone,) = snap.fork(1, timeout=timeout)
+        finally:
+            snap.release()
+        if isinstance(clone, BaseException):
+            raise WarmTemplateError(f"starting from template {name!r} failed: {clone}") from clone
+        return clone
+
+    def start_service(self) -> None:
+        """Start the image's Entrypoint and Cmd in the background, as `docker run` does (create()
+        does it for spec.start == 'entrypoint')."""
+        argv = list(self._image.service) if self._image else []
+        if not argv:
+            raise SpecError(f"image {self._rec.spec.rootfs} has neither Entrypoint nor Cmd to start")
+        self.commands.run(argv, background=True, timeout=0)
 
     @classmethod
     def connect(cls, ws_id: str) -> Workspace:
@@ -218,13 +275,9 @@ class Workspace:
             raise WorkspaceStateError(f"workspace {self.id} is not running (destroyed, or its init died)")
         return self.init_pid
 
-    _live_init_pid = live_init_pid
-
     def host_pids(self) -> list[int]:
         """The host pids of every process in the workspace (its cgroup), the init's included."""
         return self._cgroup().pids()
-
-    _pids = host_pids
 
     def _shell(self) -> str:
         if self._shell_path is None:
@@ -280,13 +333,13 @@ class Workspace:
             cgroup_version=rec.cgroups.version if rec.cgroups else "",
             memory_limit=limit if isinstance(limit, int) else None, pids_limit=rec.spec.pids_limit,
             parent=rec.parent, disk_limit=rec.spec.disk_limit, timings=dict(rec.timings),
-            restore_window=rec.restore_window,
+            restore_window=rec.restore_window, exposed_ports=self._image.exposed_ports if self._image else (),
         )
 
     def memory(self) -> MemoryStats:
         """What the workspace costs the host (`.host`), and rss, pss, uss and shared bytes of its
         processes and the cgroup's charged usage."""
-        self._live_init_pid()
+        self.live_init_pid()
         cg = self._cgroup()
         totals = {"rss": 0, "pss": 0, "uss": 0, "shared": 0}
         per: dict[int, dict[str, int]] = {}
@@ -310,11 +363,11 @@ class Workspace:
 
     def pause(self) -> None:
         """Freeze every process of the workspace (cgroup freezer)."""
-        self._live_init_pid()
+        self.live_init_pid()
         self._cgroup().freeze()
 
     def resume(self) -> None:
-        self._live_init_pid()
+        self.live_init_pid()
         self._cgroup().thaw()
 
     def signal(self, sig: int) -> None:
@@ -322,7 +375,7 @@ class Workspace:
         left); TERM, INT, HUP, QUIT, USR1 and USR2 are forwarded to every process in it."""
         if sig == _signal.SIGKILL:
             self._cgroup().thaw()  # a frozen task cannot act on SIGKILL
-        os.kill(self._live_init_pid(), sig)
+        os.kill(self.live_init_pid(), sig)
 
     def snapshot(self, memory: str = "auto", *, incremental: bool = True) -> Snapshot:
         """Freeze briefly, capture the whole workspace, resume it; the Snapshot can fork many times.
@@ -355,7 +408,7 @@ class Workspace:
 
     def set_timeout(self, timeout: float) -> None:
         """End the workspace `timeout` seconds from now (0: never), enforced by its init."""
-        init_pid = self._live_init_pid()
+        init_pid = self.live_init_pid()
         rec = self._rec
         rec.lifetime = dataclasses.replace(rec.lifetime, deadline=lifetime.deadline_after(timeout))
         rec.save()

@@ -48,6 +48,9 @@ apt_packages=(
   # the Wayland desktop template: sway (headless wlroots, pixman renderer), its terminal,
   # screencopy, virtual keyboard and clipboard tools, the VNC live view and Xwayland
   sway foot grim wtype wl-clipboard wayvnc xwayland
+  # container images as workspaces (bunshinfork/images): a Docker engine, skopeo for
+  # registries and OCI layouts, and a local registry for the tests
+  docker.io skopeo docker-registry
 )
 
 missing=()

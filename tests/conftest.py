@@ -22,6 +22,7 @@ from bunshinfork.cgroups import leftover_cgroups
 from bunshinfork.fs import btrfs as storage
 from bunshinfork.fs import layers, store
 from bunshinfork.host import HOSTS_RUN_ROOT, named_hosts
+from bunshinfork.images import store as image_store
 from bunshinfork.memory import ksm
 from bunshinfork.workspace import Workspace
 
@@ -79,6 +80,9 @@ def snapshot() -> dict[str, set]:
         "interfaces": census.interfaces(),
         "layers": _layers(),
         "store loop devices": census.store_loops(),
+        # Image layers are a content-addressed cache (like the Debian rootfs), not a workspace's:
+        # only an unpack that did not finish (a temporary) is a leak.
+        "image layer unpacks": image_store.temporaries(),
     }
 
 

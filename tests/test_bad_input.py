@@ -253,9 +253,10 @@ def test_odd_commands_are_typed_errors_or_results(planted: Workspace, cmd: Any, 
 
 ARGS = st.one_of(ODD_TEXT, st.sampled_from(["--", "-", "--all", "--json", "--timeout", "0", "-1", "nan",
                                             "--memory", "1e99G", "--pids", "3", "--cwd", "../..", "--env", "=",
-                                            "a\0b", "ws-000000000000", "../ws", ".hidden", "x" * 5000]))
+                                            "a\0b", "ws-000000000000", "../ws", ".hidden", "x" * 5000,
+                                            "--template", "--image", "--from", "docker:../x", "oci:rel", "ls", "rm"]))
 SUBCOMMANDS = st.sampled_from(["create", "exec", "ls", "info", "memory", "rm", "doctor", "nosuch", "--help",
-                               "--version", "fork", "snapshot"])
+                               "--version", "fork", "snapshot", "template"])
 
 
 @SETTINGS

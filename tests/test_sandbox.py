@@ -28,8 +28,8 @@ from bunshinfork import (
     SpecError,
     Workspace,
 )
-from bunshinfork.e2b import templates
 from bunshinfork.errors import CommandTimeout
+from bunshinfork.images import templates as template_store
 
 
 @pytest.fixture
@@ -211,7 +211,7 @@ def test_by_id_and_list(sbx: Sandbox) -> None:
 
 
 def test_snapshots_as_templates(sbx: Sandbox, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(templates, "SNAPSHOT_ROOT", tmp_path / "snapshots")
+    monkeypatch.setattr(template_store, "ROOT", tmp_path / "snapshots")
     sbx.commands.run("echo remembered > memo; (sleep 1000 &)")
     info = sbx.create_snapshot(name="my-template")
     assert info.names == ["my-template"]
@@ -230,7 +230,7 @@ def test_a_saved_template_takes_envs_and_metadata(sbx: Sandbox, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Sandbox.create(<saved template>, envs=...): the clone's commands get the envs on top of the
     snapshot's own, in this process and through Sandbox.connect; a bad name leaves no clone."""
-    monkeypatch.setattr(templates, "SNAPSHOT_ROOT", tmp_path / "snapshots")
+    monkeypatch.setattr(template_store, "ROOT", tmp_path / "snapshots")
     info = sbx.create_snapshot()
     with Sandbox.create(info.snapshot_id, envs={"ADDED": "yes", "FROM_CREATE": "over"},
                         metadata={"k": "v"}) as copy:

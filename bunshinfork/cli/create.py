@@ -8,11 +8,13 @@ from typing import Any
 from .. import spec
 from ..errors import SpecError
 from ..workspace import Workspace
+from . import template
 from .common import Verb, key_value, positive_float
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rootfs", help="'host' (default), 'debian', 'docker:IMAGE' or an absolute directory")
+    p.add_argument("--rootfs", help="'host' (default), 'debian', 'docker:IMAGE', 'oci:DIR[:TAG]', 'registry:REF' "
+                   "or an absolute directory")
     p.add_argument("--hostname", help="host name inside the workspace (default: its id)")
     p.add_argument("--memory", metavar="SIZE", help="memory limit, e.g. 512M or 2G")
     p.add_argument("--disk", metavar="SIZE", help="what the workspace may write (its layer, /tmp, /dev/shm), e.g. 1G")
@@ -26,6 +28,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="environment of every command (repeatable)")
     p.add_argument("--timeout", type=positive_float, metavar="S",
                    help="the workspace's lifetime: its init ends it after S seconds (default: none)")
+    template.add_create_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         overrides["userns"] = True
     if args.env:
         overrides["env"] = dict(args.env)
-    ws = Workspace.create(timeout=args.timeout, **overrides)
+    ws = template.create(args, overrides) or Workspace.create(timeout=args.timeout, **overrides)
     print(ws.id)
     return 0
 

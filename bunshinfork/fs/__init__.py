@@ -16,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-from .. import idmap, native, state
+from .. import idmap, images, native, state
 from ..contract import Build, Capture, Check, Held, Mount, Part
 from ..errors import ForkError
 from ..state import FsState, Layer
@@ -179,6 +179,7 @@ class FsPart(Part):
                         removed.append(str(path))
         removed += frozen.orphans(roots)
         removed += rootfs.shifted_orphans(_rootfs_in_use())
+        removed += images.store.gc()
         if roots and btrfs.is_btrfs(roots[0]):
             removed += [f"qgroup {q}" for q in quota.settle(roots[0])]
         return removed
@@ -215,7 +216,9 @@ def save(fs: FsState, dest: Path) -> FsState:
 def load(fs: FsState, directory: Path, snap_id: str, storage_dir: str | None = None) -> FsState:
     """A saved snapshot's fs state: its layer imported into the storage once (clones stack it
     from there), refused if its root file system changed since."""
-    current = rootfs.resolve(fs.rootfs.source, fs.rootfs.shift)
+    # An image the layer store holds whole needs neither its engine nor its registry again.
+    current = (images.by_digest(fs.rootfs.source, fs.rootfs.digest) if fs.rootfs.kind == "image"
+               and not fs.rootfs.shift else None) or rootfs.resolve(fs.rootfs.source, fs.rootfs.shift)
     if current.digest != fs.rootfs.digest:
         raise ForkError(
             f"the root file system {fs.rootfs.source!r} changed since snapshot {snap_id} was saved "

@@ -7,7 +7,8 @@ Four sources:
   /var never show through.
 - "debian": a debootstrap-built bookworm, cached after the first build.
 - a directory path.
-- "docker:IMAGE": an OCI image exported through the docker SDK, when an engine is reachable.
+- a container image ("docker:IMAGE", "oci:DIR[:TAG]", "registry:REF"): its layers, each
+  unpacked once into the image layer store and stacked as lowers (bunshinfork.images).
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ import json
 import os
 import shutil
 import subprocess
-import tarfile
 import tempfile
 from pathlib import Path
 
-from .. import idmap, state
+from .. import idmap, images, state
 from ..errors import RootfsError
 from ..state import Rootfs
 
@@ -52,8 +52,8 @@ def resolve(source: str, shift: int = 0) -> Rootfs:
         found = host()
     elif source in ("debian", f"debian:{DEBIAN_SUITE}"):
         found = debian()
-    elif source.startswith("docker:"):
-        found = docker_image(source.removeprefix("docker:"))
+    elif images.is_image(source):
+        found = images.resolve(source)
     else:
         found = directory(source)
     return shifted(found, idmap.IdMap(shift, idmap.SIZE)) if shift else found
@@ -223,7 +223,8 @@ def _dir_digest(path: Path) -> str:
 def directory(path: str) -> Rootfs:
     p = Path(path)
     if not p.is_absolute():
-        raise RootfsError(f"rootfs {path!r} is neither 'host', 'debian', 'docker:IMAGE' nor an absolute path")
+        raise RootfsError(f"rootfs {path!r} is neither 'host', 'debian', 'docker:IMAGE', 'oci:DIR', "
+                          "'registry:REF' nor an absolute path")
     if not p.is_dir():
         raise RootfsError(f"rootfs directory {path} does not exist; create it or use rootfs='host'")
     if not any((p / sh).exists() or (p / sh).is_symlink() for sh in ("bin/sh", "usr/bin/sh")):
@@ -262,47 +263,3 @@ def debian(suite: str = DEBIAN_SUITE, mirror: str = DEBIAN_MIRROR) -> Rootfs:
     st = (dest / ".bunshin-complete").stat()
     digest = hashlib.sha256(f"debian-{suite}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     return Rootfs(kind="debian", lowerdirs=(str(dest),), digest=f"debian-{digest}", source=f"debian:{suite}")
-
-
-def docker_image(image: str) -> Rootfs:
-    """Export an image's file system through a reachable Docker engine, cached by image id."""
-    try:
-        import docker  # type: ignore[import-untyped]
-    except ImportError as e:
-        raise RootfsError("rootfs 'docker:...' needs the docker SDK: pip install 'bunshin[docker]'") from e
-    try:
-        client = docker.from_env(timeout=10)
-        client.ping()
-    except Exception as e:
-        raise RootfsError(
-            f"no Docker engine is reachable ({e.__class__.__name__}: {e}); start dockerd or set DOCKER_HOST, "
-            "or use rootfs='host', 'debian' or a directory"
-        ) from e
-    try:
-        try:
-            img = client.images.get(image)
-        except docker.errors.ImageNotFound:
-            img = client.images.pull(image)
-        image_id = img.id.split(":")[-1][:16]
-        dest = CACHE / "rootfs" / f"oci-{image_id}"
-        if not (dest / ".bunshin-complete").exists():
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".oci-"))
-            container = client.containers.create(img.id, command=["/bin/true"])
-            try:
-                tar_path = tmp / "fs.tar"
-                with open(tar_path, "wb") as f:
-                    for chunk in container.export():
-                        f.write(chunk)
-                (tmp / "root").mkdir()
-                with tarfile.open(tar_path) as tf:
-                    tf.extractall(tmp / "root", filter="tar")
-                (tmp / "root" / ".bunshin-complete").write_text(image + "\n")
-                shutil.rmtree(dest, ignore_errors=True)
-                os.rename(tmp / "root", dest)
-            finally:
-                container.remove(force=True)
-                shutil.rmtree(tmp, ignore_errors=True)
-    except docker.errors.DockerException as e:
-        raise RootfsError(f"exporting docker image {image!r} failed: {e}") from e
-    return Rootfs(kind="docker", lowerdirs=(str(dest),), digest=f"oci-{image_id}", source=f"docker:{image}")
