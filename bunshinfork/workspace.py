@@ -24,6 +24,7 @@ from .commands import BUNSHIN, Commands, Conventions, Pty
 from .contract import Build, Captured
 from .errors import BunshinError, SpecError, WorkspaceNotFound, WorkspaceStateError
 from .files import Files
+from .network.ports import Ports
 from .process import lifetime
 from .spec import WorkspaceSpec
 from .state import Record, Timing
@@ -109,6 +110,7 @@ class Workspace:
         self.files = Files(self._live_init_pid, conv.default_user)
         self.commands = Commands(self._live_init_pid, self.files, record.spec.env, self._shell, self._pids, conv)
         self.pty = Pty(self.commands)
+        self.ports = Ports(record.id, record.dir, self._live_init_pid, self._inside_addresses)
 
     # ---- construction ----
 
@@ -177,6 +179,10 @@ class Workspace:
 
     def _pids(self) -> list[int]:
         return self._cgroup().pids()
+
+    def _inside_addresses(self) -> list[str]:
+        net = self._rec.network
+        return ["127.0.0.1"] + ([net.ip] if net is not None and net.ip else [])
 
     def _shell(self) -> str:
         if self._shell_path is None:

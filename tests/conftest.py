@@ -83,6 +83,9 @@ def snapshot() -> dict[str, set]:
         "interfaces": census.interfaces(),
         "layers": _layers(),
         "store loop devices": census.store_loops(),
+        "nft rules": census.nft_rules(),
+        "ip rules": census.ip_rules(),
+        "published ports": census.published_ports(),
     }
 
 

@@ -14,14 +14,17 @@ from __future__ import annotations
 
 from pyroute2 import IPRoute
 
+from .. import state
 from ..contract import Build, Capture, Check, Held, Part
-from ..errors import ForkError
 from ..state import NetworkState
-from .bridge import BRIDGE, gc, host_ifname, leftover_interfaces, setup, subnet, teardown
+from . import bridge, ports
+from .bridge import BRIDGE, clone_link_up, gc, host_ifname, leftover_interfaces, setup, setup_clone, subnet, teardown
+from .clones import CAPTURE_FILE, external_flows, load_capture, save_capture
 from .nat import NAT_FAMILY, NAT_TABLE, nat_rules, nft_available
+from .nsock import destroy_tcp
 
-__all__ = ["BRIDGE", "NAT_FAMILY", "NAT_TABLE", "NetworkPart", "gc", "host_ifname", "leftover_interfaces",
-           "nat_rules", "setup", "subnet", "teardown"]
+__all__ = ["BRIDGE", "CAPTURE_FILE", "NAT_FAMILY", "NAT_TABLE", "NetworkPart", "gc", "host_ifname",
+           "leftover_interfaces", "nat_rules", "setup", "subnet", "teardown"]
 
 
 def check_netlink() -> Check:
@@ -47,22 +50,40 @@ class NetworkPart(Part):
     def prepare(self, b: Build) -> None:
         rec = b.rec
         assert rec.process is not None
-        rec.network = setup(rec.id, rec.process.pid, rec.spec.network, nat=rec.spec.nat)
+        rec.network = setup(rec.id, rec.process.pid, rec.spec.network, nat=rec.spec.nat, egress_spec=rec.spec.egress)
 
     def capture(self, c: Capture) -> None:
         net = c.source.network
-        if net is not None and net.mode != "none":
-            raise ForkError(
-                f"workspace {c.source.id} uses network={net.mode!r}; forking supports "
-                "network='none' workspaces (their internal TCP connections survive)"
-            )
+        if net is None or net.mode != "bridge":
+            return
+        assert c.source.process is not None
+        # The source is frozen: its netns's TCP table is the one CRIU dumps.
+        save_capture(c.snap.dir, net, external_flows(c.source.process.pid, net.ip))
 
     def restore(self, b: Build) -> None:
-        b.rec.network = NetworkState("none")
+        assert b.source is not None
+        captured = load_capture(b.source.dir)
+        if captured is None:
+            b.rec.network = NetworkState("none")
+            return
+        source, flows = captured
+        # Recorded as soon as its rules exist, so that a failed fork's release removes them too.
+        b.rec.network = net = setup_clone(b.rec.id, source, flows, b.rec.spec.egress)
+
+        def finish(pids: list[int]) -> None:
+            # Every task is still stopped: the link goes up, and the inherited connections are
+            # aborted inside the clone (their RSTs die in the host's raw table) before any runs.
+            clone_link_up(b.rec.id, net)
+            if flows and pids:
+                destroy_tcp(pids[0], flows)
+
+        b.pre_resume.append(finish)
 
     def release(self, held: Held) -> None:
         if isinstance(held, Build):
+            ports.release(held.rec.id)
             teardown(held.rec.id, held.rec.network)
 
     def gc(self) -> list[str]:
-        return gc()
+        live = {r.id for r in state.records() if bridge.alive(r)}
+        return gc() + ports.gc([state.RUN_ROOT / i for i in state.all_ids()], live)
