@@ -6,14 +6,21 @@ The outside peer is a fake internet host in a namespace the test makes (fake_int
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
+import socket
+import time
 from collections.abc import Iterator
 
 import pytest
 from fake_internet import PORT, FakeHost, fake_host
 from fork_support import COW, WORKLOADS, forked
 from helpers import run_ok, wait_for
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from bunshinfork.commands import CommandHandle
+from bunshinfork.errors import NetworkError, SpecError
 from bunshinfork.network import clones
 from bunshinfork.workspace import Workspace
 
@@ -137,3 +144,136 @@ def test_clone_rules_go_with_a_failed_fork(internet: FakeHost, monkeypatch: pyte
         assert clones.leftover_rules() == set()
         monkeypatch.setattr(restore, "RESTORE_HOOK", None)
         assert netstate(src)[1].startswith("alive")
+
+
+def _ask(addr: tuple[str, int]) -> str:
+    with socket.create_connection(addr, timeout=10) as s:
+        return s.makefile().readline().strip()
+
+
+def test_each_clone_publishes_its_own_port(internet: FakeHost) -> None:
+    with Workspace.create(network="bridge") as src:
+        start(src, internet)
+        kids = forked(src.fork(CLONES, "copy"))
+        try:
+            addrs = {}
+            for ws in [src, *kids]:
+                if ws is not src:
+                    run_ok(ws, f"echo {ws.id} > /tmp/who")
+                addrs[ws.id] = ws.ports.publish(8000)
+            assert len(set(addrs.values())) == len(addrs)
+            for ws_id, addr in addrs.items():
+                who, count = _ask(addr).split()
+                assert who == ("source" if ws_id == src.id else ws_id)
+                assert int(count) > 0
+            # A taken host port is a typed error, and builds nothing.
+            with pytest.raises(NetworkError, match="taken"):
+                kids[0].ports.publish(7000, host_port=addrs[src.id][1])
+        finally:
+            for k in kids:
+                k.destroy()
+        assert kids[0].ports.list() == {}
+
+
+def test_publish_reaches_a_none_workspace() -> None:
+    with Workspace.create() as ws:
+        h = ws.commands.run("exec python3 -m http.server 8000 --bind 127.0.0.1", background=True)
+        assert isinstance(h, CommandHandle)
+        host, port = ws.ports.publish(8000)
+
+        def get() -> bool:
+            with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=5) as s:
+                s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+                return s.recv(12).startswith(b"HTTP/1.0 200")
+            return False
+
+        assert wait_for(get, timeout=10)
+        assert ws.ports.unpublish(8000)
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((host, port), timeout=5)
+
+
+# ---- egress policy ----
+
+PROBE = """
+import socket, sys
+try:
+    s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=8)
+    s.sendall(b"hi")
+    print("connected" if s.recv(2) == b"hi" else "EOF")
+except OSError as e:
+    print(type(e).__name__)
+"""
+
+
+def reach(ws: Workspace, host: FakeHost) -> str:
+    return run_ok(ws, ["python3", "-c", PROBE, host.addr, str(PORT)], timeout=20).stdout.strip()
+
+
+@pytest.fixture
+def two_hosts() -> Iterator[tuple[FakeHost, FakeHost]]:
+    with fake_host(0) as a, fake_host(1) as b:
+        yield a, b
+
+
+def _allowed(policy: dict[str, list[str]], addr: str) -> bool:
+    ip = ipaddress.ip_address(addr)
+    if any(ip in ipaddress.ip_network(c) for c in policy.get("allow_out", [])):
+        return True
+    return not any(ip in ipaddress.ip_network(c) for c in policy.get("deny_out", []))
+
+
+def _check_policy(family: list[Workspace], hosts: tuple[FakeHost, ...], policy: dict[str, list[str]]) -> None:
+    for host in hosts:
+        before = len(host.seen())
+        expect = "connected" if _allowed(policy, host.addr) else "ConnectionRefusedError"
+        for ws in family:
+            t0 = time.monotonic()
+            assert reach(ws, host) == expect, (ws.id, host.addr, policy)
+            assert time.monotonic() - t0 < 5  # rejected at once, never a timeout
+        arrived = len(host.seen()) - before
+        assert arrived == (len(family) if expect == "connected" else 0), (host.addr, policy)
+
+
+@pytest.mark.parametrize("policy", [
+    {"deny_out": ["192.0.2.6/32"]},
+    {"allow_out": ["192.0.2.2"], "deny_out": ["0.0.0.0/0"]},
+], ids=["deny-one", "allow-wins"])
+def test_egress_policy_holds_in_source_and_clones(two_hosts: tuple[FakeHost, FakeHost],
+                                                  policy: dict[str, list[str]]) -> None:
+    with Workspace.create(network="bridge", egress=policy) as src:
+        kids = forked(src.fork(2, "copy"))
+        try:
+            _check_policy([src, *kids], two_hosts, policy)
+        finally:
+            for k in kids:
+                k.destroy()
+
+
+def test_closed_egress_and_bad_rules_are_typed_errors() -> None:
+    for bad in ({"deny_out": ["example.com"]}, {"allow_out": ["10.0.0.0/33"]}, {"deny_out": "0.0.0.0/0"},
+                {"allow_out": ["::1"]}, {"rules": []}, "open"):
+        with pytest.raises(SpecError):
+            Workspace.create(network="bridge", egress=bad)
+
+
+CIDRS = ["192.0.2.2/32", "192.0.2.6/32", "192.0.2.0/24", "0.0.0.0/0"]
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+@given(allow=st.lists(st.sampled_from(CIDRS), max_size=2, unique=True),
+       deny=st.lists(st.sampled_from(CIDRS), max_size=2, unique=True),
+       depth=st.integers(min_value=0, max_value=2))
+def test_nothing_denied_ever_arrives(two_hosts: tuple[FakeHost, FakeHost], allow: list[str], deny: list[str],
+                                     depth: int) -> None:
+    policy = {"allow_out": allow, "deny_out": deny}
+    with Workspace.create(network="bridge", nat=depth == 1, egress=policy) as src:
+        family, made = [src], []
+        try:
+            for _ in range(depth):
+                made += forked(family[-1].fork(1, "copy"))
+                family.append(made[-1])
+            _check_policy(family, two_hosts, policy)
+        finally:
+            for ws in made:
+                ws.destroy()
