@@ -6,6 +6,7 @@ The outside peer is a fake internet host in a namespace the test makes (fake_int
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ipaddress
 import socket
@@ -23,6 +24,8 @@ from bunshinfork.commands import CommandHandle
 from bunshinfork.errors import NetworkError, SpecError
 from bunshinfork.network import clones
 from bunshinfork.workspace import Workspace
+from bunshinrl import Speculator, ToolCall
+from bunshinrl.tools import Tool
 
 AGENT = "/root/netagent.py"
 CLONES = 4
@@ -277,3 +280,35 @@ def test_nothing_denied_ever_arrives(two_hosts: tuple[FakeHost, FakeHost], allow
         finally:
             for ws in made:
                 ws.destroy()
+
+
+# ---- speculation stays inside the workspace ----
+
+@pytest.mark.parametrize("placement", ["live", "fork_first"])
+def test_speculated_call_reaching_out_is_refused_then_runs_for_real(internet: FakeHost, placement: str) -> None:
+    def fetch(ws: Workspace, tag: str) -> str:
+        return reach(ws, internet)
+
+    tool = Tool.from_function(fetch, name="fetch")
+    call = ToolCall("fetch", {"tag": "a"})
+
+    async def main() -> None:
+        ws = await asyncio.to_thread(Workspace.create, network="bridge")
+        spec = Speculator(memory="copy", placement=placement)  # type: ignore[arg-type]
+        live: Workspace | None = None
+        try:
+            branch = await spec.launch(ws, [call], {"fetch": tool})
+            await asyncio.to_thread(wait_for, lambda: branch.completed >= 1, 60)
+            assert await branch.resolve(call) is None  # refused in the branch: a miss
+            assert spec.stats["spec_refused_egress"] == 1
+            assert internet.seen() == []
+            live = await branch.close()
+            assert await tool.run(live, call.args) == "connected"
+            assert len(internet.seen()) == 1
+        finally:
+            await spec.drain()
+            for w in (live, ws):
+                if w is not None:
+                    await asyncio.to_thread(w.destroy)
+
+    asyncio.run(main())

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import NetworkError, SpecError
+from ..state import NetworkState
 
 FAMILY = "ip"
 TABLE = "bunshin_egress"
@@ -163,11 +164,39 @@ def _rules(family: str, table: str) -> list[dict[str, Any]]:
     return [item["rule"] for item in out.get("nftables", []) if "rule" in item]
 
 
-def _owner(rule: dict[str, Any]) -> str | None:
+def _owner(rule: dict[str, Any], tag: str | None = None) -> str | None:
+    """The workspace a rule is for; with `tag`, only rules of a hold with that tag."""
     words = str(rule.get("comment") or "").split()
-    if len(words) == 3 and words[0] == "bunshin" and words[2] == "egress" and words[1].startswith("ws="):
+    ours = len(words) in (3, 4) and words[0] == "bunshin" and words[2] == "egress" and words[1].startswith("ws=")
+    if ours and (tag is None or (len(words) == 4 and words[3] == tag)):
         return words[1][3:]
     return None
+
+
+HOLD = "hold"
+
+
+def hold_closed(ws_id: str, net: NetworkState | None) -> bool:
+    """Close the workspace's egress on top of its own policy until release_hold (bunshinrl's
+    speculation: an uncommitted call must have no remote effect). The rules go first in their
+    chains, so no allow_out of the workspace's lifts them. False for a workspace with no link."""
+    if net is None or net.mode != "bridge" or not net.host_if or not net.ip:
+        return False
+    c = f'comment "bunshin ws={ws_id} egress {HOLD}"'
+    match = f'iifname "{net.host_if}"' if net.zone is not None else f'iifname "{net.bridge}" ip saddr {net.ip}'
+    lines = [f"add table {FAMILY} {TABLE}"]
+    for hook in ("forward", "input"):
+        lines.append(f"add chain {FAMILY} {TABLE} {hook} {{ type filter hook {hook} priority filter; policy accept; }}")
+        pre = f"insert rule {FAMILY} {TABLE} {hook} {match} ct state new"
+        # insert puts each at the head: the catch-all goes in first so that TCP's reset precedes it.
+        lines.append(f"{pre} counter reject with icmp type admin-prohibited {c}")
+        lines.append(f"{pre} meta l4proto tcp counter reject with tcp reset {c}")
+    _nft_text("\n".join(lines) + "\n")
+    return True
+
+
+def release_hold(ws_id: str) -> None:
+    remove({ws_id}, tag=HOLD)
 
 
 def all_rules() -> set[str]:
@@ -176,16 +205,16 @@ def all_rules() -> set[str]:
             for r in _rules(fam, t)}
 
 
-def refused(ws_id: str) -> int:
-    """How many packets the workspace's reject rules have refused."""
+def refused(ws_id: str, tag: str | None = None) -> int:
+    """How many packets the workspace's reject rules (those of a hold with `tag`) have refused."""
     n = 0
     for r in _rules(FAMILY, TABLE):
-        if _owner(r) == ws_id:
+        if _owner(r, tag) == ws_id:
             n += sum(e["counter"]["packets"] for e in r["expr"] if isinstance(e, dict) and "counter" in e)
     return n
 
 
-def remove(owners: set[str] | None = None, keep: set[str] | None = None) -> list[str]:
+def remove(owners: set[str] | None = None, keep: set[str] | None = None, tag: str | None = None) -> list[str]:
     """Delete the egress rules of `owners` (of every workspace not in `keep` when None); the
     tables once empty. Returns the owners whose rules went."""
     from .nat import _nft
@@ -194,7 +223,7 @@ def remove(owners: set[str] | None = None, keep: set[str] | None = None) -> list
         rules = _rules(fam, table)
         deletes = []
         for r in rules:
-            ws = _owner(r)
+            ws = _owner(r, tag)
             if ws is None or (owners is not None and ws not in owners) or (keep is not None and ws in keep):
                 continue
             gone.add(ws)
