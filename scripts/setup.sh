@@ -48,6 +48,8 @@ apt_packages=(
   # the Wayland desktop template: sway (headless wlroots, pixman renderer), its terminal,
   # screencopy, virtual keyboard and clipboard tools, the VNC live view and Xwayland
   sway foot grim wtype wl-clipboard wayvnc xwayland
+  # real servers run inside forked networked workspaces (tests/test_network_servers.py)
+  redis-server nginx memcached
 )
 
 missing=()
