@@ -1,13 +1,35 @@
 """Network subsystem (paper §4.6): a workspace's network namespace and its link to the host.
 
-The netns itself is created with the workspace (loopback up). Connections inside it (a
-browser and its local server) are part of the captured state: CRIU restores them by TCP
-repair in each clone's own netns. Connections to the outside are never duplicated, so only
-`network="none"` workspaces fork.
+The netns itself is created with the workspace (loopback up). "none": loopback only.
+"bridge": a veth on the host bridge `bunshin0` (bridge.py); nat=True adds one nftables
+masquerade table shared by every NAT workspace (nat.py). All of it is done over netlink
+(pyroute2) and nftables; nothing shells out.
 
-"none": loopback only. "bridge": a veth on the host bridge `bunshin0` (bridge.py); nat=True
-adds one nftables masquerade table shared by every NAT workspace (nat.py). All of it is done
-over netlink (pyroute2) and nftables' JSON API; nothing shells out.
+Forking a bridged workspace (clones.py has the details):
+- Connections inside the workspace (a client and a server through eth0's address or
+  loopback) are part of the captured state: CRIU dumps them with --tcp-established and
+  restores them by TCP repair in each clone's own netns. The source is frozen, its netns
+  locked by CRIU's nftables lock for the dump only (--leave-running unlocks it), so its own
+  connections, inside and out, carry on.
+- Inside, a clone is its source: eth0 with the same name, address, MAC and routes (CRIU
+  restores the namespace; `veth[eth0]:bn<clone>` names the host end it creates), and the
+  same files (resolv.conf). Servers bound to that address keep listening.
+- On the host, clones cannot share the bridge with one address, so each clone's veth is a
+  routed point-to-point link of its own. The host tells them apart by a conntrack zone per
+  clone (original direction) and a fwmark per clone copied into its connections' mark, which
+  routes replies by an ip rule to the clone's own table; its traffic is source-NATed to a
+  unique address of the subnet (masqueraded instead beyond the subnet for nat=True). Every
+  clone is online at once, beside its source and siblings.
+- Connections to peers outside the workspace (recorded from the frozen netns at capture)
+  are never shared: before CRIU restores a clone, the host drops every packet of those
+  4-tuples arriving from the clone's link (raw table, before conntrack and NAT); before its
+  tasks resume, each copy is aborted inside the clone (sock_destroy, as `ss -K`), so the
+  clone's first read or write fails (ECONNABORTED) at once. The peer only ever sees the
+  source's flow and each clone's new ones. Forks of forks and of saved snapshots do the same
+  (the capture travels with the snapshot: network.json).
+
+Published ports (ports.py) and egress policies (egress.py) work per workspace, clones
+included; the census (bunshinfork.census) counts their rules and forwarders.
 """
 
 from __future__ import annotations
