@@ -11,9 +11,9 @@ link of its own, off the bridge, and the host keeps them apart by:
 - source NAT to a unique address of the subnet (`snat`), allocated like a workspace address:
   for non-NAT workspaces every forwarded packet, for NAT ones only traffic into the subnet
   (the rest is masqueraded by nat.py's rule, which picks unique ports across zones);
-- a fwmark per clone, copied into the connection's mark, and an ip rule sending that mark to
-  the clone's own routing table (`default dev bn<id>`): replies, de-NATed back to the shared
-  inside address, are routed by mark rather than by address;
+- a mark per clone on its connections (ct mark), copied onto their reply packets (fwmark),
+  and an ip rule sending that mark to the clone's own routing table (`default dev bn<id>`):
+  replies, de-NATed back to the shared inside address, are routed by mark, not by address;
 - proxy ARP and the gateway address on bn<id>: the clone still thinks it sits on the subnet.
 
 Connections the source had to peers outside the workspace are recorded at capture (the
@@ -155,10 +155,11 @@ def install(ws_id: str, host_if: str, net: NetworkState, subnet: ipaddress.IPv4N
         lines.append(f"add rule {FAMILY} {TABLE} raw {iif} ip saddr {fl.src} ip daddr {fl.dst} "
                      f"tcp sport {fl.sport} tcp dport {fl.dport} drop {c}")
     lines += [
-        f"add rule {FAMILY} {TABLE} raw {iif} ct original zone set {zone} meta mark set {m:#x} {c}",
-        f"add rule {FAMILY} {TABLE} mangle {iif} ct mark set {m:#x} {c}",
-        f"add rule {FAMILY} {TABLE} mangle ct mark {m:#x} meta mark set {m:#x} {c}",
-        f"add rule {FAMILY} {TABLE} out ct mark {m:#x} meta mark set {m:#x} {c}",
+        f"add rule {FAMILY} {TABLE} raw {iif} ct original zone set {zone} {c}",
+        f"add rule {FAMILY} {TABLE} mangle {iif} ct direction original ct mark set {m:#x} {c}",
+        # Only replies are routed by the mark: the clone's own packets go by the main table.
+        f"add rule {FAMILY} {TABLE} mangle ct direction reply ct mark {m:#x} meta mark set {m:#x} {c}",
+        f"add rule {FAMILY} {TABLE} out ct direction reply ct mark {m:#x} meta mark set {m:#x} {c}",
     ]
     scope = f"ip daddr {subnet} " if net.nat else ""
     lines.append(f"add rule {FAMILY} {TABLE} postnat {iif} {scope}snat to {net.snat} {c}")
