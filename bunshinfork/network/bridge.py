@@ -130,9 +130,9 @@ def _records() -> dict[str, tuple[NetworkState, bool]]:
 
 def alive(rec: state.Record) -> bool:
     if rec.status == "running":
-        return rec.initalive()
+        return rec.init_alive()
     if rec.status == "creating":
-        return rec.creatoralive()
+        return rec.creator_alive()
     return False
 
 
