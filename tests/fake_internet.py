@@ -79,7 +79,7 @@ def fake_host(index: int = 0, port: int = PORT) -> Iterator[FakeHost]:
     srv: socket.socket | None = None
     try:
         with IPRoute() as ipr:
-            ipr.link("add", ifname=host.host_if, kind="veth", peer={"ifname": "eth0", "net_ns_fd": host.path})
+            ipr.link("add", ifname=host.host_if, kind="veth", peer={"ifname": "eth0", "net_ns_fd": name})
             idx = ipr.link_lookup(ifname=host.host_if)[0]
             ipr.addr("add", index=idx, address=host.router, prefixlen=30)
             ipr.link("set", index=idx, state="up")
