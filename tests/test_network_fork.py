@@ -52,12 +52,19 @@ def netstate(ws: Workspace) -> tuple[int, str]:
     return wait_for(probe, timeout=10)
 
 
+def _started(ws: Workspace, h: CommandHandle) -> bool:
+    if ws.files.exists(f"/.bunshin/cmd/{h.cmd_id}/exit"):
+        raise AssertionError(f"agent died: {ws.files.read(f'/.bunshin/cmd/{h.cmd_id}/stderr')}")
+    raw = run_ok(ws, "cat /tmp/netstate 2>/dev/null || true").stdout.split(maxsplit=1)
+    return len(raw) == 2 and raw[1].startswith("alive") and int(raw[0]) > 5
+
+
 def start(ws: Workspace, host: FakeHost) -> None:
     ws.files.write(AGENT, (WORKLOADS / "netagent.py").read_text())
     ip = ws.info().network["ip"]
     h = ws.commands.run(f"exec python3 {AGENT} {ip} {host.addr} {PORT}", background=True)
     assert isinstance(h, CommandHandle)
-    wait_for(lambda: netstate(ws)[1].startswith("alive") and netstate(ws)[0] > 5, timeout=15)
+    wait_for(lambda: _started(ws, h), timeout=20)
 
 
 def advances(ws: Workspace) -> bool:
