@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import ipaddress
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 
@@ -64,7 +65,22 @@ def start(ws: Workspace, host: FakeHost) -> None:
     ip = ws.info().network["ip"]
     h = ws.commands.run(f"exec python3 {AGENT} {ip} {host.addr} {PORT}", background=True)
     assert isinstance(h, CommandHandle)
-    wait_for(lambda: _started(ws, h), timeout=20)
+    try:
+        wait_for(lambda: _started(ws, h), timeout=20)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{_diagnose(ws, host)}") from None
+
+
+def _diagnose(ws: Workspace, host: FakeHost) -> str:
+    """What the routes and filters looked like when the workspace could not reach the fake host."""
+    inside = ws.commands.run("ip -4 addr; ip -4 route; ip neigh", timeout=10)
+    out = [f"inside: {getattr(inside, 'stdout', inside)}"]
+    for cmd in (["ip", "-4", "route"], ["ip", "route", "get", host.addr], ["sysctl", "net.ipv4.ip_forward"],
+                ["ip", "netns", "exec", host.name, "ip", "-4", "route"], ["ip", "neigh"],
+                ["nft", "list", "ruleset"], ["cat", "/proc/net/nf_conntrack"]):
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+        out.append(f"{' '.join(cmd)}: {r.stdout}{r.stderr}")
+    return "\n".join(out)[:8000]
 
 
 def advances(ws: Workspace) -> bool:
