@@ -21,7 +21,7 @@ from .cgroups.watchdog import LOG_NAME
 from .fs import btrfs, quota, store
 from .fs.btrfs import btrfsutil
 from .memory import ksm
-from .network import leftover_interfaces, nat
+from .network import clones, egress, leftover_interfaces, nat, ports
 
 INIT_COMMS = ("bunshin-init", "init")
 
@@ -90,10 +90,21 @@ def net_namespaces() -> set[str]:
 
 
 def nft_rules() -> set[str]:
-    """The rules of bunshin's NAT table."""
+    """The rules of bunshin's nftables tables: NAT, clones' links, egress policies."""
     if not nat.nft_available():
         return set()
-    return {json.dumps(r, sort_keys=True) for r in nat.nat_rules()}
+    rules = [*nat.nat_rules(), *clones.table_rules()]
+    return {json.dumps(r, sort_keys=True) for r in rules} | egress.all_rules()
+
+
+def ip_rules() -> set[str]:
+    """The clones' policy-routing rules."""
+    return clones.leftover_rules()
+
+
+def published_ports() -> set[str]:
+    """Published-port forwarders listening in this process."""
+    return ports.active()
 
 
 def loop_devices() -> set[str]:
@@ -175,6 +186,8 @@ PROBES: dict[str, Callable[[], set]] = {
     "network namespaces": net_namespaces,
     "veths": interfaces,
     "nft rules": nft_rules,
+    "ip rules": ip_rules,
+    "published ports": published_ports,
     "processes": processes,
     "host fds": host_fds,
     "tmpfs bytes": lambda: {tmpfs_bytes()},

@@ -31,6 +31,8 @@ PARTS: tuple[Part, ...] = (FsPart(), CgroupsPart(), MemoryPart(), ProcessPart(),
 # Capture: refuse what cannot be forked first; the memory engine's share before the dump it
 # shapes; the file system last, still frozen.
 CAPTURE = ("network", "cgroups", "memory", "process", "fs")
+# Restore: a clone's network (its host rules, the veth CRIU is to create) before its processes.
+RESTORE = ("fs", "cgroups", "memory", "network", "process")
 MAX_PARALLEL_RESTORES = 8
 
 
@@ -97,7 +99,7 @@ def _assemble(b: Build) -> Build:
     rec.dir.mkdir(mode=0o700)
     rec.save()
     try:
-        for p in PARTS:
+        for p in PARTS if b.source is None else [part(n) for n in RESTORE]:
             t0 = time.monotonic()
             if b.source is None:
                 p.prepare(b)

@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import deadlines, fs, memory, pipeline, state
+from . import deadlines, fs, memory, network, pipeline, state
 from .cgroups import Cgroup, watchdog
 from .contract import Capture, Captured
 from .errors import CgroupError, CriuError, DeadlineExceeded, ForkError, ForkTimeout, SpecError
@@ -114,6 +114,8 @@ def save(snap: Captured, path: str | os.PathLike[str], incremental: bool = False
         try:
             delta = memory.write_images(snap, tmp / LAYOUT.images, incremental and snap.meta.parent is not None)
             assert snap.meta.fs is not None
+            if (snap.dir / network.CAPTURE_FILE).exists():
+                shutil.copy2(snap.dir / network.CAPTURE_FILE, tmp / network.CAPTURE_FILE)
             dataclasses.replace(snap.meta, fs=fs.save(snap.meta.fs, tmp),
                                 parent=snap.meta.parent if delta else None).save(tmp)
             os.rename(tmp, dest)

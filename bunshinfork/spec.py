@@ -46,6 +46,10 @@ class WorkspaceSpec:
     memory_limit / pids_limit: enforced by the workspace's cgroup; the OOM killer acts inside it.
     network: "none" (loopback only) or "bridge" (a veth on the bunshin0 bridge; nat=True adds
       masquerading to the host's uplink).
+    egress: what the workspace may reach, E2B's rules: {"allow_out": [CIDR...], "deny_out":
+      [CIDR...]} (allow wins; no allow_out: all not denied is allowed), or "closed" (nothing
+      leaves). Enforced by the host's nftables, rejected at once; forks inherit it. On
+      network="none" there is nothing to enforce. See bunshinfork.network.egress.
     storage_dir: where the private writable layers live; a btrfs directory makes each layer a
       subvolume (see storage.setup_btrfs_loop). Default: the state root's tmpfs.
     ksm: opt every process into kernel samepage merging (prctl PR_SET_MEMORY_MERGE), so the
@@ -86,6 +90,7 @@ class WorkspaceSpec:
     privileged: bool = False
     userns: bool = False
     start: str | None = None
+    egress: dict[str, list[str]] | str | None = None
 
     def validate(self) -> WorkspaceSpec:
         """Return a normalised copy, or raise SpecError saying what to change."""
@@ -122,6 +127,8 @@ class WorkspaceSpec:
             raise SpecError(f"unknown network mode {self.network!r}; use one of {', '.join(NETWORK_MODES)}")
         if self.nat and self.network != "bridge":
             raise SpecError("nat=True needs network='bridge'")
+        from .network.egress import parse as parse_egress  # the network package imports this module
+        policy = parse_egress(self.egress)
         if not isinstance(self.cgroup, str) or self.cgroup not in CGROUP_VERSIONS:
             raise SpecError(f"unknown cgroup layout {self.cgroup!r}; use one of {', '.join(CGROUP_VERSIONS)}")
         if self.start is not None and self.start != "entrypoint":
@@ -131,7 +138,8 @@ class WorkspaceSpec:
         for k, v in self.env.items():
             if not isinstance(k, str) or not k or "=" in k or "\0" in k or not isinstance(v, str) or "\0" in v:
                 raise SpecError(f"env entry {k!r}={v!r} is invalid: names are non-empty without '=' or NUL")
-        return WorkspaceSpec(**{**asdict(self), "memory_limit": mem, "disk_limit": disk})
+        return WorkspaceSpec(**{**asdict(self), "memory_limit": mem, "disk_limit": disk,
+                                "egress": policy.to_dict() if policy is not None else None})
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -227,6 +227,10 @@ class NetworkState:
     prefixlen: int | None = None
     gateway: str | None = None
     nat: bool = False
+    # A clone of a bridged workspace (network/clones.py): its conntrack zone (also its fwmark
+    # and routing table, offset), and the unique address the host rewrites its source to.
+    zone: int | None = None
+    snat: str | None = None
 
     def info(self) -> dict[str, Any]:
         """What WorkspaceInfo.network shows: the fields this mode has."""

@@ -34,6 +34,7 @@ from .errors import (
 )
 from .files import Files
 from .images import templates
+from .network.ports import Ports
 from .process import lifetime
 from .spec import WorkspaceSpec
 from .state import Record, Status, Timing
@@ -145,6 +146,7 @@ class Workspace:
         self._shell_path: str | None = None
         self._image = images.config.of(record.fs.rootfs if record.fs else None)
         self._serve(self.conventions)
+        self.ports = Ports(record.id, record.dir, self.live_init_pid, self._inside_addresses)
 
     def _serve(self, conv: Conventions) -> None:
         self.conventions = conv
@@ -278,6 +280,10 @@ class Workspace:
     def host_pids(self) -> list[int]:
         """The host pids of every process in the workspace (its cgroup), the init's included."""
         return self._cgroup().pids()
+
+    def _inside_addresses(self) -> list[str]:
+        net = self._rec.network
+        return ["127.0.0.1"] + ([net.ip] if net is not None and net.ip else [])
 
     def _shell(self) -> str:
         if self._shell_path is None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from bunshinfork import AsyncWorkspace, Workspace
+from bunshinfork.network import egress as ws_egress
 
 from .backend import SharedSnapshot
 from .guard import DeterminismGuard
@@ -42,6 +43,11 @@ class SpeculationError(RuntimeError):
 
 Placement = Literal["live", "fork_first"]
 PLACEMENTS: tuple[Placement, ...] = ("live", "fork_first")
+# "closed": a speculative chain's workspace cannot reach outside (an uncommitted call must have no
+# remote effect); a call that tried is refused there and discarded as a miss, and runs for real.
+# "inherit": the chain has the workspace's own egress policy.
+Egress = Literal["closed", "inherit"]
+EGRESS: tuple[Egress, ...] = ("closed", "inherit")
 
 
 def _check_placement(placement: str) -> None:
@@ -57,11 +63,20 @@ class SpecHit:
     index: int  # position in the chain
 
 
-def _check_isolated(ws: Workspace) -> None:
+def _check_isolated(ws: Workspace, egress: str = "inherit") -> None:
     mode = ws.info().network.get("mode", "none")
-    if mode != "none":
+    if mode != "none" and egress != "closed":
         # A speculative call must not reach anything a rollback could not undo.
-        raise SpeculationError(f"workspace {ws.id} has network={mode!r}; speculation needs network='none'")
+        raise SpeculationError(f"workspace {ws.id} has network={mode!r}; speculating there needs "
+                               "Speculator(egress='closed') or network='none'")
+
+
+def _hold(ws: Workspace) -> bool:
+    return ws_egress.hold_closed(ws.id, ws._rec.network)
+
+
+def _refused(ws: Workspace) -> int:
+    return ws_egress.refused(ws.id, ws_egress.HOLD)
 
 
 class SpeculativeBranch:
@@ -98,6 +113,10 @@ class SpeculativeBranch:
         self._started: list[float | None] = [None] * len(self.calls)
         self._finished: list[float | None] = [None] * len(self.calls)
         self._live_destroy: asyncio.Future[None] | None = None
+        # egress="closed": the chain's workspace while its egress is held closed, and the count of
+        # refused packets there after each call (a call that tried to reach out is a miss).
+        self._held: Workspace | None = None
+        self._refused_after: list[int] = [0] * len(self.calls)
         self._next = 0
         self._aborted = False
         self._closed = False
@@ -121,12 +140,23 @@ class SpeculativeBranch:
             self._owner.workspaces.add(forked)
             self._owner._track(self._release_snapshot())  # home is the rollback state; the snapshot is spent
         ws = self._live
+        if self._owner.egress == "closed":
+            try:
+                if await asyncio.to_thread(_hold, ws):
+                    self._held = ws
+            except BaseException as e:
+                self._fail_from(0, e)
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+                return
         for j, call in enumerate(self.calls):
             if self._aborted:
                 return
             self._started[j] = time.monotonic()
             try:
                 obs = await self._tools[call.name].run(ws, call.args)
+                if self._held is ws:
+                    self._refused_after[j] = await asyncio.to_thread(_refused, ws)
             except BaseException as e:
                 self._fail_from(j, e)
                 if isinstance(e, asyncio.CancelledError):
@@ -179,6 +209,11 @@ class SpeculativeBranch:
         try:
             obs, took = await self._results[j]
         except SpeculationError:
+            self._owner.stats["mismatches"] += 1
+            return None
+        if self._refused_after[j] > (self._refused_after[j - 1] if j else 0):
+            # It tried to reach outside and was refused: its observation is not the real call's.
+            self._owner.stats["spec_refused_egress"] += 1
             self._owner.stats["mismatches"] += 1
             return None
         self._owner.stats["hits"] += 1
@@ -261,6 +296,9 @@ class SpeculativeBranch:
     def _take_live(self) -> Workspace:
         ws, self._live = self._live, None
         assert ws is not None
+        if self._held is ws:
+            self._held = None
+            ws_egress.release_hold(ws.id)  # the caller's workspace again, with its own policy
         self._owner.workspaces.discard(ws)  # the caller's now
         return ws
 
@@ -318,10 +356,13 @@ class Speculator:
 
     def __init__(self, selector: ToolSelector | None = None, *, depth: int = 2, memory: str = "auto",
                  tail: TailPolicy | None = None, guard: DeterminismGuard | None = None,
-                 min_probability: float = 0.5, placement: Placement = "live") -> None:
+                 min_probability: float = 0.5, placement: Placement = "live", egress: Egress = "closed") -> None:
         if depth < 1:
             raise ValueError("depth must be >= 1")
         _check_placement(placement)
+        if egress not in EGRESS:
+            raise ValueError(f"egress must be one of {EGRESS}, not {egress!r}")
+        self.egress = egress
         self.placement = placement
         self.selector = selector
         self.depth = depth
@@ -331,7 +372,7 @@ class Speculator:
         self.min_probability = min_probability
         self._tasks: set[asyncio.Future[Any]] = set()
         self.workspaces = WorkspaceRegistry()  # speculative forks alive right now (memory sampling)
-        self.stats = {"launched": 0, "hits": 0, "mismatches": 0, "wasted_seconds": 0.0}
+        self.stats = {"launched": 0, "hits": 0, "mismatches": 0, "spec_refused_egress": 0, "wasted_seconds": 0.0}
 
     def predict(self, task_id: str, sample: int, calls: Sequence[ToolCall],
                 tools: Mapping[str, Tool], real_calls: int = 0) -> list[ToolCall]:
@@ -360,7 +401,7 @@ class Speculator:
         holds) and start running `calls`. The branch owns `ws` until its close()."""
         if not calls:
             raise ValueError("nothing to speculate")
-        _check_isolated(ws)
+        _check_isolated(ws, self.egress)
         snap = snapshot.acquire() if snapshot is not None else await SharedSnapshot.take_async(ws, self.memory)
         self.stats["launched"] += 1
         return SpeculativeBranch(self, ws, snap, calls, tools, self.placement)

@@ -51,6 +51,8 @@ apt_packages=(
   # container images as workspaces (bunshinfork/images): a Docker engine, skopeo for
   # registries and OCI layouts, and a local registry for the tests
   docker.io skopeo docker-registry
+  # real servers run inside forked networked workspaces (tests/test_network_servers.py)
+  redis-server nginx memcached
 )
 
 missing=()

@@ -83,6 +83,9 @@ def snapshot() -> dict[str, set]:
         # Image layers are a content-addressed cache (like the Debian rootfs), not a workspace's:
         # only an unpack that did not finish (a temporary) is a leak.
         "image layer unpacks": image_store.temporaries(),
+        "nft rules": census.nft_rules(),
+        "ip rules": census.ip_rules(),
+        "published ports": census.published_ports(),
     }
 
 

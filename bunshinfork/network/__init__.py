@@ -1,27 +1,52 @@
 """Network subsystem (paper §4.6): a workspace's network namespace and its link to the host.
 
-The netns itself is created with the workspace (loopback up). Connections inside it (a
-browser and its local server) are part of the captured state: CRIU restores them by TCP
-repair in each clone's own netns. Connections to the outside are never duplicated, so only
-`network="none"` workspaces fork.
+The netns itself is created with the workspace (loopback up). "none": loopback only.
+"bridge": a veth on the host bridge `bunshin0` (bridge.py); nat=True adds one nftables
+masquerade table shared by every NAT workspace (nat.py). All of it is done over netlink
+(pyroute2) and nftables; nothing shells out.
 
-"none": loopback only. "bridge": a veth on the host bridge `bunshin0` (bridge.py); nat=True
-adds one nftables masquerade table shared by every NAT workspace (nat.py). All of it is done
-over netlink (pyroute2) and nftables' JSON API; nothing shells out.
+Forking a bridged workspace (clones.py has the details):
+- Connections inside the workspace (a client and a server through eth0's address or
+  loopback) are part of the captured state: CRIU dumps them with --tcp-established and
+  restores them by TCP repair in each clone's own netns. The source is frozen, its netns
+  locked by CRIU's nftables lock for the dump only (--leave-running unlocks it), so its own
+  connections, inside and out, carry on.
+- Inside, a clone is its source: eth0 with the same name, address, MAC and routes (CRIU
+  restores the namespace; `veth[eth0]:bn<clone>` names the host end it creates), and the
+  same files (resolv.conf). Servers bound to that address keep listening.
+- On the host, clones cannot share the bridge with one address, so each clone's veth is a
+  routed point-to-point link of its own. The host tells them apart by a conntrack zone per
+  clone (original direction) and a fwmark per clone copied into its connections' mark, which
+  routes replies by an ip rule to the clone's own table; its traffic is source-NATed to a
+  unique address of the subnet (masqueraded instead beyond the subnet for nat=True). Every
+  clone is online at once, beside its source and siblings.
+- Connections to peers outside the workspace (recorded from the frozen netns at capture)
+  are never shared: before CRIU restores a clone, the host drops every packet of those
+  4-tuples arriving from the clone's link (raw table, before conntrack and NAT); before its
+  tasks resume, each copy is aborted inside the clone (sock_destroy, as `ss -K`), so the
+  clone's first read or write fails (ECONNABORTED) at once. The peer only ever sees the
+  source's flow and each clone's new ones. Forks of forks and of saved snapshots do the same
+  (the capture travels with the snapshot: network.json).
+
+Published ports (ports.py) and egress policies (egress.py) work per workspace, clones
+included; the census (bunshinfork.census) counts their rules and forwarders.
 """
 
 from __future__ import annotations
 
 from pyroute2 import IPRoute
 
+from .. import state
 from ..contract import Build, Capture, Check, Held, Part
-from ..errors import ForkError
 from ..state import NetworkState
-from .bridge import BRIDGE, gc, host_ifname, leftover_interfaces, setup, subnet, teardown
+from . import bridge, ports
+from .bridge import BRIDGE, clone_link_up, gc, host_ifname, leftover_interfaces, setup, setup_clone, subnet, teardown
+from .clones import CAPTURE_FILE, external_flows, load_capture, save_capture
 from .nat import NAT_FAMILY, NAT_TABLE, nat_rules, nft_available
+from .nsock import destroy_tcp
 
-__all__ = ["BRIDGE", "NAT_FAMILY", "NAT_TABLE", "NetworkPart", "gc", "host_ifname", "leftover_interfaces",
-           "nat_rules", "setup", "subnet", "teardown"]
+__all__ = ["BRIDGE", "CAPTURE_FILE", "NAT_FAMILY", "NAT_TABLE", "NetworkPart", "gc", "host_ifname",
+           "leftover_interfaces", "nat_rules", "setup", "subnet", "teardown"]
 
 
 def check_netlink() -> Check:
@@ -47,22 +72,40 @@ class NetworkPart(Part):
     def prepare(self, b: Build) -> None:
         rec = b.rec
         assert rec.process is not None
-        rec.network = setup(rec.id, rec.process.pid, rec.spec.network, nat=rec.spec.nat)
+        rec.network = setup(rec.id, rec.process.pid, rec.spec.network, nat=rec.spec.nat, egress_spec=rec.spec.egress)
 
     def capture(self, c: Capture) -> None:
         net = c.source.network
-        if net is not None and net.mode != "none":
-            raise ForkError(
-                f"workspace {c.source.id} uses network={net.mode!r}; forking supports "
-                "network='none' workspaces (their internal TCP connections survive)"
-            )
+        if net is None or net.mode != "bridge":
+            return
+        assert c.source.process is not None
+        # The source is frozen: its netns's TCP table is the one CRIU dumps.
+        save_capture(c.snap.dir, net, external_flows(c.source.process.pid, net.ip))
 
     def restore(self, b: Build) -> None:
-        b.rec.network = NetworkState("none")
+        assert b.source is not None
+        captured = load_capture(b.source.dir)
+        if captured is None:
+            b.rec.network = NetworkState("none")
+            return
+        source, flows = captured
+        # Recorded as soon as its rules exist, so that a failed fork's release removes them too.
+        b.rec.network = net = setup_clone(b.rec.id, source, flows, b.rec.spec.egress)
+
+        def finish(pids: list[int]) -> None:
+            # Every task is still stopped: the link goes up, and the inherited connections are
+            # aborted inside the clone (their RSTs die in the host's raw table) before any runs.
+            clone_link_up(b.rec.id, net)
+            if flows and pids:
+                destroy_tcp(pids[0], flows)
+
+        b.pre_resume.append(finish)
 
     def release(self, held: Held) -> None:
         if isinstance(held, Build):
+            ports.release(held.rec.id)
             teardown(held.rec.id, held.rec.network)
 
     def gc(self) -> list[str]:
-        return gc()
+        live = {r.id for r in state.records() if bridge.alive(r)}
+        return gc() + ports.gc([state.RUN_ROOT / i for i in state.all_ids()], live)

@@ -32,7 +32,9 @@ from .. import state
 from ..errors import NetworkError
 from ..host import DEFAULT_SUBNET, HOST, SUBNET_ENV
 from ..state import NetworkState, Status
+from . import clones, egress
 from .nat import NAT_FAMILY, NAT_TABLE, ensure_nat, nft_available, remove_nat
+from .nsock import Flow
 
 BRIDGE = HOST.bridge
 WS_IFNAME = "eth0"
@@ -90,6 +92,8 @@ class _HostVeth:
     ip: str | None
     nat: bool
     peer_elsewhere: bool  # the other end lives in another netns (a workspace's, normally)
+    zone: int | None = None  # a clone's (clones.py)
+    snat: str | None = None
 
 
 def _host_veths(ipr: IPRoute) -> list[_HostVeth]:
@@ -102,6 +106,7 @@ def _host_veths(ipr: IPRoute) -> list[_HostVeth]:
         out.append(_HostVeth(
             name=name, index=link["index"], owner=fields.get("ws"), ip=fields.get("ip"),
             nat=fields.get("nat") == "1", peer_elsewhere=link.get("link_netnsid") is not None,
+            zone=int(fields["zone"]) if fields.get("zone", "").isdigit() else None, snat=fields.get("snat"),
         ))
     return out
 
@@ -119,14 +124,16 @@ def _records() -> dict[str, tuple[NetworkState, bool]]:
     for rec in state.records():
         if rec.network is None:
             continue
-        if rec.status is Status.RUNNING:
-            alive = rec.init_alive()
-        elif rec.status is Status.CREATING:
-            alive = rec.creator_alive()
-        else:
-            alive = False
-        out[rec.id] = (rec.network, alive)
+        out[rec.id] = (rec.network, alive(rec))
     return out
+
+
+def alive(rec: state.Record) -> bool:
+    if rec.status is Status.RUNNING:
+        return rec.init_alive()
+    if rec.status is Status.CREATING:
+        return rec.creator_alive()
+    return False
 
 
 def _allocate(net: ipaddress.IPv4Network, taken: set[str]) -> ipaddress.IPv4Address:
@@ -138,6 +145,17 @@ def _allocate(net: ipaddress.IPv4Network, taken: set[str]) -> ipaddress.IPv4Addr
         f"no free address left in {net} ({len(taken)} workspaces hold one); destroy workspaces, "
         f"run 'bunshin gc', or set {SUBNET_ENV} to a larger network"
     )
+
+
+def _taken_addresses(records: dict[str, tuple[NetworkState, bool]], veths: list[_HostVeth],
+                     ws_id: str) -> set[str]:
+    """Workspace addresses and clones' source-NAT addresses in use or reserved."""
+    # Dead records keep their address until gc: their veth may still be on its way out.
+    taken = {a for i, (n, _) in records.items() if i != ws_id for a in (n.ip, n.snat) if a}
+    taken |= {a for v in veths if v.owner != ws_id for a in (v.ip, v.snat) if a}
+    if nft_available():
+        taken |= {snat for i, (_, snat) in clones.reservations().items() if i != ws_id and snat}
+    return taken
 
 
 # ---- netlink helpers ----
@@ -269,18 +287,23 @@ def _nat_in_use(ipr: IPRoute, exclude: str) -> bool:
 
 # ---- public API ----
 
-def setup(ws_id: str, init_pid: int, mode: str, nat: bool = False) -> NetworkState:
+def _policy(raw: object) -> egress.EgressPolicy | None:
+    policy = egress.parse(raw)
+    return None if policy is None or not (policy.allow_out or policy.deny_out) else policy
+
+
+def setup(ws_id: str, init_pid: int, mode: str, nat: bool = False, egress_spec: object = None) -> NetworkState:
     """Give the workspace whose init is `init_pid` its network; the result goes into its record."""
     if mode == "none":
         if nat:
             raise NetworkError("nat=True needs network='bridge'")
         return NetworkState("none")
     if mode == "bridge":
-        return _setup_bridge(ws_id, init_pid, nat)
+        return _setup_bridge(ws_id, init_pid, nat, _policy(egress_spec))
     raise NetworkError(f"unknown network mode {mode!r}; use 'none' or 'bridge'")
 
 
-def _setup_bridge(ws_id: str, init_pid: int, nat: bool) -> NetworkState:
+def _setup_bridge(ws_id: str, init_pid: int, nat: bool, policy: egress.EgressPolicy | None) -> NetworkState:
     net = subnet()
     host_if = host_ifname(ws_id)
     with _lock(), _netns_fd(init_pid) as nsfd, IPRoute() as ipr:
@@ -290,17 +313,20 @@ def _setup_bridge(ws_id: str, init_pid: int, nat: bool) -> NetworkState:
             alive and n.mode == "bridge" for i, (n, alive) in records.items() if i != ws_id
         )
         br_idx = _ensure_bridge(ipr, net, in_use)
-        # Dead records keep their address until gc: their veth may still be on its way out.
-        taken = {n.ip for i, (n, _) in records.items() if i != ws_id and n.ip}
-        taken |= {v.ip for v in veths if v.ip and v.owner != ws_id}
-        ip = _allocate(net, taken)
+        ip = _allocate(net, _taken_addresses(records, veths, ws_id))
         result = NetworkState(mode="bridge", bridge=BRIDGE, host_if=host_if, ip=str(ip),
                               prefixlen=net.prefixlen, gateway=str(_gateway(net)), nat=bool(nat))
         try:
+            if policy is not None:
+                # Before the link exists: nothing can leave ahead of the policy.
+                egress.install(ws_id, policy, host_if, str(ip), BRIDGE)
             _plumb(ipr, nsfd, ws_id, result, br_idx)
             if nat:
                 ensure_nat(net)
         except BaseException:
+            with contextlib.suppress(Exception):
+                if policy is not None:
+                    egress.remove({ws_id})
             with contextlib.suppress(Exception):
                 idx = _lookup(ipr, host_if)
                 if idx is not None:
@@ -342,6 +368,46 @@ def _plumb(ipr: IPRoute, nsfd: int, ws_id: str, net: NetworkState, br_idx: int) 
         raise _netlink_failure(f"cannot configure {WS_IFNAME} inside the workspace", e) from e
 
 
+def setup_clone(ws_id: str, source: NetworkState, flows: list[Flow], egress_spec: object = None) -> NetworkState:
+    """Reserve a clone's zone and source-NAT address and install its host rules, before CRIU
+    restores it (the veth `veth[eth0]:<host_if>` is CRIU's to create; link_up finishes it)."""
+    assert source.ip is not None and source.prefixlen is not None
+    net = ipaddress.ip_network(f"{source.ip}/{source.prefixlen}", strict=False)
+    assert isinstance(net, ipaddress.IPv4Network)
+    host_if = host_ifname(ws_id)
+    with _lock(), IPRoute() as ipr:
+        records = _records()
+        veths = _host_veths(ipr)
+        zones = {z for z, _ in clones.reservations().values()}
+        zones |= {n.zone for n, _ in records.values() if n.zone} | {v.zone for v in veths if v.zone}
+        result = NetworkState(mode="bridge", host_if=host_if, ip=source.ip, prefixlen=source.prefixlen,
+                              gateway=source.gateway, nat=source.nat, zone=clones.allocate_zone(zones),
+                              snat=str(_allocate(net, _taken_addresses(records, veths, ws_id) | {source.ip})))
+        try:
+            if result.nat:
+                ensure_nat(net)
+            clones.install(ws_id, host_if, result, net, flows)
+            if (policy := _policy(egress_spec)) is not None:
+                egress.install(ws_id, policy, host_if, source.ip, None)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                clones.remove({ws_id})
+            with contextlib.suppress(Exception):
+                egress.remove({ws_id})
+            with contextlib.suppress(Exception):
+                if result.nat and not _nat_in_use(ipr, exclude=ws_id):
+                    remove_nat()
+            raise
+    return result
+
+
+def clone_link_up(ws_id: str, net: NetworkState) -> None:
+    """The clone's host end, made by CRIU's restore: labelled, addressed, routed, up."""
+    assert net.host_if is not None
+    alias = f"{_ALIAS_TAG} ws={ws_id} ip={net.ip} nat={int(net.nat)} zone={net.zone} snat={net.snat}"
+    clones.link_up(net.host_if, alias, net)
+
+
 def teardown(ws_id: str, record: NetworkState | None) -> None:
     """Undo setup(). Idempotent: what is already gone is fine.
 
@@ -357,6 +423,12 @@ def teardown(ws_id: str, record: NetworkState | None) -> None:
             # Another workspace's label means a name collision: that veth is not ours to remove.
             if v.owner == ws_id or (record is not None and v.owner is None):
                 _delete_index(ipr, v.index, v.name)
+        zones = {z for z in [record.zone if record is not None else None] + [v.zone for v in mine] if z}
+        if zones or (record is None and nft_available()):
+            clones.remove({ws_id})
+            clones.rules_down(zones)
+        if nft_available():
+            egress.remove({ws_id})
         nat = (record is not None and record.nat) or any(v.nat and v.owner == ws_id for v in mine)
         if nat and not _nat_in_use(ipr, exclude=ws_id):
             remove_nat()
@@ -388,6 +460,11 @@ def gc() -> list[str]:
                 removed.append(v.name)
             elif not orphan:
                 remaining.append(v)
+        if nft_available():
+            live_ids = {rec.id for rec in state.records() if alive(rec)}
+            removed += [f"{clones.FAMILY} {clones.TABLE} ws={w}" for w in clones.remove(keep=live_ids)]
+            removed += clones.rules_down(keep={n.zone for n in live.values() if n.zone})
+            removed += [f"{egress.FAMILY} {egress.TABLE} ws={w}" for w in egress.remove(keep=live_ids)]
         nat_needed = any(v.nat for v in remaining) or any(n.nat for n in live.values())
         # Without the binding no NAT table can have been made, and gc must still work.
         if not nat_needed and nft_available() and remove_nat():

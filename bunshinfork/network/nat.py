@@ -27,15 +27,20 @@ def nft_available() -> bool:
     return True
 
 
-def _nft(commands: list[dict[str, Any]]) -> dict[str, Any]:
+def _nft_module() -> Any:
     try:
         import nftables  # Debian's python3-nftables: only a system-site-packages venv sees it
     except ImportError:
         raise NetworkError(
-            "nat=True needs nftables' Python binding: apt-get install python3-nftables and use a venv "
-            "created with --system-site-packages (or create the workspace without nat)"
+            "nat=True, forks of bridged workspaces and egress policies need nftables' Python binding: "
+            "apt-get install python3-nftables and use a venv created with --system-site-packages "
+            "(or create the workspace without them)"
         ) from None
-    nft = nftables.Nftables()
+    return nftables
+
+
+def _nft(commands: list[dict[str, Any]]) -> dict[str, Any]:
+    nft = _nft_module().Nftables()
     nft.set_json_output(True)
     rc, out, err = nft.json_cmd({"nftables": commands})
     if rc != 0:

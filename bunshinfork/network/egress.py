@@ -1,0 +1,236 @@
+"""Egress policy: what a bridged workspace may reach, with E2B's semantics, enforced on the host.
+
+    WorkspaceSpec(network="bridge", egress={"allow_out": [...], "deny_out": [...]})
+
+- deny_out: IPv4 CIDRs (or addresses); allow_out: CIDRs, and domain names (below);
+- a destination in allow_out is allowed whatever deny_out says (allow wins);
+- else one in deny_out is rejected; everything else is allowed (no allow_out: all not denied);
+- "closed" is deny_out=["0.0.0.0/0"]: nothing leaves the workspace (bunshinrl's speculation).
+
+A rejected connection is refused at once: TCP gets a reset, anything else an ICMP
+admin-prohibited, never a silent drop into a timeout. The rules live in the host's nftables
+(table `ip bunshin_egress`, forward and input hooks, so the host's own services count as
+outside too), matched on the workspace's host veth (a clone's own link) or on its address
+behind the bridge, where a bridge-family rule drops frames from its port with any other
+source address: nothing inside the workspace, root included, can lift them. Clones inherit
+their source's policy (it is part of the spec) on their own links. Every reject rule counts
+what it refused (refused()).
+
+Domain names: matching them needs a proxy that reads the HTTP Host header (port 80) and the
+TLS SNI (port 443), and even then it cannot see HTTP/3 (QUIC), encrypted ClientHello (ECH),
+any other protocol or port, nor tell a domain from another served at one address. No such
+proxy is built yet: a domain in allow_out is refused with a SpecError rather than ignored.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import NetworkError, SpecError
+from ..state import NetworkState
+
+FAMILY = "ip"
+TABLE = "bunshin_egress"
+BRIDGE_TABLE = "bunshin_egress_ports"
+ALL_TRAFFIC = "0.0.0.0/0"
+_DOMAIN = re.compile(r"^(\*\.)?([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{2,63}\.?$", re.IGNORECASE)
+E2B_KEYS = {"allow_out", "deny_out", "allow_public_traffic"}
+E2B_UNSUPPORTED = {"rules", "egress_proxy", "dns_servers", "mask_request_host"}
+
+
+@dataclass(frozen=True)
+class EgressPolicy:
+    allow_out: tuple[str, ...] = ()
+    deny_out: tuple[str, ...] = ()
+
+    @property
+    def closed(self) -> bool:
+        return ALL_TRAFFIC in self.deny_out and not self.allow_out
+
+    def to_dict(self) -> dict[str, list[str]]:
+        return {"allow_out": list(self.allow_out), "deny_out": list(self.deny_out)}
+
+
+CLOSED = EgressPolicy(deny_out=(ALL_TRAFFIC,))
+
+
+def _cidr(raw: object, where: str) -> str:
+    if not isinstance(raw, str) or not raw.strip():
+        raise SpecError(f"egress {where}: {raw!r} is not an address, CIDR or domain")
+    try:
+        net = ipaddress.ip_network(raw.strip(), strict=False)
+    except ValueError:
+        if _DOMAIN.match(raw.strip()):
+            if where == "deny_out":
+                raise SpecError(f"egress deny_out: {raw!r} is a domain; deny_out takes CIDRs only "
+                                "(E2B's rule: domains only in allow_out)") from None
+            raise SpecError(f"egress allow_out: domain {raw!r} needs the Host/SNI proxy, which this host "
+                            "does not run yet; allow its addresses as CIDRs instead") from None
+        raise SpecError(f"egress {where}: {raw!r} is not an IPv4 address, CIDR or domain") from None
+    if not isinstance(net, ipaddress.IPv4Network):
+        raise SpecError(f"egress {where}: {raw!r} is IPv6; workspaces have IPv4 only")
+    return str(net)
+
+
+def parse(value: object) -> EgressPolicy | None:
+    """A spec's egress: None (no policy), "closed", an EgressPolicy, or E2B's dict."""
+    if value is None or isinstance(value, EgressPolicy):
+        return value
+    if value == "closed":
+        return CLOSED
+    if not isinstance(value, Mapping):
+        raise SpecError(f"egress must be None, 'closed' or {{'allow_out': [...], 'deny_out': [...]}}, got {value!r}")
+    unknown = set(value) - {"allow_out", "deny_out"}
+    if unknown:
+        raise SpecError(f"egress has unknown keys {sorted(unknown)}; use allow_out and deny_out")
+    lists = {}
+    for key in ("allow_out", "deny_out"):
+        items = value.get(key) or []
+        if isinstance(items, str) or not isinstance(items, (list, tuple)):
+            raise SpecError(f"egress {key} must be a list of CIDRs, got {items!r}")
+        lists[key] = tuple(dict.fromkeys(_cidr(i, key) for i in items))
+    return EgressPolicy(lists["allow_out"], lists["deny_out"])
+
+
+def from_e2b(network: Mapping[str, Any] | None, allow_internet_access: bool = True) -> EgressPolicy | None:
+    """E2B's Sandbox.create(network=..., allow_internet_access=...) as an egress policy.
+
+    allow_public_traffic (inbound to the sandbox's public URLs) has nothing to do here and is
+    accepted when True; rules, egress_proxy, dns_servers and mask_request_host are a SpecError.
+    allow_internet_access=False is deny_out 0.0.0.0/0, as in E2B."""
+    network = dict(network or {})
+    bad = set(network) & E2B_UNSUPPORTED
+    if bad:
+        raise SpecError(f"network={{...}}: {sorted(bad)} cannot apply to a local workspace; "
+                        "use allow_out and deny_out")
+    unknown = set(network) - E2B_KEYS - E2B_UNSUPPORTED
+    if unknown:
+        raise SpecError(f"network={{...}} has unknown keys {sorted(unknown)}")
+    if network.pop("allow_public_traffic", True) is not True:
+        raise SpecError("network allow_public_traffic=False has no meaning here: nothing reaches a workspace "
+                        "from outside unless a port is published")
+    policy = parse(network) if network else None
+    if not allow_internet_access:
+        deny = ((policy.deny_out if policy else ()) + (ALL_TRAFFIC,))
+        policy = EgressPolicy(policy.allow_out if policy else (), tuple(dict.fromkeys(deny)))
+    return policy
+
+
+# ---- nftables ----
+
+def _nft_text(text: str) -> None:
+    from .nat import _nft_module
+    rc, _, err = _nft_module().Nftables().cmd(text)
+    if rc != 0:
+        raise NetworkError(f"nftables refused the egress rules: {str(err).strip()[:300]}")
+
+
+def _set(items: tuple[str, ...]) -> str:
+    return "{ " + ", ".join(items) + " }"
+
+
+def install(ws_id: str, policy: EgressPolicy, host_if: str, ip: str, bridge: str | None) -> None:
+    """The workspace's egress rules: on its own link (a clone), or by address behind `bridge`
+    with its port held to that address (the source)."""
+    c = f'comment "bunshin ws={ws_id} egress"'
+    match = f'iifname "{bridge}" ip saddr {ip}' if bridge else f'iifname "{host_if}"'
+    lines = [f"add table {FAMILY} {TABLE}"]
+    for hook in ("forward", "input"):
+        lines.append(f"add chain {FAMILY} {TABLE} {hook} {{ type filter hook {hook} priority filter; policy accept; }}")
+    for hook in ("forward", "input"):
+        pre = f"add rule {FAMILY} {TABLE} {hook} {match} ct state new"
+        if policy.allow_out:
+            lines.append(f"{pre} ip daddr {_set(policy.allow_out)} accept {c}")
+        if policy.deny_out:
+            lines.append(f"{pre} ip daddr {_set(policy.deny_out)} meta l4proto tcp counter reject with tcp reset {c}")
+            lines.append(f"{pre} ip daddr {_set(policy.deny_out)} counter reject with icmp type admin-prohibited {c}")
+    if bridge:
+        hook = "type filter hook prerouting priority filter; policy accept;"
+        lines += [f"add table bridge {BRIDGE_TABLE}", f"add chain bridge {BRIDGE_TABLE} pre {{ {hook} }}",
+                  f'add rule bridge {BRIDGE_TABLE} pre iifname "{host_if}" ether type ip ip saddr != {ip} drop {c}']
+    _nft_text("\n".join(lines) + "\n")
+
+
+def _rules(family: str, table: str) -> list[dict[str, Any]]:
+    from .nat import _nft
+    tables = _nft([{"list": {"tables": {"family": family}}}]).get("nftables", [])
+    if not any(t.get("table", {}).get("name") == table for t in tables):
+        return []
+    out = _nft([{"list": {"table": {"family": family, "name": table}}}])
+    return [item["rule"] for item in out.get("nftables", []) if "rule" in item]
+
+
+def _owner(rule: dict[str, Any], tag: str | None = None) -> str | None:
+    """The workspace a rule is for; with `tag`, only rules of a hold with that tag."""
+    words = str(rule.get("comment") or "").split()
+    ours = len(words) in (3, 4) and words[0] == "bunshin" and words[2] == "egress" and words[1].startswith("ws=")
+    if ours and (tag is None or (len(words) == 4 and words[3] == tag)):
+        return words[1][3:]
+    return None
+
+
+HOLD = "hold"
+
+
+def hold_closed(ws_id: str, net: NetworkState | None) -> bool:
+    """Close the workspace's egress on top of its own policy until release_hold (bunshinrl's
+    speculation: an uncommitted call must have no remote effect). The rules go first in their
+    chains, so no allow_out of the workspace's lifts them. False for a workspace with no link."""
+    if net is None or net.mode != "bridge" or not net.host_if or not net.ip:
+        return False
+    c = f'comment "bunshin ws={ws_id} egress {HOLD}"'
+    match = f'iifname "{net.host_if}"' if net.zone is not None else f'iifname "{net.bridge}" ip saddr {net.ip}'
+    lines = [f"add table {FAMILY} {TABLE}"]
+    for hook in ("forward", "input"):
+        lines.append(f"add chain {FAMILY} {TABLE} {hook} {{ type filter hook {hook} priority filter; policy accept; }}")
+        pre = f"insert rule {FAMILY} {TABLE} {hook} {match} ct state new"
+        # insert puts each at the head: the catch-all goes in first so that TCP's reset precedes it.
+        lines.append(f"{pre} counter reject with icmp type admin-prohibited {c}")
+        lines.append(f"{pre} meta l4proto tcp counter reject with tcp reset {c}")
+    _nft_text("\n".join(lines) + "\n")
+    return True
+
+
+def release_hold(ws_id: str) -> None:
+    remove({ws_id}, tag=HOLD)
+
+
+def all_rules() -> set[str]:
+    """Every egress rule present, by owner and handle (the census)."""
+    return {f"{fam} {t} {_owner(r)} {r['handle']}" for fam, t in ((FAMILY, TABLE), ("bridge", BRIDGE_TABLE))
+            for r in _rules(fam, t)}
+
+
+def refused(ws_id: str, tag: str | None = None) -> int:
+    """How many packets the workspace's reject rules (those of a hold with `tag`) have refused."""
+    n = 0
+    for r in _rules(FAMILY, TABLE):
+        if _owner(r, tag) == ws_id:
+            n += sum(e["counter"]["packets"] for e in r["expr"] if isinstance(e, dict) and "counter" in e)
+    return n
+
+
+def remove(owners: set[str] | None = None, keep: set[str] | None = None, tag: str | None = None) -> list[str]:
+    """Delete the egress rules of `owners` (of every workspace not in `keep` when None); the
+    tables once empty. Returns the owners whose rules went."""
+    from .nat import _nft
+    gone: set[str] = set()
+    for fam, table in ((FAMILY, TABLE), ("bridge", BRIDGE_TABLE)):
+        rules = _rules(fam, table)
+        deletes = []
+        for r in rules:
+            ws = _owner(r, tag)
+            if ws is None or (owners is not None and ws not in owners) or (keep is not None and ws in keep):
+                continue
+            gone.add(ws)
+            deletes.append({"delete": {"rule": {"family": fam, "table": table, "chain": r["chain"],
+                                                "handle": r["handle"]}}})
+        if deletes:
+            _nft(deletes)
+        if rules and len(deletes) == len(rules):
+            _nft([{"delete": {"table": {"family": fam, "name": table}}}])
+    return sorted(gone)

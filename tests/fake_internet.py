@@ -1,0 +1,113 @@
+"""A fake internet host for the network tests: a network namespace the test makes, with a
+server in it, reached through this host as a router on its own segment (192.0.2.0/24,
+TEST-NET-1, never routed anywhere), not on the workspaces' bridge.
+
+The server echoes every byte it gets and records each connection's peer: the flows the
+fake host saw.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import socket
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pyroute2 import IPRoute, NetNS, netns
+
+from bunshinfork.network.nsock import socket_in
+
+IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
+PORT = 7100
+
+
+@dataclass
+class FakeHost:
+    name: str
+    addr: str  # the host's address on its segment
+    router: str  # this machine's address on that segment
+    host_if: str
+    flows: list[tuple[str, int]] = field(default_factory=list)  # peers, in order of connection
+    received: list[bytes] = field(default_factory=list)  # the first bytes of each connection
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def path(self) -> str:
+        return f"/run/netns/{self.name}"
+
+    def seen(self) -> list[tuple[str, int]]:
+        with self._lock:
+            return list(self.flows)
+
+
+def _serve(host: FakeHost, srv: socket.socket, conns: list[socket.socket], stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            c, peer = srv.accept()
+        except OSError:
+            return
+        with host._lock:
+            host.flows.append((peer[0], peer[1]))
+            conns.append(c)
+        threading.Thread(target=_echo, args=(host, c), daemon=True).start()
+
+
+def _echo(host: FakeHost, c: socket.socket) -> None:
+    first = True
+    with contextlib.suppress(OSError):
+        while data := c.recv(4096):
+            if first:
+                with host._lock:
+                    host.received.append(data)
+                first = False
+            c.sendall(data)
+
+
+@contextlib.contextmanager
+def fake_host(index: int = 0, port: int = PORT) -> Iterator[FakeHost]:
+    """Fake host number `index` (192.0.2.4i+2 behind router 192.0.2.4i+1), serving on `port`."""
+    name = f"bunshin-test-fake-{secrets.token_hex(3)}"
+    base = 4 * index
+    host = FakeHost(name, f"192.0.2.{base + 2}", f"192.0.2.{base + 1}", f"bt{secrets.token_hex(4)}")
+    saved_forward = IP_FORWARD.read_text().strip()
+    netns.create(name)
+    stop = threading.Event()
+    conns: list[socket.socket] = []
+    srv: socket.socket | None = None
+    try:
+        with IPRoute() as ipr:
+            ipr.link("add", ifname=host.host_if, kind="veth", peer={"ifname": "eth0", "net_ns_fd": name})
+            idx = ipr.link_lookup(ifname=host.host_if)[0]
+            ipr.addr("add", index=idx, address=host.router, prefixlen=30)
+            ipr.link("set", index=idx, state="up")
+        with NetNS(name) as ns:
+            ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
+            eth = ns.link_lookup(ifname="eth0")[0]
+            ns.addr("add", index=eth, address=host.addr, prefixlen=30)
+            ns.link("set", index=eth, state="up")
+            ns.route("add", dst="0.0.0.0/0", gateway=host.router)
+        IP_FORWARD.write_text("1")
+        srv = socket_in(host.path, socket.AF_INET, socket.SOCK_STREAM)
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind((host.addr, port))
+        srv.listen(64)
+        threading.Thread(target=_serve, args=(host, srv, conns, stop), daemon=True).start()
+        yield host
+    finally:
+        stop.set()
+        if srv is not None:
+            with contextlib.suppress(OSError):
+                srv.shutdown(socket.SHUT_RDWR)
+            srv.close()
+        with host._lock:
+            for c in conns:
+                c.close()
+        IP_FORWARD.write_text(saved_forward)
+        with IPRoute() as ipr:
+            for idx in ipr.link_lookup(ifname=host.host_if):
+                with contextlib.suppress(Exception):
+                    ipr.link("del", index=idx)
+        netns.remove(name)
