@@ -99,8 +99,8 @@ def load_capture(snap_dir: Path) -> tuple[NetworkState, list[Flow]] | None:
 # ---- nftables ----
 
 def _nft_text(text: str) -> None:
-    from .nat import _nft_module
-    nft = _nft_module().Nftables()
+    from .nat import nft_module
+    nft = nft_module().Nftables()
     rc, _, err = nft.cmd(text)
     if rc != 0:
         raise NetworkError(f"nftables refused the clone rules: {str(err).strip()[:300]}; is nf_tables with "
@@ -108,8 +108,8 @@ def _nft_text(text: str) -> None:
 
 
 def _nft_json(cmd: dict[str, Any]) -> dict[str, Any]:
-    from .nat import _nft
-    return _nft([cmd])
+    from .nat import nft_json
+    return nft_json([cmd])
 
 
 def table_rules() -> list[dict[str, Any]]:
@@ -180,8 +180,8 @@ def remove(owners: set[str] | None = None, keep: set[str] | None = None) -> list
         deletes.append({"delete": {"rule": {"family": FAMILY, "table": TABLE, "chain": r["chain"],
                                             "handle": r["handle"]}}})
     if deletes:
-        from .nat import _nft
-        _nft(deletes)
+        from .nat import nft_json
+        nft_json(deletes)
     if rules and len(deletes) == len(rules):
         _nft_json({"delete": {"table": {"family": FAMILY, "name": TABLE}}})
     return sorted(gone)

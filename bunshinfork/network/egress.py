@@ -123,8 +123,8 @@ def from_e2b(network: Mapping[str, Any] | None, allow_internet_access: bool = Tr
 # ---- nftables ----
 
 def _nft_text(text: str) -> None:
-    from .nat import _nft_module
-    rc, _, err = _nft_module().Nftables().cmd(text)
+    from .nat import nft_module
+    rc, _, err = nft_module().Nftables().cmd(text)
     if rc != 0:
         raise NetworkError(f"nftables refused the egress rules: {str(err).strip()[:300]}")
 
@@ -156,11 +156,11 @@ def install(ws_id: str, policy: EgressPolicy, host_if: str, ip: str, bridge: str
 
 
 def _rules(family: str, table: str) -> list[dict[str, Any]]:
-    from .nat import _nft
-    tables = _nft([{"list": {"tables": {"family": family}}}]).get("nftables", [])
+    from .nat import nft_json
+    tables = nft_json([{"list": {"tables": {"family": family}}}]).get("nftables", [])
     if not any(t.get("table", {}).get("name") == table for t in tables):
         return []
-    out = _nft([{"list": {"table": {"family": family, "name": table}}}])
+    out = nft_json([{"list": {"table": {"family": family, "name": table}}}])
     return [item["rule"] for item in out.get("nftables", []) if "rule" in item]
 
 
@@ -217,7 +217,7 @@ def refused(ws_id: str, tag: str | None = None) -> int:
 def remove(owners: set[str] | None = None, keep: set[str] | None = None, tag: str | None = None) -> list[str]:
     """Delete the egress rules of `owners` (of every workspace not in `keep` when None); the
     tables once empty. Returns the owners whose rules went."""
-    from .nat import _nft
+    from .nat import nft_json
     gone: set[str] = set()
     for fam, table in ((FAMILY, TABLE), ("bridge", BRIDGE_TABLE)):
         rules = _rules(fam, table)
@@ -230,7 +230,7 @@ def remove(owners: set[str] | None = None, keep: set[str] | None = None, tag: st
             deletes.append({"delete": {"rule": {"family": fam, "table": table, "chain": r["chain"],
                                                 "handle": r["handle"]}}})
         if deletes:
-            _nft(deletes)
+            nft_json(deletes)
         if rules and len(deletes) == len(rules):
-            _nft([{"delete": {"table": {"family": fam, "name": table}}}])
+            nft_json([{"delete": {"table": {"family": fam, "name": table}}}])
     return sorted(gone)

@@ -27,7 +27,8 @@ def nft_available() -> bool:
     return True
 
 
-def _nft_module() -> Any:
+def nft_module() -> Any:
+    """Debian's nftables module (NetworkError where it is missing)."""
     try:
         import nftables  # Debian's python3-nftables: only a system-site-packages venv sees it
     except ImportError:
@@ -39,8 +40,9 @@ def _nft_module() -> Any:
     return nftables
 
 
-def _nft(commands: list[dict[str, Any]]) -> dict[str, Any]:
-    nft = _nft_module().Nftables()
+def nft_json(commands: list[dict[str, Any]]) -> dict[str, Any]:
+    """Run nft's JSON commands; NetworkError with what nft said when it refuses them."""
+    nft = nft_module().Nftables()
     nft.set_json_output(True)
     rc, out, err = nft.json_cmd({"nftables": commands})
     if rc != 0:
@@ -52,7 +54,7 @@ def _nft(commands: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _nat_table_exists() -> bool:
-    out = _nft([{"list": {"tables": {"family": NAT_FAMILY}}}])
+    out = nft_json([{"list": {"tables": {"family": NAT_FAMILY}}}])
     return any(
         item.get("table", {}).get("name") == NAT_TABLE and item["table"].get("family") == NAT_FAMILY
         for item in out.get("nftables", [])
@@ -63,7 +65,7 @@ def nat_rules() -> list[dict[str, Any]]:
     """The rules of bunshin's NAT table in nftables JSON form; [] when the table is absent."""
     if not _nat_table_exists():
         return []
-    out = _nft([{"list": {"table": {"family": NAT_FAMILY, "name": NAT_TABLE}}}])
+    out = nft_json([{"list": {"table": {"family": NAT_FAMILY, "name": NAT_TABLE}}}])
     return [item["rule"] for item in out.get("nftables", []) if "rule" in item]
 
 
@@ -74,7 +76,7 @@ def ensure_nat(net: ipaddress.IPv4Network) -> None:
     daddr = {"payload": {"protocol": "ip", "field": "daddr"}}
     # add + delete + add in one transaction: atomically replaces whatever an earlier run
     # (perhaps with another subnet) left, and never shows a moment without the rule.
-    _nft([
+    nft_json([
         {"add": {"table": table}},
         {"delete": {"table": table}},
         {"add": {"table": table}},
@@ -103,7 +105,7 @@ def remove_nat() -> bool:
     """Drop the NAT table and give ip_forward back its pre-NAT value; False if there was no table."""
     removed = False
     if _nat_table_exists():
-        _nft([{"delete": {"table": {"family": NAT_FAMILY, "name": NAT_TABLE}}}])
+        nft_json([{"delete": {"table": {"family": NAT_FAMILY, "name": NAT_TABLE}}}])
         removed = True
     with contextlib.suppress(FileNotFoundError):
         value = _FORWARD_SAVED.read_text().strip() or "0"
