@@ -127,7 +127,7 @@ class WorkspaceSpec:
             raise SpecError(f"unknown network mode {self.network!r}; use one of {', '.join(NETWORK_MODES)}")
         if self.nat and self.network != "bridge":
             raise SpecError("nat=True needs network='bridge'")
-        from .network.egress import parse as parse_egress  # the network package imports this module
+        from .network.policy import parse as parse_egress  # the network package imports this module
         policy = parse_egress(self.egress)
         if not isinstance(self.cgroup, str) or self.cgroup not in CGROUP_VERSIONS:
             raise SpecError(f"unknown cgroup layout {self.cgroup!r}; use one of {', '.join(CGROUP_VERSIONS)}")
