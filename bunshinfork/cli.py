@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from . import __version__, cli_exec, doctor, memory, pipeline, spec, state
+from . import __version__, cli_exec, cli_serve, doctor, memory, pipeline, spec, state
 from .errors import (
     BunshinError,
     CommandError,
@@ -542,6 +542,8 @@ register(Subcommand("snapshot", "snapshot a running workspace and save it durabl
                     _snapshot_args, _snapshot))
 register(Subcommand("storage", "where layers live; 'setup' makes the btrfs layer store", _storage_args,
                     _storage))
+register(Subcommand("serve", "serve E2B's API over HTTP for the e2b SDKs; prints the variables to export",
+                    cli_serve.configure, cli_serve.run))
 
 
 # ---- entry point ----

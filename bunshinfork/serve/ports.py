@@ -1,0 +1,121 @@
+"""A sandbox's ports from outside: requests whose Host is `<port>-<id>.<domain>` (what E2B's
+get_host gives) go to that port in the sandbox, with the sandbox's traffic token when it was
+created with allow_public_traffic=False; and the signatures of download_url/upload_url."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import re
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from ..errors import BunshinError
+from .store import Entry
+
+if TYPE_CHECKING:
+    from .app import Server
+
+TRAFFIC_HEADER = "e2b-traffic-access-token"
+PROXY_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
+_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
+        "transfer-encoding", "upgrade", "host", "content-length"}
+
+
+def parse_host(host: str, domain: str) -> tuple[int, str] | None:
+    """(port, sandbox id) of a Host header `<port>-<id>.<domain>[:N]`, else None."""
+    name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+    m = re.fullmatch(r"(\d{1,5})-([A-Za-z0-9]+)\." + re.escape(domain), name.lower())
+    if m is None or not 0 < int(m.group(1)) < 65536:
+        return None
+    return int(m.group(1)), m.group(2)
+
+
+def signature(path: str, operation: str, user: str, token: str, expiration: int | None) -> str:
+    """E2B's v1 file-URL signature (e2b.sandbox.signature), checked here."""
+    raw = f"{path}:{operation}:{user}:{token}" + ("" if expiration is None else f":{expiration}")
+    return "v1_" + base64.b64encode(hashlib.sha256(raw.encode()).digest()).rstrip(b"=").decode("ascii")
+
+
+def signature_ok(e: Entry, query: Mapping[str, str], method: str = "GET") -> bool:
+    given = query.get("signature")
+    if not given:
+        return False
+    exp_text = query.get("signature_expiration")
+    try:
+        expiration = int(exp_text) if exp_text else None
+    except ValueError:
+        return False
+    if expiration is not None and expiration < time.time():
+        return False
+    op = "read" if method == "GET" else "write"
+    want = signature(query.get("path", ""), op, query.get("username", ""), e.envd_token, expiration)
+    return hmac.compare_digest(given.encode(), want.encode())
+
+
+def signed_entry(server: Server, query: Mapping[str, str], method: str) -> Entry | None:
+    """The sandbox a signed file URL names (its signature names it: the token is the sandbox's)."""
+    for e in server.store.entries.values():
+        if not e.paused and signature_ok(e, query, method):
+            return e
+    return None
+
+
+async def serve(server: Server, target: tuple[int, str], scope: dict[str, Any], receive: Any, send: Any,
+                headers: dict[str, str]) -> None:
+    port, sandbox_id = target
+    e = server.store.entries.get(sandbox_id)
+    if scope["type"] != "http":
+        await _refuse_ws(send, receive)
+        return
+    if e is None or e.paused or e.sbx is None:
+        await JSONResponse({"code": 502, "message": f"The sandbox {sandbox_id} was not found",
+                            "sandboxId": sandbox_id}, status_code=502)(scope, receive, send)
+        return
+    if e.traffic_token is not None and not hmac.compare_digest(
+            headers.get(TRAFFIC_HEADER, "").encode(), e.traffic_token.encode()):
+        await JSONResponse({"code": 403, "message": "a traffic access token is required"},
+                           status_code=403)(scope, receive, send)
+        return
+    try:
+        addr = e.sbx.get_host(port)
+    except BunshinError as err:
+        await JSONResponse({"code": 502, "message": f"port is not open: {err}", "sandboxId": sandbox_id,
+                            "port": port}, status_code=502)(scope, receive, send)
+        return
+    request = Request(scope, receive)
+    client = httpx.AsyncClient(timeout=PROXY_TIMEOUT)
+    try:
+        upstream = await client.send(client.build_request(
+            request.method, f"http://{addr}{scope.get('raw_path', b'/').decode('latin-1')}"
+            + (f"?{scope['query_string'].decode('latin-1')}" if scope.get("query_string") else ""),
+            headers=[(k, v) for k, v in headers.items() if k not in _HOP], content=await request.body()),
+            stream=True)
+    except httpx.HTTPError as err:
+        await client.aclose()
+        await JSONResponse({"code": 502, "message": f"port is not open: {err}", "sandboxId": sandbox_id,
+                            "port": port}, status_code=502)(scope, receive, send)
+        return
+
+    async def body() -> Any:
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        finally:
+            await upstream.aclose()
+            await client.aclose()
+
+    resp = StreamingResponse(body(), status_code=upstream.status_code,
+                             headers={k: v for k, v in upstream.headers.items() if k.lower() not in _HOP})
+    await resp(scope, receive, send)
+
+
+async def _refuse_ws(send: Any, receive: Any) -> None:
+    await receive()
+    await send({"type": "websocket.close", "code": 1011})
