@@ -151,6 +151,11 @@ class Server:
     async def _envd(self, sandbox_id: str, scope: Scope, receive: Any, send: Any, headers: dict[str, str]) -> None:
         path: str = scope.get("path", "")
         e = self.store.entries.get(sandbox_id)
+        if e is not None and e.paused and e.lifecycle.auto_resume:
+            async with e.lock:  # E2B's auto-resume: traffic to a paused sandbox resumes it
+                if e.paused:
+                    await self.rest.resume(e, None)
+                    await self.rest.apply_deadline(e)
         rpc = path.startswith(("/process.Process/", "/filesystem.Filesystem/"))
         if e is None or e.paused or e.sbx is None:
             state = "paused" if e is not None and e.paused else "not found"

@@ -41,6 +41,7 @@ class Lifecycle:
 
 def lifecycle_of(auto_pause: Any = False, auto_resume: Any = None) -> Lifecycle:
     """E2B's NewSandboxV2 fields (autoPause, autoResume) as a Lifecycle; other values are refused."""
+    auto_pause = False if auto_pause is None else auto_pause
     if not isinstance(auto_pause, bool) or (auto_resume is not None and not isinstance(auto_resume, (bool, dict))):
         raise InvalidArgumentException("autoPause must be a boolean and autoResume a boolean or an object")
     resume = auto_resume.get("enabled", False) if isinstance(auto_resume, dict) else bool(auto_resume)
