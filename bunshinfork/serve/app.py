@@ -174,6 +174,15 @@ class Server:
         elif path.startswith("/filesystem.Filesystem/"):
             await self.fs_app(scope, receive, send)
         elif path == "/health":
+            if not await e.sbx.is_running():
+                # Dead before its deadline's timer (its init ended it, or it was killed outside):
+                # answer as E2B's proxy does for a sandbox that is gone, and forget it.
+                with contextlib.suppress(BaseException):
+                    await self.rest.kill_entry(e)
+                msg = f"The sandbox {sandbox_id} {envd.NOT_FOUND}"
+                await JSONResponse({"code": 502, "message": msg, "sandboxId": sandbox_id},
+                                   status_code=502)(scope, receive, send)
+                return
             await envd.health()(scope, receive, send)
         elif path == "/files":
             request = Request(scope, receive)

@@ -159,10 +159,12 @@ class Rest:
         return JSONResponse(self.sandbox_json(e), status_code=201 if resumed else 200)
 
     async def resume(self, e: Entry, timeout: int | None) -> None:
+        # A resumed sandbox lives `timeout` (E2B's default 300 s) from now, whatever is left of
+        # the lifetime it paused with (a sandbox paused at its deadline would pause again at once).
+        e.deadline = lifecycle.deadline_after(lifecycle.DEFAULT_TIMEOUT if timeout is None else timeout)
         ws_life = None
-        if e.lifecycle.on_timeout == "kill":
-            e.deadline = lifecycle.extended(time.time(), timeout or lifecycle.DEFAULT_TIMEOUT)
-            ws_life = max(1, int(e.deadline - time.time()))
+        if e.lifecycle.on_timeout == "kill" and e.deadline != float("inf"):
+            ws_life = max(1, round(e.deadline - time.time()))
         ws = await asyncio.to_thread(lifecycle.resume_from_disk, self.store.paused_dir(e.sandbox_id), ws_life)
         e.sbx, e.workspace_id, e.paused = AsyncSandbox(ws), ws.id, False
         self.store.save(e)
