@@ -417,3 +417,30 @@ def test_load_32_clients(served: support.Served) -> None:
     assert result.cycles >= 32
     assert {i for i in state.all_ids() if _creator(i) == served.proc.pid} == before
     assert e2b.Sandbox.list().next_items() == []
+
+
+# ---- ports ----
+
+
+def test_ports(served: support.Served, cleanup: None) -> None:
+    """get_host(port)'s name, sent as Host, reaches the port in the sandbox (a bridge network
+    the test's sandbox made); a sandbox closed to public traffic needs its traffic token."""
+    open_sbx = e2b.Sandbox.create(allow_internet_access=True)
+    closed = e2b.Sandbox.create(allow_internet_access=True, network={"allow_public_traffic": False})
+    for sbx in (open_sbx, closed):
+        sbx.files.write("/tmp/www/index.html", f"hello from {sbx.sandbox_id}")
+        sbx.commands.run("cd /tmp/www && python3 -m http.server 8000", background=True)
+        sbx.commands.run("for i in $(seq 200); do python3 -c 'import socket; socket.create_connection("
+                         "(\"127.0.0.1\", 8000), 1)' 2>/dev/null && exit 0; sleep 0.05; done; exit 1")
+    host = open_sbx.get_host(8000)
+    assert host == f"8000-{open_sbx.sandbox_id}.localhost"
+    r = httpx.get(served.url + "/index.html", headers={"Host": host}, timeout=30)
+    assert r.status_code == 200 and r.text == f"hello from {open_sbx.sandbox_id}"
+    closed_host = closed.get_host(8000)
+    assert httpx.get(served.url + "/", headers={"Host": closed_host}, timeout=30).status_code == 403
+    token = closed.traffic_access_token
+    r = httpx.get(served.url + "/index.html", headers={"Host": closed_host, "e2b-traffic-access-token": token},
+                  timeout=30)
+    assert r.status_code == 200 and r.text == f"hello from {closed.sandbox_id}"
+    gone = httpx.get(served.url + "/", headers={"Host": "8000-nope.localhost"}, timeout=30)
+    assert gone.status_code == 502 and "was not found" in gone.json()["message"]

@@ -4,7 +4,9 @@ created with allow_public_traffic=False; and the signatures of download_url/uplo
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import hashlib
 import hmac
 import re
@@ -71,8 +73,10 @@ async def serve(server: Server, target: tuple[int, str], scope: dict[str, Any], 
                 headers: dict[str, str]) -> None:
     port, sandbox_id = target
     e = server.store.entries.get(sandbox_id)
+    if scope["type"] == "websocket":
+        await _websocket(e, port, scope, receive, send, headers)
+        return
     if scope["type"] != "http":
-        await _refuse_ws(send, receive)
         return
     if e is None or e.paused or e.sbx is None:
         await JSONResponse({"code": 502, "message": f"The sandbox {sandbox_id} was not found",
@@ -116,6 +120,48 @@ async def serve(server: Server, target: tuple[int, str], scope: dict[str, Any], 
     await resp(scope, receive, send)
 
 
-async def _refuse_ws(send: Any, receive: Any) -> None:
-    await receive()
-    await send({"type": "websocket.close", "code": 1011})
+async def _websocket(e: Entry | None, port: int, scope: dict[str, Any], receive: Any, send: Any,
+                     headers: dict[str, str]) -> None:
+    """Relay a WebSocket to the sandbox's port, message by message, until either side closes."""
+    import websockets
+
+    await receive()  # websocket.connect
+    token_ok = e is not None and (e.traffic_token is None or hmac.compare_digest(
+        headers.get(TRAFFIC_HEADER, "").encode(), e.traffic_token.encode()))
+    try:
+        addr = e.sbx.get_host(port) if token_ok and e is not None and e.sbx is not None and not e.paused else None
+    except BunshinError:
+        addr = None
+    if addr is None:
+        await send({"type": "websocket.close", "code": 1008 if e is not None and not token_ok else 1011})
+        return
+    path = scope.get("raw_path", b"/").decode("latin-1") + (
+        f"?{scope['query_string'].decode('latin-1')}" if scope.get("query_string") else "")
+    try:
+        upstream = await asyncio.wait_for(websockets.connect(f"ws://{addr}{path}", open_timeout=5,
+                                                             subprotocols=scope.get("subprotocols") or None), 10)
+    except (OSError, TimeoutError, websockets.WebSocketException):
+        await send({"type": "websocket.close", "code": 1011})
+        return
+    await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
+
+    async def to_upstream() -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "websocket.disconnect":
+                return
+            await upstream.send(msg["bytes"] if msg.get("bytes") is not None else msg.get("text") or "")
+
+    async def to_client() -> None:
+        async for data in upstream:
+            await send({"type": "websocket.send", **({"bytes": data} if isinstance(data, bytes) else {"text": data})})
+
+    tasks = [asyncio.ensure_future(to_upstream()), asyncio.ensure_future(to_client())]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await upstream.close()
+        with contextlib.suppress(Exception):
+            await send({"type": "websocket.close", "code": 1000})
