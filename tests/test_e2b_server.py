@@ -291,7 +291,7 @@ HOG = ("python3 -c \"import signal,sys; b=bytearray(b'q')*(200<<20); "
 
 
 def _ask_hog(sbx: e2b.Sandbox) -> str:
-    return sbx.commands.run("rm -f /tmp/ans; pkill -USR1 -f memhog; for i in $(seq 200); do "
+    return sbx.commands.run("rm -f /tmp/ans; pkill -USR1 -f '^python3 -c .*memho[g]'; for i in $(seq 200); do "
                             "[ -s /tmp/ans ] && break; sleep 0.05; done; cat /tmp/ans", timeout=30).stdout
 
 
