@@ -362,8 +362,9 @@ def test_bad_input(served: support.Served, cleanup: None) -> None:
                          ("GET", "/sandboxes/nope/metrics"), ("POST", "/sandboxes/nope/snapshots")):
         r = api(served, method, path, json={"timeout": 10})
         assert r.status_code == 404 and r.json()["code"] == 404, (method, path, r.text)
-    with pytest.raises(e2b.NotFoundException):
+    with pytest.raises(e2b.SandboxException) as no_template:
         e2b.Sandbox.create("no-such-template")
+    assert no_template.value.status_code == 404  # type: ignore[attr-defined]
     sbx = e2b.Sandbox.create()
     for count in (0, 1000, "2", True):
         r = api(served, "POST", f"/sandboxes/{sbx.sandbox_id}/fork", json={"count": count})

@@ -11,7 +11,7 @@ import json
 import os
 import secrets
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,10 @@ class Entry:
         return "paused" if self.paused else "running"
 
     def to_json(self) -> dict[str, Any]:
-        d = {k: v for k, v in asdict(self).items() if k not in ("sbx", "lock", "timer")}
+        # Not asdict(): it would deep-copy the live objects (the sandbox, its lock, its timer).
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("sbx", "lock", "timer")}
+        d["lifecycle"] = asdict(self.lifecycle)
+        d["metadata"] = dict(self.metadata)
         d["deadline"] = None if self.deadline == float("inf") else self.deadline
         return d
 
