@@ -113,14 +113,14 @@ class Base:
         self._lookup = lookup
 
     def sandbox(self, ctx: RequestContext[Any, Any]) -> AsyncSandbox:
-        sbx = self._lookup(ctx.request_headers().get("e2b-sandbox-id") or "")
+        sbx = self._lookup(ctx.request_headers.get("e2b-sandbox-id") or "")
         if sbx is None:
             raise ConnectError(Code.UNAVAILABLE, f"The sandbox {NOT_FOUND}")
         return sbx
 
     @staticmethod
     def user(ctx: RequestContext[Any, Any]) -> str:
-        return user_of(ctx.request_headers().get("authorization"))
+        return user_of(ctx.request_headers.get("authorization"))
 
 
 def _data_event(kind: str, data: bytes) -> process_pb.ProcessEvent:
@@ -168,7 +168,7 @@ async def _follow(handle: AsyncCommandHandle, queue: asyncio.Queue[tuple[str, by
 
 def _keepalive(ctx: RequestContext[Any, Any]) -> float | None:
     with contextlib.suppress(ValueError, TypeError):
-        return max(1.0, float(ctx.request_headers().get(KEEPALIVE_HEADER) or ""))
+        return max(1.0, float(ctx.request_headers.get(KEEPALIVE_HEADER) or ""))
     return None
 
 
@@ -346,12 +346,12 @@ class FilesystemService(Base):
         except BaseException as e:
             raise rpc_error(e) from None
         watcher_id = secrets.token_hex(8)
-        self._watchers[watcher_id] = (ctx.request_headers().get("e2b-sandbox-id") or "", handle)
+        self._watchers[watcher_id] = (ctx.request_headers.get("e2b-sandbox-id") or "", handle)
         return filesystem_pb.CreateWatcherResponse(watcher_id=watcher_id)
 
     def _watcher(self, ctx: RequestContext[Any, Any], watcher_id: str) -> WatchHandle:
         sandbox_id, handle = self._watchers.get(watcher_id, ("", None))  # type: ignore[arg-type]
-        if handle is None or sandbox_id != ctx.request_headers().get("e2b-sandbox-id"):
+        if handle is None or sandbox_id != ctx.request_headers.get("e2b-sandbox-id"):
             raise ConnectError(Code.NOT_FOUND, f"watcher {watcher_id!r} not found")
         return handle
 
