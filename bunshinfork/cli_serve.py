@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import secrets
+import signal
 import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 DEFAULT_ROOT = Path(os.environ.get("BUNSHIN_SERVE_ROOT", "/var/lib/bunshin/serve"))
 
@@ -49,10 +53,34 @@ def run(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}"
-    print(f"export E2B_API_URL={url}\nexport E2B_SANDBOX_URL={url}\nexport E2B_API_KEY={key}", flush=True)
-    app = make_app(key, args.state_dir, args.domain)
+    # Listening from here on: clients that connect before the application is ready wait in the backlog.
+    sock.listen(2048)
+
+    def ready() -> None:
+        # Printed once the server has taken over what a previous one left: then it is usable.
+        print(f"export E2B_API_URL={url}\nexport E2B_SANDBOX_URL={url}\nexport E2B_API_KEY={key}", flush=True)
+
+    app = make_app(key, args.state_dir, args.domain, on_ready=ready)
     config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=10)
-    server = uvicorn.Server(config)
-    server.run(sockets=[sock])
+    _server(config).run(sockets=[sock])
     sys.stdout.flush()
     return 0
+
+
+def _server(config: Any) -> Any:
+    """uvicorn's server, ending with status 0 after a SIGTERM or SIGINT: uvicorn re-raises the
+    signal once shut down, which would skip the interpreter's exit handlers (bunshin's leave the
+    host's ksmd boost there)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            saved = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in saved.items():
+                    signal.signal(sig, handler)
+
+    return Server(config)

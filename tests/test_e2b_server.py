@@ -14,6 +14,8 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -326,7 +328,8 @@ def test_on_timeout_pause_and_restart(served: support.Served, key_file: Path, cl
     assert same.files.read("/tmp/kept.txt") == "kept"
 
 
-def test_sigkill_leaves_nothing_the_next_server_cannot_take_back(served: support.Served, key_file: Path) -> None:
+def test_sigkill_leaves_nothing_the_next_server_cannot_take_back(served: support.Served, key_file: Path,
+                                                                 cleanup: None) -> None:
     running = e2b.Sandbox.create()
     paused = e2b.Sandbox.create()
     paused.pause()
@@ -341,6 +344,10 @@ def test_sigkill_leaves_nothing_the_next_server_cannot_take_back(served: support
     assert listed == {paused.sandbox_id: "paused"}
     assert e2b.Sandbox.kill(running.sandbox_id) is False
     e2b.Sandbox.connect(paused.sandbox_id).kill()
+    # What only the dead process held (its boost of ksmd) is bunshin gc's to take back.
+    gc = subprocess.run([sys.executable, "-m", "bunshinfork.cli", "gc"], capture_output=True, text=True,
+                        timeout=120)
+    assert gc.returncode == 0, gc.stderr
 
 
 # ---- bad input ----

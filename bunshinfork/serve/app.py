@@ -31,8 +31,10 @@ ASGI = Callable[[Scope, Any, Any], Awaitable[None]]
 class Server:
     """One server: its store, control plane, envd services and deadlines."""
 
-    def __init__(self, api_key: str, root: Path, domain: str = "localhost") -> None:
+    def __init__(self, api_key: str, root: Path, domain: str = "localhost",
+                 on_ready: Callable[[], None] | None = None) -> None:
         self.api_key = api_key
+        self.on_ready = on_ready
         self.domain = domain
         self.store = Store(root)
         self.rest = Rest(self.store, domain, self.schedule)
@@ -45,6 +47,8 @@ class Server:
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         await self.recover()
+        if self.on_ready is not None:
+            self.on_ready()
         try:
             yield
         finally:
@@ -141,6 +145,9 @@ class Server:
         if sandbox_id is None and scope.get("path") == "/files" and scope["type"] == "http":
             # download_url/upload_url: a plain client sends no header; the signature names the sandbox.
             signed = ports.signed_entry(self, Request(scope).query_params, scope.get("method", "GET"))
+            if signed is None and "signature" in Request(scope).query_params:
+                await envd.http_error(401, "invalid or expired signature")(scope, receive, send)
+                return
             sandbox_id = signed.sandbox_id if signed is not None else None
         if sandbox_id is None:
             if scope["type"] == "http":
@@ -210,8 +217,10 @@ def _same(given: str | None, want: str) -> bool:
     return given is not None and hmac.compare_digest(given.encode(), want.encode())
 
 
-def make_app(api_key: str, root: Path, domain: str = "localhost") -> Server:
-    return Server(api_key, root, domain)
+def make_app(api_key: str, root: Path, domain: str = "localhost",
+             on_ready: Callable[[], None] | None = None) -> Server:
+    """The application; on_ready runs once it has taken over what a previous server left."""
+    return Server(api_key, root, domain, on_ready)
 
 
 __all__ = ["JSONResponse", "Server", "make_app"]

@@ -33,7 +33,7 @@ _HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
 def parse_host(host: str, domain: str) -> tuple[int, str] | None:
     """(port, sandbox id) of a Host header `<port>-<id>.<domain>[:N]`, else None."""
     name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-    m = re.fullmatch(r"(\d{1,5})-([A-Za-z0-9]+)\." + re.escape(domain), name.lower())
+    m = re.fullmatch(r"(\d{1,5})-([a-z0-9][a-z0-9-]*)\." + re.escape(domain), name.lower())
     if m is None or not 0 < int(m.group(1)) < 65536:
         return None
     return int(m.group(1)), m.group(2)
