@@ -23,7 +23,7 @@ from typing import Any
 
 from .. import __version__, state
 from ..errors import BunshinError, WorkspaceNotFound, WorkspaceStateError
-from . import create, doctor, fork, gc, info, kill, memory, pause, ps, rm, snapshot, storage, template, unpause
+from . import create, doctor, fork, gc, info, kill, memory, pause, ps, rm, serve, snapshot, storage, template, unpause
 from . import exec as exec_
 from .common import EXIT_CANNOT_INVOKE, EXIT_RUNTIME, PROG, UsageError, Verb
 
@@ -32,7 +32,7 @@ __all__ = ["SUBCOMMANDS", "VERBS", "Verb", "build_parser", "main"]
 # Help lists them in this order.
 VERBS: tuple[Verb, ...] = (
     create.VERB, exec_.VERB, ps.VERB, ps.LS, info.VERB, memory.VERB, pause.VERB, unpause.VERB, kill.VERB,
-    rm.VERB, gc.VERB, doctor.VERB, fork.VERB, snapshot.VERB, template.VERB, storage.VERB,
+    rm.VERB, gc.VERB, doctor.VERB, fork.VERB, snapshot.VERB, template.VERB, storage.VERB, serve.VERB,
 )
 SUBCOMMANDS: dict[str, Verb] = {v.name: v for v in VERBS}
 assert len(SUBCOMMANDS) == len(VERBS), "two verbs share a name"

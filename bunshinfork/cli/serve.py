@@ -1,0 +1,91 @@
+"""`bunshin serve`: E2B's API over HTTP for the unmodified e2b SDKs (see bunshinfork.serve)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .common import Verb
+
+DEFAULT_ROOT = Path(os.environ.get("BUNSHIN_SERVE_ROOT", "/var/lib/bunshin/serve"))
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)")
+    p.add_argument("--port", type=int, default=3000, help="port (default 3000; 0: any free port)")
+    p.add_argument("--api-key-file", type=Path,
+                   help="file holding the API key clients send as X-API-KEY (default: a new random key)")
+    p.add_argument("--domain", default="localhost",
+                   help="the domain of get_host's `<port>-<id>.<domain>` names (default localhost)")
+    p.add_argument("--state-dir", type=Path, default=DEFAULT_ROOT,
+                   help=f"where paused sandboxes and the registry are kept (default {DEFAULT_ROOT})")
+
+
+def _key(path: Path | None) -> str:
+    if path is None:
+        return "e2b_" + secrets.token_hex(20)
+    from .errors import InvalidArgumentException
+
+    try:
+        key = path.read_text().strip()
+    except OSError as e:
+        raise InvalidArgumentException(f"cannot read the API key file {path}: {e.strerror}") from None
+    if not key or any(c.isspace() for c in key):
+        raise InvalidArgumentException(f"the API key file {path} must hold one key (no spaces)")
+    return key
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .serve import make_app
+
+    key = _key(args.api_key_file)
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    url = f"http://{shown}:{port}"
+    # Listening from here on: clients that connect before the application is ready wait in the backlog.
+    sock.listen(2048)
+
+    def ready() -> None:
+        # Printed once the server has taken over what a previous one left: then it is usable.
+        print(f"export E2B_API_URL={url}\nexport E2B_SANDBOX_URL={url}\nexport E2B_API_KEY={key}", flush=True)
+
+    app = make_app(key, args.state_dir, args.domain, on_ready=ready)
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=10)
+    _server(config).run(sockets=[sock])
+    sys.stdout.flush()
+    return 0
+
+
+def _server(config: Any) -> Any:
+    """uvicorn's server, ending with status 0 after a SIGTERM or SIGINT: uvicorn re-raises the
+    signal once shut down, which would skip the interpreter's exit handlers (bunshin's leave the
+    host's ksmd boost there)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            saved = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in saved.items():
+                    signal.signal(sig, handler)
+
+    return Server(config)
+
+
+VERB = Verb("serve", "serve E2B's API over HTTP for the e2b SDKs; prints the variables to export", configure, run)

@@ -1,0 +1,226 @@
+"""The ASGI application: auth, and routing of each request to the control plane, to a
+sandbox's envd (requests with E2b-Sandbox-Id) or to a sandbox's port (Host
+`<port>-<id>.<domain>`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ..aio import AsyncSandbox
+from ..errors import BunshinError
+from . import envd, ports
+from .rest import ApiError, Rest, error_response, status_of
+from .store import Entry, Store
+
+log = logging.getLogger("bunshin.serve")
+Scope = dict[str, Any]
+ASGI = Callable[[Scope, Any, Any], Awaitable[None]]
+
+
+class Server:
+    """One server: its store, control plane, envd services and deadlines."""
+
+    def __init__(self, api_key: str, root: Path, domain: str = "localhost",
+                 on_ready: Callable[[], None] | None = None) -> None:
+        self.api_key = api_key
+        self.on_ready = on_ready
+        self.domain = domain
+        self.store = Store(root)
+        self.rest = Rest(self.store, domain, self.schedule)
+        self.process_app, self.fs_app, self.fs_service = envd.apps(self.lookup)
+        self.rest_app = Starlette(routes=self.rest.routes(self._guard), lifespan=self._lifespan)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ---- lifetime of the server ----
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        await self.recover()
+        if self.on_ready is not None:
+            self.on_ready()
+        try:
+            yield
+        finally:
+            await self.shutdown()
+
+    async def recover(self) -> None:
+        """What a previous server left: paused sandboxes stay (with their deadlines), running
+        ones are reaped, as their workspaces cannot be handed over."""
+        for e in self.store.recorded():
+            if e.paused and self.store.paused_dir(e.sandbox_id).is_dir():
+                self.store.entries[e.sandbox_id] = e
+                self.schedule(e)
+                continue
+            if e.workspace_id:
+                with contextlib.suppress(BunshinError, FileNotFoundError):
+                    await AsyncSandbox.kill(e.workspace_id)
+            self.store.drop(e.sandbox_id)
+
+    async def shutdown(self) -> None:
+        """Running sandboxes end with the server (paused ones stay on disk for the next)."""
+        for e in list(self.store.entries.values()):
+            if e.timer is not None:
+                e.timer.cancel()
+            if not e.paused:
+                with contextlib.suppress(BaseException):
+                    await self.rest.kill_entry(e)
+        for t in list(self._tasks):
+            t.cancel()
+
+    # ---- deadlines ----
+
+    def schedule(self, e: Entry) -> None:
+        """(Re)arm the entry's deadline: kill or pause, as its lifecycle says."""
+        if e.timer is not None:
+            e.timer.cancel()
+            e.timer = None
+        if e.deadline == float("inf") or (e.paused and e.lifecycle.on_timeout == "pause"):
+            return
+        loop = asyncio.get_running_loop()
+        e.timer = loop.call_later(max(0.0, e.deadline - time.time()), self._expire, e.sandbox_id)
+
+    def _expire(self, sandbox_id: str) -> None:
+        task = asyncio.ensure_future(self._on_deadline(sandbox_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _on_deadline(self, sandbox_id: str) -> None:
+        e = self.store.entries.get(sandbox_id)
+        if e is None or e.deadline > time.time():
+            return
+        try:
+            if e.lifecycle.on_timeout == "pause" and not e.paused:
+                async with e.lock:
+                    if not e.paused and e.deadline <= time.time():
+                        await self.rest.pause_entry(e)
+                return
+            self.fs_service.forget(sandbox_id)
+            await self.rest.kill_entry(e)
+        except Exception:
+            log.exception("sandbox %s: its deadline's action failed", sandbox_id)
+
+    # ---- routing ----
+
+    def lookup(self, sandbox_id: str) -> AsyncSandbox | None:
+        e = self.store.entries.get(sandbox_id)
+        return None if e is None or e.paused else e.sbx
+
+    def _guard(self, fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        """E2B's auth and error shape around a control-plane handler."""
+
+        async def handler(request: Request) -> Response:
+            if not _same(request.headers.get("x-api-key"), self.api_key):
+                return error_response(401, "Invalid API key")
+            try:
+                return await fn(request)
+            except (ApiError, BunshinError) as e:
+                return error_response(status_of(e), str(e))
+            except Exception as e:
+                log.exception("%s %s", request.method, request.url.path)
+                return error_response(500, f"{type(e).__name__}: {e}")
+
+        return handler
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await self.rest_app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        target = ports.parse_host(headers.get("host", ""), self.domain)
+        if target is not None:
+            await ports.serve(self.store, target, scope, receive, send, headers)
+            return
+        sandbox_id = headers.get("e2b-sandbox-id")
+        if sandbox_id is None and scope.get("path") == "/files" and scope["type"] == "http":
+            # download_url/upload_url: a plain client sends no header; the signature names the sandbox.
+            signed = ports.signed_entry(self.store, Request(scope).query_params, scope.get("method", "GET"))
+            if signed is None and "signature" in Request(scope).query_params:
+                await envd.http_error(401, "invalid or expired signature")(scope, receive, send)
+                return
+            sandbox_id = signed.sandbox_id if signed is not None else None
+        if sandbox_id is None:
+            if scope["type"] == "http":
+                await self.rest_app(scope, receive, send)
+            return
+        await self._envd(sandbox_id, scope, receive, send, headers)
+
+    async def _envd(self, sandbox_id: str, scope: Scope, receive: Any, send: Any, headers: dict[str, str]) -> None:
+        path: str = scope.get("path", "")
+        e = self.store.entries.get(sandbox_id)
+        if e is not None and e.paused and e.lifecycle.auto_resume:
+            async with e.lock:  # E2B's auto-resume: traffic to a paused sandbox resumes it
+                if e.paused:
+                    await self.rest.resume(e, None)
+                    await self.rest.apply_deadline(e)
+        rpc = path.startswith(("/process.Process/", "/filesystem.Filesystem/"))
+        if e is None or e.paused or e.sbx is None:
+            state = "paused" if e is not None and e.paused else "not found"
+            msg = f"The sandbox {sandbox_id} {envd.NOT_FOUND}" if state == "not found" else \
+                f"The sandbox {sandbox_id} is paused: connect to resume it (it {envd.NOT_FOUND} running)"
+            body = {"code": "unavailable", "message": msg} if rpc else {"code": 502, "message": msg,
+                                                                        "sandboxId": sandbox_id}
+            await JSONResponse(body, status_code=502)(scope, receive, send)
+            return
+        if not signed_ok(e, scope, headers):
+            body = {"code": "unauthenticated" if rpc else 401, "message": "Invalid access token"}
+            await JSONResponse(body, status_code=401)(scope, receive, send)
+            return
+        if path.startswith("/process.Process/"):
+            await self.process_app(scope, receive, send)
+        elif path.startswith("/filesystem.Filesystem/"):
+            await self.fs_app(scope, receive, send)
+        elif path == "/health":
+            if not await e.sbx.is_running():
+                # Dead before its deadline's timer (its init ended it, or it was killed outside):
+                # answer as E2B's proxy does for a sandbox that is gone, and forget it.
+                with contextlib.suppress(BaseException):
+                    await self.rest.kill_entry(e)
+                msg = f"The sandbox {sandbox_id} {envd.NOT_FOUND}"
+                await JSONResponse({"code": 502, "message": msg, "sandboxId": sandbox_id},
+                                   status_code=502)(scope, receive, send)
+                return
+            await envd.health()(scope, receive, send)
+        elif path == "/files":
+            request = Request(scope, receive)
+            if request.method == "GET":
+                response = await envd.files_get(e.sbx, request)
+            elif request.method == "POST":
+                response = await envd.files_post(e.sbx, request)
+            else:
+                response = envd.http_error(405, "GET or POST")
+            await response(scope, receive, send)
+        else:
+            await envd.http_error(404, f"no envd route {path}")(scope, receive, send)
+
+
+def signed_ok(e: Entry, scope: Scope, headers: dict[str, str]) -> bool:
+    """envd's access token, or (for /files) a signature download_url/upload_url made."""
+    if _same(headers.get("x-access-token"), e.envd_token):
+        return True
+    if scope.get("path") == "/files":
+        return ports.signature_ok(e, Request(scope).query_params, scope.get("method", "GET"))
+    return False
+
+
+def _same(given: str | None, want: str) -> bool:
+    return given is not None and hmac.compare_digest(given.encode(), want.encode())
+
+
+def make_app(api_key: str, root: Path, domain: str = "localhost",
+             on_ready: Callable[[], None] | None = None) -> Server:
+    """The application; on_ready runs once it has taken over what a previous server left."""
+    return Server(api_key, root, domain, on_ready)
+
+
+__all__ = ["JSONResponse", "Server", "make_app"]

@@ -1,0 +1,461 @@
+"""envd on the host: the process and filesystem Connect-RPC services (the e2b package's
+generated ASGI applications, with these handlers), /files and /health, each against the
+sandbox's bunshin workspace through bunshin's async API."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import datetime
+import errno
+import secrets
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+from connectrpc.request import RequestContext
+from e2b.envd.filesystem import filesystem_pb
+from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
+from e2b.envd.process import process_pb
+from e2b.envd.process.process_connect import ProcessASGIApplication
+from protobuf import Oneof
+from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ..aio import AsyncCommandHandle, AsyncSandbox
+from ..commands import CommandExitException, CommandResult, PtySize
+from ..entries import EntryInfo, FileType
+from ..errors import (
+    BunshinError,
+    CommandError,
+    FileOperationError,
+    InvalidArgumentException,
+    NotFoundException,
+    WorkspaceNotFound,
+    WorkspaceStateError,
+)
+from ..watch import FilesystemEvent, WatchHandle
+
+DEFAULT_USER = "user"  # envd's default user (e2b >= envd 0.4.0 sends none)
+NOT_FOUND = "was not found"  # what the SDKs read as a sandbox that is gone
+KEEPALIVE_HEADER = "keepalive-ping-interval"
+Lookup = Callable[[str], AsyncSandbox | None]
+
+_EVENTS = {"create": filesystem_pb.EventType.CREATE, "write": filesystem_pb.EventType.WRITE,
+           "remove": filesystem_pb.EventType.REMOVE, "rename": filesystem_pb.EventType.RENAME,
+           "chmod": filesystem_pb.EventType.CHMOD}
+_TYPES = {FileType.FILE: filesystem_pb.FileType.FILE, FileType.DIR: filesystem_pb.FileType.DIRECTORY,
+          FileType.SYMLINK: filesystem_pb.FileType.SYMLINK}
+
+
+def user_of(authorization: str | None) -> str:
+    """envd's user: `Authorization: Basic base64("name:")`, else the default user."""
+    if not authorization or not authorization.startswith("Basic "):
+        return DEFAULT_USER
+    try:
+        name = base64.b64decode(authorization[6:], validate=True).decode().split(":", 1)[0]
+    except ValueError:
+        raise ConnectError(Code.UNAUTHENTICATED, "malformed Authorization header") from None
+    return name or DEFAULT_USER
+
+
+def rpc_error(e: BaseException) -> ConnectError:
+    """bunshin's typed errors as Connect codes the SDKs map back to theirs."""
+    if isinstance(e, ConnectError):
+        return e
+    if isinstance(e, WorkspaceNotFound):
+        return ConnectError(Code.UNAVAILABLE, f"The sandbox {NOT_FOUND}")
+    if (isinstance(e, FileOperationError) and e.errno == errno.EEXIST) or isinstance(e, FileExistsError):
+        return ConnectError(Code.ALREADY_EXISTS, str(e))
+    if isinstance(e, (NotFoundException, FileNotFoundError)):
+        return ConnectError(Code.NOT_FOUND, str(e))
+    if isinstance(e, (InvalidArgumentException, ValueError, NotADirectoryError, IsADirectoryError)):
+        return ConnectError(Code.INVALID_ARGUMENT, str(e))
+    if isinstance(e, PermissionError):
+        return ConnectError(Code.PERMISSION_DENIED, str(e))
+    if isinstance(e, WorkspaceStateError):
+        return ConnectError(Code.UNAVAILABLE, f"The sandbox {NOT_FOUND} (it ended): {e}")
+    if isinstance(e, (CommandError, BunshinError, OSError)):
+        return ConnectError(Code.INVALID_ARGUMENT if isinstance(e, CommandError) else Code.INTERNAL, str(e))
+    return ConnectError(Code.INTERNAL, f"{type(e).__name__}: {e}")
+
+
+def entry_pb(e: EntryInfo) -> filesystem_pb.EntryInfo:
+    ts = e.modified_time.timestamp()
+    return filesystem_pb.EntryInfo(
+        name=e.name, type=_TYPES.get(e.type, filesystem_pb.FileType.UNSPECIFIED) if e.type else
+        filesystem_pb.FileType.UNSPECIFIED, path=e.path, size=e.size, mode=e.mode, permissions=e.permissions,
+        owner=e.owner, group=e.group, modified_time=Timestamp(seconds=int(ts), nanos=int(ts % 1 * 1e9)),
+        symlink_target=e.symlink_target, metadata=dict(e.metadata or {}))
+
+
+def _selected_pid(sel: process_pb.ProcessSelector | None) -> int:
+    match sel.selector if sel is not None else None:
+        case Oneof(field="pid", value=pid):
+            return int(pid)
+        case Oneof(field="tag", value=tag):
+            raise ConnectError(Code.NOT_FOUND, f"no process tagged {tag!r} (tags are not kept)")
+    raise ConnectError(Code.INVALID_ARGUMENT, "a process selector (pid) is required")
+
+
+def _input_bytes(inp: process_pb.ProcessInput | None) -> bytes:
+    match inp.input if inp is not None else None:
+        case Oneof(value=data):
+            return bytes(data)
+    return b""
+
+
+class Base:
+    def __init__(self, lookup: Lookup) -> None:
+        self._lookup = lookup
+
+    def sandbox(self, ctx: RequestContext[Any, Any]) -> AsyncSandbox:
+        sbx = self._lookup(ctx.request_headers.get("e2b-sandbox-id") or "")
+        if sbx is None:
+            raise ConnectError(Code.UNAVAILABLE, f"The sandbox {NOT_FOUND}")
+        return sbx
+
+    @staticmethod
+    def user(ctx: RequestContext[Any, Any]) -> str:
+        return user_of(ctx.request_headers.get("authorization"))
+
+
+def _data_event(kind: str, data: bytes) -> process_pb.ProcessEvent:
+    return process_pb.ProcessEvent(event=Oneof("data", process_pb.ProcessEvent.DataEvent(output=Oneof(kind, data))))
+
+
+async def _result(handle: AsyncCommandHandle) -> CommandResult:
+    try:
+        return await handle.wait()
+    except CommandExitException as e:  # a sandbox's non-zero exit: envd reports it, it is no error
+        return e
+
+
+async def _follow(handle: AsyncCommandHandle, queue: asyncio.Queue[tuple[str, bytes]],
+                  keepalive: float | None) -> AsyncIterator[process_pb.ProcessEvent]:
+    """The command's events until it exits (keepalives while it is quiet). A client that goes
+    away closes this generator: the command is unfollowed, and keeps running."""
+    waiter = asyncio.ensure_future(_result(handle))
+    try:
+        while True:
+            get = asyncio.ensure_future(queue.get())
+            done, _ = await asyncio.wait({get, waiter}, timeout=keepalive, return_when=asyncio.FIRST_COMPLETED)
+            if get in done:
+                yield _data_event(*get.result())
+                continue
+            get.cancel()
+            if waiter in done:
+                break
+            yield process_pb.ProcessEvent(event=Oneof("keepalive", process_pb.ProcessEvent.KeepAlive()))
+        while not queue.empty():
+            yield _data_event(*queue.get_nowait())
+        try:
+            r = waiter.result()
+        except BaseException as e:
+            raise rpc_error(e) from None
+        end = process_pb.ProcessEvent.EndEvent(exit_code=r.exit_code, exited=True, status=f"exit status {r.exit_code}",
+                                               error=r.error or None)
+        yield process_pb.ProcessEvent(event=Oneof("end", end))
+    finally:
+        if not waiter.done():
+            waiter.cancel()
+            with contextlib.suppress(BaseException):
+                await handle.disconnect()
+
+
+def _keepalive(ctx: RequestContext[Any, Any]) -> float | None:
+    with contextlib.suppress(ValueError, TypeError):
+        return max(1.0, float(ctx.request_headers.get(KEEPALIVE_HEADER) or ""))
+    return None
+
+
+class ProcessService(Base):
+    async def list(self, request: process_pb.ListRequest, ctx: RequestContext[Any, Any]) -> process_pb.ListResponse:
+        sbx = self.sandbox(ctx)
+        try:
+            procs = await sbx.commands.list()
+        except BaseException as e:
+            raise rpc_error(e) from None
+        return process_pb.ListResponse(processes=[
+            process_pb.ProcessInfo(pid=p.pid, tag=p.tag, config=process_pb.ProcessConfig(
+                cmd=p.cmd, args=list(p.args), envs=dict(p.envs), cwd=p.cwd)) for p in procs])
+
+    async def _start(self, request: process_pb.StartRequest, ctx: RequestContext[Any, Any],
+                     queue: asyncio.Queue[tuple[str, bytes]]) -> AsyncCommandHandle:
+        sbx, user = self.sandbox(ctx), self.user(ctx)
+        cfg = request.process or process_pb.ProcessConfig()
+        if not cfg.cmd:
+            raise ConnectError(Code.INVALID_ARGUMENT, "process.cmd is required")
+        cwd = cfg.cwd if cfg.has_field("cwd") and cfg.cwd else None
+        envs = dict(cfg.envs)
+        try:
+            if request.pty is not None:
+                size = request.pty.size or process_pb.PTY.Size(cols=80, rows=24)
+                return await sbx.pty.create(PtySize(rows=size.rows or 24, cols=size.cols or 80),
+                                            on_data=lambda b: queue.put_nowait(("pty", bytes(b))), user=user,
+                                            cwd=cwd, envs=envs, timeout=0)
+            handle = await sbx.commands.run(
+                [cfg.cmd, *cfg.args], background=True, envs=envs, user=user, cwd=cwd, stdin=bool(request.stdin),
+                timeout=0, on_stdout=lambda s: queue.put_nowait(("stdout", s.encode())),
+                on_stderr=lambda s: queue.put_nowait(("stderr", s.encode())))
+        except BaseException as e:
+            raise rpc_error(e) from None
+        assert isinstance(handle, AsyncCommandHandle)
+        return handle
+
+    async def start(self, request: process_pb.StartRequest,
+                    ctx: RequestContext[Any, Any]) -> AsyncIterator[process_pb.StartResponse]:
+        queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
+        handle = await self._start(request, ctx, queue)
+        start = process_pb.ProcessEvent.StartEvent(pid=handle.pid)
+        yield process_pb.StartResponse(event=process_pb.ProcessEvent(event=Oneof("start", start)))
+        async for ev in _follow(handle, queue, _keepalive(ctx)):
+            yield process_pb.StartResponse(event=ev)
+
+    async def connect(self, request: process_pb.ConnectRequest,
+                      ctx: RequestContext[Any, Any]) -> AsyncIterator[process_pb.ConnectResponse]:
+        sbx, pid = self.sandbox(ctx), _selected_pid(request.process)
+        queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
+        try:
+            handle = await sbx.commands.connect(pid, timeout=0,
+                                                on_stdout=lambda s: queue.put_nowait(("stdout", s.encode())),
+                                                on_stderr=lambda s: queue.put_nowait(("stderr", s.encode())))
+        except BaseException as e:
+            raise rpc_error(e) from None
+        start = process_pb.ProcessEvent.StartEvent(pid=pid)
+        yield process_pb.ConnectResponse(event=process_pb.ProcessEvent(event=Oneof("start", start)))
+        async for ev in _follow(handle, queue, _keepalive(ctx)):
+            yield process_pb.ConnectResponse(event=ev)
+
+    async def update(self, request: process_pb.UpdateRequest,
+                     ctx: RequestContext[Any, Any]) -> process_pb.UpdateResponse:
+        sbx, pid = self.sandbox(ctx), _selected_pid(request.process)
+        if request.pty is not None and request.pty.size is not None:
+            try:
+                await sbx.pty.resize(pid, PtySize(rows=request.pty.size.rows, cols=request.pty.size.cols))
+            except BaseException as e:
+                raise rpc_error(e) from None
+        return process_pb.UpdateResponse()
+
+    async def send_input(self, request: process_pb.SendInputRequest,
+                         ctx: RequestContext[Any, Any]) -> process_pb.SendInputResponse:
+        sbx, pid = self.sandbox(ctx), _selected_pid(request.process)
+        try:
+            await sbx.commands.send_stdin(pid, _input_bytes(request.input))
+        except BaseException as e:
+            raise rpc_error(e) from None
+        return process_pb.SendInputResponse()
+
+    async def stream_input(self, request: AsyncIterator[process_pb.StreamInputRequest],
+                           ctx: RequestContext[Any, Any]) -> process_pb.StreamInputResponse:
+        sbx, pid = self.sandbox(ctx), None
+        async for msg in request:
+            match msg.event:
+                case Oneof(field="start", value=start):
+                    pid = _selected_pid(start.process)
+                case Oneof(field="data", value=data):
+                    if pid is None:
+                        raise ConnectError(Code.INVALID_ARGUMENT, "a start event must come before data")
+                    try:
+                        await sbx.commands.send_stdin(pid, _input_bytes(data.input))
+                    except BaseException as e:
+                        raise rpc_error(e) from None
+        return process_pb.StreamInputResponse()
+
+    async def send_signal(self, request: process_pb.SendSignalRequest,
+                          ctx: RequestContext[Any, Any]) -> process_pb.SendSignalResponse:
+        sbx, pid = self.sandbox(ctx), _selected_pid(request.process)
+        # SIGTERM and SIGKILL both end the command's process group (bunshin kills with SIGKILL).
+        try:
+            killed = await sbx.commands.kill(pid)
+        except BaseException as e:
+            raise rpc_error(e) from None
+        if not killed:
+            raise ConnectError(Code.NOT_FOUND, f"process with pid {pid} not found")
+        return process_pb.SendSignalResponse()
+
+    async def close_stdin(self, request: process_pb.CloseStdinRequest,
+                          ctx: RequestContext[Any, Any]) -> process_pb.CloseStdinResponse:
+        sbx, pid = self.sandbox(ctx), _selected_pid(request.process)
+        try:
+            await sbx.commands.close_stdin(pid)
+        except BaseException as e:
+            raise rpc_error(e) from None
+        return process_pb.CloseStdinResponse()
+
+
+class FilesystemService(Base):
+    def __init__(self, lookup: Lookup) -> None:
+        super().__init__(lookup)
+        self._watchers: dict[str, tuple[str, WatchHandle]] = {}
+
+    async def _call(self, ctx: RequestContext[Any, Any], op: str, *args: Any, **kwargs: Any) -> Any:
+        sbx = self.sandbox(ctx)
+        try:
+            return await getattr(sbx.files, op)(*args, user=self.user(ctx), **kwargs)
+        except BaseException as e:
+            raise rpc_error(e) from None
+
+    async def stat(self, request: filesystem_pb.StatRequest, ctx: RequestContext[Any, Any]) -> Any:
+        return filesystem_pb.StatResponse(entry=entry_pb(await self._call(ctx, "get_info", request.path)))
+
+    async def make_dir(self, request: filesystem_pb.MakeDirRequest, ctx: RequestContext[Any, Any]) -> Any:
+        if not await self._call(ctx, "make_dir", request.path):
+            raise ConnectError(Code.ALREADY_EXISTS, f"{request.path} already exists")
+        return filesystem_pb.MakeDirResponse(entry=entry_pb(await self._call(ctx, "get_info", request.path)))
+
+    async def move(self, request: filesystem_pb.MoveRequest, ctx: RequestContext[Any, Any]) -> Any:
+        entry = await self._call(ctx, "rename", request.source, request.destination)
+        return filesystem_pb.MoveResponse(entry=entry_pb(entry))
+
+    async def list_dir(self, request: filesystem_pb.ListDirRequest, ctx: RequestContext[Any, Any]) -> Any:
+        entries = await self._call(ctx, "list", request.path, depth=request.depth or 1)
+        return filesystem_pb.ListDirResponse(entries=[entry_pb(e) for e in entries])
+
+    async def remove(self, request: filesystem_pb.RemoveRequest, ctx: RequestContext[Any, Any]) -> Any:
+        await self._call(ctx, "remove", request.path)
+        return filesystem_pb.RemoveResponse()
+
+    async def watch_dir(self, request: filesystem_pb.WatchDirRequest,
+                        ctx: RequestContext[Any, Any]) -> AsyncIterator[filesystem_pb.WatchDirResponse]:
+        queue: asyncio.Queue[FilesystemEvent] = asyncio.Queue()
+        handle = await self._call(ctx, "watch_dir", request.path, on_event=queue.put_nowait, timeout=0,
+                                  recursive=request.recursive, include_entry=request.include_entry)
+        try:
+            yield filesystem_pb.WatchDirResponse(event=Oneof("start", filesystem_pb.WatchDirResponse.StartEvent()))
+            keepalive = _keepalive(ctx)
+            while True:
+                try:
+                    ev = await asyncio.wait_for(queue.get(), keepalive)
+                except TimeoutError:
+                    yield filesystem_pb.WatchDirResponse(
+                        event=Oneof("keepalive", filesystem_pb.WatchDirResponse.KeepAlive()))
+                    continue
+                yield filesystem_pb.WatchDirResponse(event=Oneof("filesystem", _event_pb(ev)))
+        finally:
+            await handle.stop()
+
+    async def create_watcher(self, request: filesystem_pb.CreateWatcherRequest, ctx: RequestContext[Any, Any]) -> Any:
+        sbx = self.sandbox(ctx)
+        try:
+            handle = await asyncio.to_thread(sbx.workspace.files.watch_dir, request.path, self.user(ctx),
+                                             recursive=request.recursive, include_entry=request.include_entry)
+        except BaseException as e:
+            raise rpc_error(e) from None
+        watcher_id = secrets.token_hex(8)
+        self._watchers[watcher_id] = (ctx.request_headers.get("e2b-sandbox-id") or "", handle)
+        return filesystem_pb.CreateWatcherResponse(watcher_id=watcher_id)
+
+    def _watcher(self, ctx: RequestContext[Any, Any], watcher_id: str) -> WatchHandle:
+        sandbox_id, handle = self._watchers.get(watcher_id, ("", None))  # type: ignore[arg-type]
+        if handle is None or sandbox_id != ctx.request_headers.get("e2b-sandbox-id"):
+            raise ConnectError(Code.NOT_FOUND, f"watcher {watcher_id!r} not found")
+        return handle
+
+    async def get_watcher_events(self, request: filesystem_pb.GetWatcherEventsRequest,
+                                 ctx: RequestContext[Any, Any]) -> Any:
+        handle = self._watcher(ctx, request.watcher_id)
+        try:
+            events = await asyncio.to_thread(handle.get_new_events)
+        except BaseException as e:
+            raise rpc_error(e) from None
+        return filesystem_pb.GetWatcherEventsResponse(events=[_event_pb(e) for e in events])
+
+    async def remove_watcher(self, request: filesystem_pb.RemoveWatcherRequest, ctx: RequestContext[Any, Any]) -> Any:
+        handle = self._watcher(ctx, request.watcher_id)
+        self._watchers.pop(request.watcher_id, None)
+        await asyncio.to_thread(handle.stop)
+        return filesystem_pb.RemoveWatcherResponse()
+
+    def forget(self, sandbox_id: str) -> None:
+        """Stop the watchers of a sandbox that ended."""
+        for wid, (sid, handle) in list(self._watchers.items()):
+            if sid == sandbox_id:
+                self._watchers.pop(wid, None)
+                with contextlib.suppress(BaseException):
+                    handle.stop()
+
+
+def _event_pb(ev: FilesystemEvent) -> filesystem_pb.FilesystemEvent:
+    return filesystem_pb.FilesystemEvent(name=ev.name, type=_EVENTS.get(ev.type.value,
+                                                                         filesystem_pb.EventType.UNSPECIFIED),
+                                         entry=entry_pb(ev.entry) if ev.entry is not None else None)
+
+
+def apps(lookup: Lookup) -> tuple[ProcessASGIApplication, FilesystemASGIApplication, FilesystemService]:
+    fs = FilesystemService(lookup)
+    return ProcessASGIApplication(ProcessService(lookup)), FilesystemASGIApplication(fs), fs
+
+
+# ---- plain HTTP: /files and /health ----
+
+
+def http_error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"code": status, "message": message}, status_code=status)
+
+
+def _http_status(e: BaseException) -> int:
+    err = rpc_error(e)
+    return {Code.NOT_FOUND: 404, Code.INVALID_ARGUMENT: 400, Code.PERMISSION_DENIED: 403,
+            Code.ALREADY_EXISTS: 409, Code.UNAVAILABLE: 502}.get(err.code, 500)
+
+
+async def files_get(sbx: AsyncSandbox, request: Request) -> Response:
+    path = request.query_params.get("path")
+    if not path:
+        return http_error(400, "path is required")
+    user = request.query_params.get("username") or DEFAULT_USER
+    try:
+        stream = await sbx.files.read(path, format="stream", user=user)
+    except BaseException as e:
+        return http_error(_http_status(e), str(e))
+
+    async def chunks() -> AsyncIterator[bytes]:
+        async with stream:
+            async for chunk in stream:
+                yield bytes(chunk)
+
+    return StreamingResponse(chunks(), media_type="application/octet-stream")
+
+
+async def files_post(sbx: AsyncSandbox, request: Request) -> Response:
+    user = request.query_params.get("username") or DEFAULT_USER
+    path = request.query_params.get("path")
+    ctype = request.headers.get("content-type", "")
+    uploads: list[tuple[str, bytes]] = []
+    try:
+        if ctype.startswith("multipart/form-data"):
+            async with request.form(max_files=10_000, max_fields=10_000, max_part_size=1 << 40) as form:
+                for item in form.getlist("file"):
+                    if isinstance(item, str):
+                        continue
+                    name = path if path and len(form.getlist("file")) == 1 else item.filename
+                    if not name:
+                        return http_error(400, "each uploaded file needs a path (its file name)")
+                    uploads.append((name, await item.read()))
+        else:
+            if not path:
+                return http_error(400, "path is required")
+            if request.headers.get("content-encoding", "") not in ("", "identity"):
+                return http_error(400, "compressed uploads are not accepted")
+            uploads.append((path, await request.body()))
+        out = []
+        for name, data in uploads:
+            info = await sbx.files.write(name, data, user=user)
+            out.append({"name": info.name, "type": info.type.value if info.type else "file", "path": info.path})
+    except BaseException as e:
+        if isinstance(e, asyncio.CancelledError):
+            raise
+        return http_error(_http_status(e), str(e))
+    return JSONResponse(out)
+
+
+def health() -> Response:
+    return Response(status_code=204)
+
+
+def now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)

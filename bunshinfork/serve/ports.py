@@ -1,0 +1,164 @@
+"""A sandbox's ports from outside: requests whose Host is `<port>-<id>.<domain>` (what E2B's
+get_host gives) go to that port in the sandbox, with the sandbox's traffic token when it was
+created with allow_public_traffic=False; and the signatures of download_url/upload_url."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import hmac
+import re
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from ..errors import BunshinError
+from .store import Entry, Store
+
+TRAFFIC_HEADER = "e2b-traffic-access-token"
+PROXY_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
+_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
+        "transfer-encoding", "upgrade", "host", "content-length"}
+
+
+def parse_host(host: str, domain: str) -> tuple[int, str] | None:
+    """(port, sandbox id) of a Host header `<port>-<id>.<domain>[:N]`, else None."""
+    name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+    m = re.fullmatch(r"(\d{1,5})-([a-z0-9][a-z0-9-]*)\." + re.escape(domain), name.lower())
+    if m is None or not 0 < int(m.group(1)) < 65536:
+        return None
+    return int(m.group(1)), m.group(2)
+
+
+def signature(path: str, operation: str, user: str, token: str, expiration: int | None) -> str:
+    """E2B's v1 file-URL signature (e2b.sandbox.signature), checked here."""
+    raw = f"{path}:{operation}:{user}:{token}" + ("" if expiration is None else f":{expiration}")
+    return "v1_" + base64.b64encode(hashlib.sha256(raw.encode()).digest()).rstrip(b"=").decode("ascii")
+
+
+def signature_ok(e: Entry, query: Mapping[str, str], method: str = "GET") -> bool:
+    given = query.get("signature")
+    if not given:
+        return False
+    exp_text = query.get("signature_expiration")
+    try:
+        expiration = int(exp_text) if exp_text else None
+    except ValueError:
+        return False
+    if expiration is not None and expiration < time.time():
+        return False
+    op = "read" if method == "GET" else "write"
+    want = signature(query.get("path", ""), op, query.get("username", ""), e.envd_token, expiration)
+    return hmac.compare_digest(given.encode(), want.encode())
+
+
+def signed_entry(store: Store, query: Mapping[str, str], method: str) -> Entry | None:
+    """The sandbox a signed file URL names (its signature names it: the token is the sandbox's)."""
+    for e in store.entries.values():
+        if not e.paused and signature_ok(e, query, method):
+            return e
+    return None
+
+
+async def serve(store: Store, target: tuple[int, str], scope: dict[str, Any], receive: Any, send: Any,
+                headers: dict[str, str]) -> None:
+    port, sandbox_id = target
+    e = store.entries.get(sandbox_id)
+    if scope["type"] == "websocket":
+        await _websocket(e, port, scope, receive, send, headers)
+        return
+    if scope["type"] != "http":
+        return
+    if e is None or e.paused or e.sbx is None:
+        await JSONResponse({"code": 502, "message": f"The sandbox {sandbox_id} was not found",
+                            "sandboxId": sandbox_id}, status_code=502)(scope, receive, send)
+        return
+    if e.traffic_token is not None and not hmac.compare_digest(
+            headers.get(TRAFFIC_HEADER, "").encode(), e.traffic_token.encode()):
+        await JSONResponse({"code": 403, "message": "a traffic access token is required"},
+                           status_code=403)(scope, receive, send)
+        return
+    try:
+        addr = e.sbx.get_host(port)
+    except BunshinError as err:
+        await JSONResponse({"code": 502, "message": f"port is not open: {err}", "sandboxId": sandbox_id,
+                            "port": port}, status_code=502)(scope, receive, send)
+        return
+    request = Request(scope, receive)
+    client = httpx.AsyncClient(timeout=PROXY_TIMEOUT)
+    try:
+        upstream = await client.send(client.build_request(
+            request.method, f"http://{addr}{scope.get('raw_path', b'/').decode('latin-1')}"
+            + (f"?{scope['query_string'].decode('latin-1')}" if scope.get("query_string") else ""),
+            headers=[(k, v) for k, v in headers.items() if k not in _HOP], content=await request.body()),
+            stream=True)
+    except httpx.HTTPError as err:
+        await client.aclose()
+        await JSONResponse({"code": 502, "message": f"port is not open: {err}", "sandboxId": sandbox_id,
+                            "port": port}, status_code=502)(scope, receive, send)
+        return
+
+    async def body() -> Any:
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        finally:
+            await upstream.aclose()
+            await client.aclose()
+
+    resp = StreamingResponse(body(), status_code=upstream.status_code,
+                             headers={k: v for k, v in upstream.headers.items() if k.lower() not in _HOP})
+    await resp(scope, receive, send)
+
+
+async def _websocket(e: Entry | None, port: int, scope: dict[str, Any], receive: Any, send: Any,
+                     headers: dict[str, str]) -> None:
+    """Relay a WebSocket to the sandbox's port, message by message, until either side closes."""
+    import websockets
+
+    await receive()  # websocket.connect
+    token_ok = e is not None and (e.traffic_token is None or hmac.compare_digest(
+        headers.get(TRAFFIC_HEADER, "").encode(), e.traffic_token.encode()))
+    try:
+        addr = e.sbx.get_host(port) if token_ok and e is not None and e.sbx is not None and not e.paused else None
+    except BunshinError:
+        addr = None
+    if addr is None:
+        await send({"type": "websocket.close", "code": 1008 if e is not None and not token_ok else 1011})
+        return
+    path = scope.get("raw_path", b"/").decode("latin-1") + (
+        f"?{scope['query_string'].decode('latin-1')}" if scope.get("query_string") else "")
+    try:
+        upstream = await asyncio.wait_for(websockets.connect(f"ws://{addr}{path}", open_timeout=5,
+                                                             subprotocols=scope.get("subprotocols") or None), 10)
+    except (OSError, TimeoutError, websockets.WebSocketException):
+        await send({"type": "websocket.close", "code": 1011})
+        return
+    await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
+
+    async def to_upstream() -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "websocket.disconnect":
+                return
+            await upstream.send(msg["bytes"] if msg.get("bytes") is not None else msg.get("text") or "")
+
+    async def to_client() -> None:
+        async for data in upstream:
+            await send({"type": "websocket.send", **({"bytes": data} if isinstance(data, bytes) else {"text": data})})
+
+    tasks = [asyncio.ensure_future(to_upstream()), asyncio.ensure_future(to_client())]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await upstream.close()
+        with contextlib.suppress(Exception):
+            await send({"type": "websocket.close", "code": 1000})

@@ -1,0 +1,381 @@
+"""E2B's REST control plane (the routes e2b 2.63 calls, and the older create/connect)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import json
+import os
+import secrets
+import time
+import urllib.parse
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..aio import AsyncSandbox
+from ..errors import BunshinError, InvalidArgumentException, NotFoundException
+from ..sandbox import Sandbox
+from . import lifecycle
+from .lifecycle import Lifecycle, ListQuery
+from .store import Entry, Store
+
+ENVD_VERSION = "0.5.7"  # the envd protocol level served (commands' stdin and close, octet-stream uploads)
+CLIENT_ID = "bunshin"
+
+
+class ApiError(Exception):
+    """An answer in E2B's error shape: {"code": status, "message": ...}."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"code": status, "message": message}, status_code=status)
+
+
+def status_of(e: BaseException) -> int:
+    if isinstance(e, ApiError):
+        return e.status
+    if isinstance(e, InvalidArgumentException):
+        return 400
+    if isinstance(e, NotFoundException):
+        return 404
+    return 500
+
+
+def _iso(ts: float) -> str:
+    return lifecycle.utc(ts).isoformat().replace("+00:00", "Z")
+
+
+async def body_of(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw:
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise ApiError(400, f"malformed JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    return body
+
+
+class Rest:
+    """The control plane's handlers over the store (see app.py for auth and routing)."""
+
+    def __init__(self, store: Store, domain: str, reaper: Callable[[Entry], None]) -> None:
+        self.store = store
+        self.domain = domain
+        self.schedule = reaper  # (re)arms an entry's deadline
+
+    # ---- shapes ----
+
+    def sandbox_json(self, e: Entry) -> dict[str, Any]:
+        out: dict[str, Any] = {"templateID": e.template, "sandboxID": e.sandbox_id, "clientID": CLIENT_ID,
+                               "envdVersion": ENVD_VERSION, "envdAccessToken": e.envd_token, "domain": self.domain}
+        if e.traffic_token is not None:
+            out["trafficAccessToken"] = e.traffic_token
+        return out
+
+    def listed_json(self, e: Entry) -> dict[str, Any]:
+        return {"templateID": e.template, "alias": e.template, "sandboxID": e.sandbox_id, "clientID": CLIENT_ID,
+                "startedAt": _iso(e.started_at),
+                "endAt": _iso(e.deadline if e.deadline != float("inf") else time.time() + lifecycle.MAX_TIMEOUT),
+                "cpuCount": os.cpu_count() or 1, "memoryMB": _host_mb(), "diskSizeMB": 0,
+                "metadata": dict(e.metadata), "state": e.state, "envdVersion": ENVD_VERSION, "volumeMounts": []}
+
+    def detail_json(self, e: Entry) -> dict[str, Any]:
+        out = self.listed_json(e)
+        out.update({"envdAccessToken": e.envd_token, "domain": self.domain,
+                    "allowInternetAccess": e.allow_internet_access, "lifecycle": e.lifecycle.to_api(),
+                    "network": {"allowPublicTraffic": e.traffic_token is None}})
+        return out
+
+    # ---- lookups ----
+
+    def entry(self, sandbox_id: str) -> Entry:
+        e = self.store.entries.get(sandbox_id)
+        if e is None:
+            raise ApiError(404, f"sandbox {sandbox_id!r} not found")
+        return e
+
+    async def running(self, e: Entry) -> AsyncSandbox:
+        if e.paused or e.sbx is None:
+            raise ApiError(409, f"sandbox {e.sandbox_id!r} is paused: connect to resume it")
+        return e.sbx
+
+    # ---- create, connect ----
+
+    async def create(self, request: Request) -> Response:
+        body = await body_of(request)
+        template = body.get("templateID")
+        if not isinstance(template, str) or not template:
+            raise ApiError(400, "templateID is required")
+        timeout = lifecycle.check_timeout(body.get("timeout"), Sandbox.default_sandbox_timeout)
+        life = lifecycle.lifecycle_of(body.get("autoPause", False), body.get("autoResume"))
+        for name in ("mcp", "iam", "volumeMounts"):
+            if body.get(name):
+                raise ApiError(400, f"{name} configures an E2B cloud service this server does not have")
+        metadata, envs = body.get("metadata") or {}, body.get("envVars") or {}
+        if not _str_map(metadata) or not _str_map(envs):
+            raise ApiError(400, "metadata and envVars must map strings to strings")
+        network = body.get("network") or {}
+        if not isinstance(network, dict) or any(network.get(k) for k in ("allowOut", "denyOut", "rules")):
+            raise ApiError(400, "egress rules (network allowOut/denyOut) are not served yet")
+        internet = body.get("allow_internet_access", body.get("allowInternetAccess"))
+        public = network.get("allowPublicTraffic", True)
+        # The pause lifecycle is the server's to enforce (the workspace's own lifetime would kill it).
+        ws_life = timeout if life.on_timeout == "kill" else 0
+        sbx = await AsyncSandbox.create(template, timeout=ws_life, metadata=metadata, envs=envs,
+                                        allow_internet_access=bool(internet))
+        e = Entry(sandbox_id=sbx.sandbox_id, template=template, metadata=dict(metadata), started_at=time.time(),
+                  deadline=lifecycle.deadline_after(timeout), lifecycle=life, envd_token=secrets.token_hex(16),
+                  traffic_token=None if public else secrets.token_hex(16), allow_internet_access=bool(internet),
+                  workspace_id=sbx.sandbox_id, sbx=sbx)
+        self.store.add(e)
+        self.schedule(e)
+        return JSONResponse(self.sandbox_json(e), status_code=201)
+
+    async def connect(self, request: Request) -> Response:
+        body = await body_of(request)
+        timeout = body.get("timeout")
+        if timeout is not None:
+            timeout = lifecycle.check_timeout(timeout)
+        e = self.entry(request.path_params["sandbox_id"])
+        async with e.lock:
+            resumed = e.paused
+            if e.paused:
+                await self.resume(e, timeout)
+            e.deadline = lifecycle.extended(e.deadline, timeout)
+            await self.apply_deadline(e)
+        return JSONResponse(self.sandbox_json(e), status_code=201 if resumed else 200)
+
+    async def resume(self, e: Entry, timeout: int | None) -> None:
+        # A resumed sandbox lives `timeout` (E2B's default 300 s) from now, whatever is left of
+        # the lifetime it paused with (a sandbox paused at its deadline would pause again at once).
+        e.deadline = lifecycle.deadline_after(lifecycle.DEFAULT_TIMEOUT if timeout is None else timeout)
+        ws_life = None
+        if e.lifecycle.on_timeout == "kill" and e.deadline != float("inf"):
+            ws_life = max(1, round(e.deadline - time.time()))
+        ws = await asyncio.to_thread(lifecycle.resume_from_disk, self.store.paused_dir(e.sandbox_id), ws_life)
+        e.sbx, e.workspace_id, e.paused = AsyncSandbox(ws), ws.id, False
+        self.store.save(e)
+        await asyncio.to_thread(_rmtree, self.store.paused_dir(e.sandbox_id))
+
+    async def apply_deadline(self, e: Entry) -> None:
+        """The entry's deadline, to the workspace (kill lifecycle: its init enforces it) and the timer."""
+        if not e.paused and e.sbx is not None and e.lifecycle.on_timeout == "kill":
+            left = 0 if e.deadline == float("inf") else max(1, round(e.deadline - time.time()))
+            await e.sbx.set_timeout(left)
+        self.store.save(e)
+        self.schedule(e)
+
+    # ---- listing, info ----
+
+    async def list_v2(self, request: Request) -> Response:
+        q = request.query_params
+        try:
+            query = ListQuery(metadata=_metadata_filter(q.get("metadata")),
+                              states=[s for s in q.get("state", "").split(",") if s] or None,
+                              started_after=_ts(q.get("startedAfter")), template=q.get("template") or None)
+            limit = int(q["limit"]) if "limit" in q else None
+        except ValueError as err:
+            raise ApiError(400, f"invalid query: {err}") from None
+        if query.states and not set(query.states) <= {"running", "paused"}:
+            raise ApiError(400, f"unknown state in {q.get('state')!r}: running, paused")
+        entries = [e for e in self.store.entries.values()
+                   if query.matches(e.metadata, e.state, e.started_at, e.template)]
+        items, token = lifecycle.page(entries, limit, q.get("nextToken"), key=lambda e: e.started_at,
+                                      order=q.get("order"))
+        headers = {"x-next-token": token} if token else {}
+        return JSONResponse([self.listed_json(e) for e in items], headers=headers)
+
+    async def list_v1(self, request: Request) -> Response:
+        query = ListQuery(metadata=_metadata_filter(request.query_params.get("metadata")), states=["running"])
+        return JSONResponse([self.listed_json(e) for e in self.store.entries.values()
+                             if query.matches(e.metadata, e.state, e.started_at, e.template)])
+
+    async def get(self, request: Request) -> Response:
+        return JSONResponse(self.detail_json(self.entry(request.path_params["sandbox_id"])))
+
+    async def metrics(self, request: Request) -> Response:
+        e = self.entry(request.path_params["sandbox_id"])
+        if e.paused or e.sbx is None:
+            return JSONResponse([])
+        m = await asyncio.to_thread(lifecycle.metrics, e.sbx.workspace)
+        q = request.query_params
+        try:
+            start, end = _ts(q.get("start")), _ts(q.get("end"))
+        except ValueError as err:
+            raise ApiError(400, f"invalid query: {err}") from None
+        if (start is not None and m.timestamp < start) or (end is not None and m.timestamp > end):
+            return JSONResponse([])
+        return JSONResponse([{"timestamp": _iso(m.timestamp), "timestampUnix": int(m.timestamp),
+                              "cpuCount": m.cpu_count, "cpuUsedPct": m.cpu_used_pct, "memUsed": m.mem_used,
+                              "memTotal": m.mem_total, "memCache": m.mem_cache, "diskUsed": m.disk_used,
+                              "diskTotal": m.disk_total}])
+
+    # ---- kill, timeout, pause ----
+
+    async def kill(self, request: Request) -> Response:
+        e = self.entry(request.path_params["sandbox_id"])
+        await self.kill_entry(e)
+        return Response(status_code=204)
+
+    async def kill_entry(self, e: Entry) -> None:
+        async with e.lock:
+            sbx = e.sbx
+            self.store.drop(e.sandbox_id)
+            if sbx is not None:
+                await sbx.kill()
+
+    async def set_timeout(self, request: Request) -> Response:
+        body = await body_of(request)
+        timeout = lifecycle.check_timeout(body.get("timeout") if "timeout" in body else -1)
+        e = self.entry(request.path_params["sandbox_id"])
+        async with e.lock:
+            e.deadline = lifecycle.deadline_after(timeout)
+            await self.apply_deadline(e)
+        return Response(status_code=204)
+
+    async def pause(self, request: Request) -> Response:
+        body = await body_of(request)
+        if body.get("memory") is False:
+            raise ApiError(400, "a filesystem-only pause drops the sandbox's memory: a sandbox pauses whole")
+        e = self.entry(request.path_params["sandbox_id"])
+        async with e.lock:
+            if e.paused:
+                raise ApiError(409, f"sandbox {e.sandbox_id!r} is paused already")
+            await self.pause_entry(e)
+        return Response(status_code=204)
+
+    async def pause_entry(self, e: Entry) -> None:
+        """Save to disk and release the workspace (the caller holds e.lock)."""
+        assert e.sbx is not None
+        await asyncio.to_thread(lifecycle.pause_to_disk, e.sbx.workspace, self.store.paused_dir(e.sandbox_id))
+        e.sbx, e.workspace_id, e.paused = None, None, True
+        self.store.save(e)
+        self.schedule(e)
+
+    # ---- fork, snapshots ----
+
+    async def fork(self, request: Request) -> Response:
+        body = await body_of(request)
+        count = lifecycle.check_fork_count(body.get("count"))
+        timeout = lifecycle.check_timeout(body.get("timeout"))
+        src = self.entry(request.path_params["sandbox_id"])
+        async with src.lock:
+            sbx = await self.running(src)
+            children = await sbx.fork(timeout, count)
+        out: list[dict[str, Any]] = []
+        for child in children:
+            if isinstance(child, BaseException):
+                out.append({"error": {"code": status_of(child), "message": str(child)}})
+                continue
+            e = Entry(sandbox_id=child.sandbox_id, template=src.template, metadata=dict(src.metadata),
+                      started_at=time.time(), deadline=lifecycle.deadline_after(timeout), lifecycle=Lifecycle(),
+                      envd_token=secrets.token_hex(16),
+                      traffic_token=None if src.traffic_token is None else secrets.token_hex(16),
+                      allow_internet_access=src.allow_internet_access, workspace_id=child.sandbox_id, sbx=child)
+            self.store.add(e)
+            self.schedule(e)
+            out.append({"sandbox": self.sandbox_json(e)})
+        return JSONResponse(out, status_code=201)
+
+    async def create_snapshot(self, request: Request) -> Response:
+        body = await body_of(request)
+        if body.get("memory") is False:
+            raise ApiError(400, "a filesystem-only snapshot is not offered: a snapshot keeps memory and processes")
+        name = body.get("name")
+        if name is not None and (not isinstance(name, str) or "/" in name or not name.strip()):
+            raise ApiError(400, f"invalid snapshot name {name!r}")
+        e = self.entry(request.path_params["sandbox_id"])
+        async with e.lock:
+            sbx = await self.running(e)
+            info = await sbx.create_snapshot(name)
+        return JSONResponse({"snapshotID": info.snapshot_id, "names": info.names}, status_code=201)
+
+    async def list_snapshots(self, request: Request) -> Response:
+        q = request.query_params
+        source = q.get("sandboxID")
+        if source is not None:
+            e = self.store.entries.get(source)
+            source = e.workspace_id if e is not None and e.workspace_id else source
+        try:
+            limit = int(q["limit"]) if "limit" in q else None
+        except ValueError as err:
+            raise ApiError(400, f"invalid query: {err}") from None
+        infos = Sandbox.list_snapshots(sandbox_id=source, name=q.get("name")).next_items()
+        items, token = lifecycle.page(infos, limit, q.get("nextToken"), key=lambda i: i.snapshot_id)
+        headers = {"x-next-token": token} if token else {}
+        return JSONResponse([{"snapshotID": i.snapshot_id, "names": i.names} for i in items], headers=headers)
+
+    async def delete_template(self, request: Request) -> Response:
+        template_id = urllib.parse.unquote(request.path_params["template_id"])
+        if not await AsyncSandbox.delete_snapshot(template_id):
+            raise ApiError(404, f"template or snapshot {template_id!r} not found")
+        return Response(status_code=204)
+
+    async def network(self, request: Request) -> Response:
+        self.entry(request.path_params["sandbox_id"])
+        raise ApiError(501, "egress rules (update_network) are not served yet")
+
+    def routes(self, wrap: Callable[[Callable[[Request], Awaitable[Response]]], Any]) -> list[Route]:
+        r = [
+            ("/v2/sandboxes", self.create, "POST"), ("/sandboxes", self.create, "POST"),
+            ("/v2/sandboxes", self.list_v2, "GET"), ("/sandboxes", self.list_v1, "GET"),
+            ("/v2/sandboxes/{sandbox_id}/connect", self.connect, "POST"),
+            ("/sandboxes/{sandbox_id}/connect", self.connect, "POST"),
+            ("/sandboxes/{sandbox_id}/resume", self.connect, "POST"),
+            ("/sandboxes/{sandbox_id}", self.get, "GET"), ("/sandboxes/{sandbox_id}", self.kill, "DELETE"),
+            ("/sandboxes/{sandbox_id}/timeout", self.set_timeout, "POST"),
+            ("/sandboxes/{sandbox_id}/pause", self.pause, "POST"),
+            ("/sandboxes/{sandbox_id}/fork", self.fork, "POST"),
+            ("/sandboxes/{sandbox_id}/snapshots", self.create_snapshot, "POST"),
+            ("/sandboxes/{sandbox_id}/metrics", self.metrics, "GET"),
+            ("/sandboxes/{sandbox_id}/network", self.network, "PUT"),
+            ("/snapshots", self.list_snapshots, "GET"),
+            ("/templates/{template_id:path}", self.delete_template, "DELETE"),
+        ]
+        return [Route(path, wrap(fn), methods=[method]) for path, fn, method in r]
+
+
+def _rmtree(p: Any) -> None:
+    import shutil
+
+    shutil.rmtree(p, ignore_errors=True)
+
+
+def _str_map(d: Any) -> bool:
+    return isinstance(d, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in d.items())
+
+
+def _host_mb() -> int:
+    return (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) >> 20
+
+
+def _ts(text: str | None) -> float | None:
+    """A time the SDKs send: unix seconds, or ISO 8601."""
+    if not text:
+        return None
+    with contextlib.suppress(ValueError):
+        return float(text)
+    return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def _metadata_filter(text: str | None) -> dict[str, str] | None:
+    """The SDKs send metadata filters URL-encoded twice (each key and value quoted, then the pairs)."""
+    if not text:
+        return None
+    return {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in urllib.parse.parse_qsl(text)}
+
+
+__all__ = ["ApiError", "BunshinError", "Rest", "error_response", "status_of"]

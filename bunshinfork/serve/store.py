@@ -1,0 +1,105 @@
+"""The server's sandbox registry: E2B's sandbox id -> the workspace behind it now (None while
+paused to disk), its lifetime, lifecycle, metadata and tokens. Every entry is also a JSON file
+under the state directory, so that the next server after a crash (SIGKILL included) finds the
+paused sandboxes to keep and the running ones to reap."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import shutil
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from ..aio import AsyncSandbox
+from .lifecycle import Lifecycle
+
+
+@dataclass
+class Entry:
+    sandbox_id: str
+    template: str
+    metadata: dict[str, str]
+    started_at: float
+    deadline: float  # wall clock; inf: none
+    lifecycle: Lifecycle
+    envd_token: str
+    traffic_token: str | None  # set when allow_public_traffic is False
+    allow_internet_access: bool = False
+    workspace_id: str | None = None  # the bunshin workspace behind it now; None while paused
+    paused: bool = False
+    sbx: AsyncSandbox | None = field(default=None, repr=False, compare=False)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
+    timer: asyncio.TimerHandle | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def state(self) -> str:
+        return "paused" if self.paused else "running"
+
+    def to_json(self) -> dict[str, Any]:
+        # Not asdict(): it would deep-copy the live objects (the sandbox, its lock, its timer).
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("sbx", "lock", "timer")}
+        d["lifecycle"] = asdict(self.lifecycle)
+        d["metadata"] = dict(self.metadata)
+        d["deadline"] = None if self.deadline == float("inf") else self.deadline
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Entry:
+        d = dict(d)
+        d["lifecycle"] = Lifecycle(**d["lifecycle"])
+        d["deadline"] = float("inf") if d["deadline"] is None else d["deadline"]
+        return cls(**d)
+
+
+def new_id() -> str:
+    return "i" + secrets.token_hex(10)
+
+
+class Store:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.entries: dict[str, Entry] = {}
+        (root / "sandboxes").mkdir(parents=True, exist_ok=True)
+        (root / "paused").mkdir(parents=True, exist_ok=True)
+
+    def paused_dir(self, sandbox_id: str) -> Path:
+        return self.root / "paused" / sandbox_id
+
+    def _file(self, sandbox_id: str) -> Path:
+        return self.root / "sandboxes" / f"{sandbox_id}.json"
+
+    def save(self, e: Entry) -> None:
+        tmp = self._file(e.sandbox_id).with_suffix(".tmp")
+        tmp.write_text(json.dumps(e.to_json()))
+        os.replace(tmp, self._file(e.sandbox_id))
+
+    def add(self, e: Entry) -> None:
+        self.entries[e.sandbox_id] = e
+        self.save(e)
+
+    def drop(self, sandbox_id: str) -> Entry | None:
+        """Forget a sandbox and remove what it kept on disk (its record, a paused state)."""
+        e = self.entries.pop(sandbox_id, None)
+        with contextlib.suppress(FileNotFoundError):
+            self._file(sandbox_id).unlink()
+        shutil.rmtree(self.paused_dir(sandbox_id), ignore_errors=True)
+        if e is not None and e.timer is not None:
+            e.timer.cancel()
+        return e
+
+    def recorded(self) -> list[Entry]:
+        """What a previous server left: every record that parses (a torn one is dropped)."""
+        out = []
+        for f in sorted((self.root / "sandboxes").glob("*.json")):
+            try:
+                out.append(Entry.from_json(json.loads(f.read_text())))
+            except (ValueError, TypeError, KeyError):
+                f.unlink(missing_ok=True)
+        for partial in (self.root / "paused").glob("*.partial"):
+            shutil.rmtree(partial, ignore_errors=True)
+        return out
