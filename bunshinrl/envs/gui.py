@@ -138,12 +138,13 @@ def open_page(ws: Workspace, path: str) -> str:
     g.type(f"file://{path}")
     g.key("Return")
     deadline = time.monotonic() + 60
-    while (w := g.find_window(title)) is None:
+    while g.find_window(title) is None:
         if time.monotonic() > deadline:
             raise BunshinError(f"the page {path} did not load within 60 s")
         time.sleep(0.1)  # polling the window list while Chromium loads the page
     text = re.sub(r"<[^>]+>", " ", _TITLE.sub("", html))
-    return f"loaded {w.title!r}:\n" + " ".join(text.split())[:2000]
+    # The page's own title, not the window's: that one names the workspace, which differs per fork.
+    return f"loaded {title!r}:\n" + " ".join(text.split())[:2000]
 
 
 TOOLS: list[Tool] = tools_of((screenshot, click, move, drag, type_text, key, scroll, clipboard_get, clipboard_set,
