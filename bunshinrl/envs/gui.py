@@ -116,8 +116,9 @@ def activate_window(ws: Workspace, title: str) -> str:
 @agent_tool
 def launch_app(ws: Workspace, app: str) -> str:
     """Start an application (terminal, editor or browser) and wait until its window is up."""
-    w = _gui(ws).launch(str(app))
-    return f"started {app}" + (f": window {w.title!r}" if w is not None else "")
+    # Not the window's title: for some apps the listing puts the workspace's name in it.
+    _gui(ws).launch(str(app))
+    return f"started {app}"
 
 
 _TITLE = re.compile(r"<title>(.*?)</title>", re.S | re.I)
