@@ -116,8 +116,9 @@ def activate_window(ws: Workspace, title: str) -> str:
 @agent_tool
 def launch_app(ws: Workspace, app: str) -> str:
     """Start an application (terminal, editor or browser) and wait until its window is up."""
-    w = _gui(ws).launch(str(app))
-    return f"started {app}" + (f": window {w.title!r}" if w is not None else "")
+    # Not the window's title: for some apps the listing puts the workspace's name in it.
+    _gui(ws).launch(str(app))
+    return f"started {app}"
 
 
 _TITLE = re.compile(r"<title>(.*?)</title>", re.S | re.I)
@@ -138,12 +139,13 @@ def open_page(ws: Workspace, path: str) -> str:
     g.type(f"file://{path}")
     g.key("Return")
     deadline = time.monotonic() + 60
-    while (w := g.find_window(title)) is None:
+    while g.find_window(title) is None:
         if time.monotonic() > deadline:
             raise BunshinError(f"the page {path} did not load within 60 s")
         time.sleep(0.1)  # polling the window list while Chromium loads the page
     text = re.sub(r"<[^>]+>", " ", _TITLE.sub("", html))
-    return f"loaded {w.title!r}:\n" + " ".join(text.split())[:2000]
+    # The page's own title, not the window's: that one names the workspace, which differs per fork.
+    return f"loaded {title!r}:\n" + " ".join(text.split())[:2000]
 
 
 TOOLS: list[Tool] = tools_of((screenshot, click, move, drag, type_text, key, scroll, clipboard_get, clipboard_set,
