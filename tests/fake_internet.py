@@ -1,6 +1,6 @@
 """A fake internet host for the network tests: a network namespace the test makes, with a
-server in it, reached through this host as a router on its own segment (192.0.2.0/24,
-TEST-NET-1, never routed anywhere), not on the workspaces' bridge.
+server in it, reached through this host as a router on its own segment (198.51.100.0/24,
+TEST-NET-2, never routed anywhere), not on the workspaces' bridge.
 
 The server echoes every byte it gets and records each connection's peer: the flows the
 fake host saw.
@@ -68,10 +68,10 @@ def _echo(host: FakeHost, c: socket.socket) -> None:
 
 @contextlib.contextmanager
 def fake_host(index: int = 0, port: int = PORT) -> Iterator[FakeHost]:
-    """Fake host number `index` (192.0.2.4i+2 behind router 192.0.2.4i+1), serving on `port`."""
+    """Fake host number `index` (198.51.100.4i+2 behind router 198.51.100.4i+1), serving on `port`."""
     name = f"bunshin-test-fake-{secrets.token_hex(3)}"
     base = 4 * index
-    host = FakeHost(name, f"192.0.2.{base + 2}", f"192.0.2.{base + 1}", f"bt{secrets.token_hex(4)}")
+    host = FakeHost(name, f"198.51.100.{base + 2}", f"198.51.100.{base + 1}", f"bt{secrets.token_hex(4)}")
     saved_forward = IP_FORWARD.read_text().strip()
     netns.create(name)
     stop = threading.Event()

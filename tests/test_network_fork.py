@@ -262,8 +262,8 @@ def _check_policy(family: list[Workspace], hosts: tuple[FakeHost, ...], policy: 
 
 
 @pytest.mark.parametrize("policy", [
-    {"deny_out": ["192.0.2.6/32"]},
-    {"allow_out": ["192.0.2.2"], "deny_out": ["0.0.0.0/0"]},
+    {"deny_out": ["198.51.100.6/32"]},
+    {"allow_out": ["198.51.100.2"], "deny_out": ["0.0.0.0/0"]},
 ], ids=["deny-one", "allow-wins"])
 def test_egress_policy_holds_in_source_and_clones(two_hosts: tuple[FakeHost, FakeHost],
                                                   policy: dict[str, list[str]]) -> None:
@@ -283,7 +283,7 @@ def test_closed_egress_and_bad_rules_are_typed_errors() -> None:
             Workspace.create(network="bridge", egress=bad)
 
 
-CIDRS = ["192.0.2.2/32", "192.0.2.6/32", "192.0.2.0/24", "0.0.0.0/0"]
+CIDRS = ["198.51.100.2/32", "198.51.100.6/32", "198.51.100.0/24", "0.0.0.0/0"]
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
