@@ -35,10 +35,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the tests' dockerd helper
+
+from images_support import BASE, Engine, _debs, build_base, dockerd
 
 from bunshinfork import Workspace
 from bunshinfork.images import store, templates, warm
-from tests.images_support import BASE, Engine, _debs, build_base, dockerd
 
 FILLER_FULL = 160 << 20  # with the ~180 MiB Debian rootfs and packages: a base past 300 MiB
 FILLER_QUICK = 16 << 20
