@@ -208,13 +208,23 @@ class Workspace:
         d = templates.find(name)
         if d is None:
             raise TemplateNotFound(f"no template or saved snapshot {name!r}; see 'bunshin template ls'")
-        snap = Snapshot.load(d)
+        try:
+            return cls.from_saved(d, timeout=timeout)
+        except BunshinError as e:
+            raise WarmTemplateError(f"starting from template {name!r} failed: {e}") from e
+
+    @classmethod
+    def from_saved(cls, path: str | os.PathLike[str], *, timeout: float | None = None) -> Workspace:
+        """One running clone of the snapshot saved at `path` (Snapshot.save), with the default
+        memory engine; the clone's error is raised where it could not be made. The saved files
+        stay: a failed start loses nothing."""
+        snap = Snapshot.load(path)
         try:
             (clone,) = snap.fork(1, timeout=timeout)
         finally:
             snap.release()
         if isinstance(clone, BaseException):
-            raise WarmTemplateError(f"starting from template {name!r} failed: {clone}") from clone
+            raise clone
         return clone
 
     def start_service(self) -> None:

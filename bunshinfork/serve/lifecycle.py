@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from ..errors import InvalidArgumentException
-from ..workspace import Snapshot, Workspace, host_memory
+from ..workspace import Workspace, host_memory
 
 OnTimeout = Literal["kill", "pause"]
 T = TypeVar("T")
@@ -174,11 +174,4 @@ def pause_to_disk(ws: Workspace, dest: Path) -> None:
 def resume_from_disk(src: Path, timeout: float | None = None) -> Workspace:
     """A running workspace started from a state pause_to_disk saved (the files stay until the
     caller drops them: a failed resume loses nothing)."""
-    snap = Snapshot.load(src)
-    try:
-        (clone,) = snap.fork(1, timeout=timeout)
-    finally:
-        snap.release()
-    if isinstance(clone, BaseException):
-        raise clone
-    return clone
+    return Workspace.from_saved(src, timeout=timeout)
