@@ -147,12 +147,15 @@ def test_fork_of_a_saved_snapshot(internet: FakeHost, tmp_path: object) -> None:
             snap.release()
         from bunshinfork import Snapshot
         loaded = Snapshot.load(path)
-        kids = forked(loaded.fork(2))
         try:
-            check_family(src, kids, internet)
+            kids = forked(loaded.fork(2))
+            try:
+                check_family(src, kids, internet)
+            finally:
+                for k in kids:
+                    k.destroy()
         finally:
-            for k in kids:
-                k.destroy()
+            loaded.release()  # its file-system layer
 
 
 def test_clone_rules_go_with_a_failed_fork(internet: FakeHost, monkeypatch: pytest.MonkeyPatch) -> None:
