@@ -40,8 +40,18 @@ def part(name: str) -> Part:
     return next(p for p in PARTS if p.name == name)
 
 
+def _ordered(names: tuple[str, ...]) -> list[Part]:
+    """The parts named in `names`, in that order, then every other part (a part that a test or
+    an extension adds) in assembly order."""
+    return [part(n) for n in names] + [p for p in PARTS if p.name not in names]
+
+
 def capture_order() -> list[Part]:
-    return [part(n) for n in CAPTURE] + [p for p in PARTS if p.name not in CAPTURE]
+    return _ordered(CAPTURE)
+
+
+def restore_order() -> list[Part]:
+    return _ordered(RESTORE)
 
 
 def probes() -> tuple[Probe, ...]:
@@ -99,7 +109,7 @@ def _assemble(b: Build) -> Build:
     rec.dir.mkdir(mode=0o700)
     rec.save()
     try:
-        for p in PARTS if b.source is None else [part(n) for n in RESTORE]:
+        for p in PARTS if b.source is None else restore_order():
             t0 = time.monotonic()
             if b.source is None:
                 p.prepare(b)
