@@ -114,6 +114,7 @@ def _debs() -> Path:
 
 @contextlib.contextmanager
 def dockerd(root: Path) -> Iterator[Engine]:
+    root.mkdir(parents=True, exist_ok=True)
     sock = root / "docker.sock"
     (root / "daemon.json").write_text("{}")
     log = open(root / "dockerd.log", "wb")  # noqa: SIM115 (the daemon writes it until it stops)
