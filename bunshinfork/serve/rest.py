@@ -19,7 +19,7 @@ from starlette.routing import Route
 
 from ..aio import AsyncSandbox
 from ..errors import BunshinError, InvalidArgumentException, NotFoundException
-from ..sandbox import Sandbox
+from .. import Sandbox
 from . import lifecycle
 from .lifecycle import Lifecycle, ListQuery
 from .store import Entry, Store
