@@ -32,7 +32,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 def _key(path: Path | None) -> str:
     if path is None:
         return "e2b_" + secrets.token_hex(20)
-    from .errors import InvalidArgumentException
+    from ..errors import InvalidArgumentException
 
     try:
         key = path.read_text().strip()
@@ -46,7 +46,7 @@ def _key(path: Path | None) -> str:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from .serve import make_app
+    from ..serve import make_app
 
     key = _key(args.api_key_file)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
