@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from ..accounting import HostMemory
 from ..commands import Conventions
+from ..contract import Captured
 from ..spec import WorkspaceSpec
 from ..state import Timing
 from ..workspace import MemoryStats, Snapshot, Workspace, WorkspaceInfo
@@ -134,6 +135,10 @@ class AsyncSnapshot:
         return cls(await blocking(Snapshot.load, path, memory))
 
     # ---- properties ----
+
+    @property
+    def captured(self) -> Captured:
+        return self._snap.captured
 
     @property
     def id(self) -> str:

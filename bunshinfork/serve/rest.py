@@ -17,9 +17,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from .. import Sandbox
 from ..aio import AsyncSandbox
 from ..errors import BunshinError, InvalidArgumentException, NotFoundException
-from .. import Sandbox
 from . import lifecycle
 from .lifecycle import Lifecycle, ListQuery
 from .store import Entry, Store
