@@ -114,7 +114,7 @@ def test_untrusted_layers_never_write_outside(tmp_path_factory: pytest.TempPathF
 @pytest.mark.parametrize("name,kind,link", [
     ("../evil", "file", ""), ("/etc/evil", "file", ""), ("a/../../evil", "file", ""),
     ("h", "hard", "../outside/f"), ("h", "hard", "/etc/passwd"), ("s", "sym", "../../etc/passwd"),
-    ("d/s", "sym", "../.."),
+    ("d/s", "sym", "../.."), ("/", "dir", ""), ("//", "dir", ""),
 ])
 def test_refused_entries(tmp_path: Path, name: str, kind: str, link: str) -> None:
     with pytest.raises(UnsafeLayerEntry):

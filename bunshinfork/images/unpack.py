@@ -73,6 +73,10 @@ def clean_name(name: str) -> str:
         raise UnsafeLayerEntry(f"layer entry {name!r} has a NUL in its name")
     if name.startswith("/"):
         raise UnsafeLayerEntry(f"layer entry {name!r} is an absolute path")
+    if not name:
+        # tarfile strips a directory's trailing '/', so an entry named '/' arrives as '':
+        # it is absolute like any other, and a real layer names its root '.' or './'.
+        raise UnsafeLayerEntry("layer entry has an empty name (an absolute '/' reads as one)")
     parts = [p for p in name.split("/") if p not in ("", ".")]
     if ".." in parts:
         raise UnsafeLayerEntry(f"layer entry {name!r} climbs out of the layer with '..'")
