@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 from fake_internet import PORT, FakeHost, fake_host
-from fork_support import WORKLOADS, forked
+from fork_support import COW, WORKLOADS, forked
 from helpers import run_ok, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -114,8 +114,7 @@ def check_family(src: Workspace, kids: list[Workspace], host: FakeHost) -> None:
     assert len(set(new)) == len(kids), new
 
 
-# cow: not yet; in the 6.12 guest the routed variant left layers at teardown (issue 29's note).
-@pytest.mark.parametrize("memory", ["copy", "ksm"])
+@pytest.mark.parametrize("memory", ["copy", "ksm", COW])
 @pytest.mark.parametrize("nat", [False, True], ids=["routed", "nat"])
 def test_fork_keeps_internal_closes_external(internet: FakeHost, memory: str, nat: bool) -> None:
     with Workspace.create(network="bridge", nat=nat) as src:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fork_support import forked
+from fork_support import COW, forked
 from helpers import wait_for
 
 from bunshinfork import Snapshot, Workspace
@@ -99,9 +99,7 @@ def assert_clone(s: dict[str, Any]) -> None:
         assert s["droppable"]["holds"] == "zeros" and {"wf", "dp"} <= set(s["droppable"]["flags"]), s
 
 
-# cow: not yet; in the 6.12 guest the checks passed but the leak census found layers at
-# teardown (issue 31's note).
-@pytest.fixture(scope="module", params=["copy", KSM])
+@pytest.fixture(scope="module", params=["copy", KSM, COW])
 def src(request: pytest.FixtureRequest) -> Iterator[tuple[Workspace, str]]:
     with Workspace.create() as ws:
         ws.files.write("/root/wipe-program", PROGRAM)
