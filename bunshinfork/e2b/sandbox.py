@@ -31,6 +31,7 @@ from ..commands import E2B, Commands, Conventions, Pty
 from ..errors import (
     BunshinError,
     InvalidArgumentException,
+    NetworkError,
     WorkspaceFileNotFound,
     WorkspaceNotFound,
     WorkspaceStateError,
@@ -396,13 +397,22 @@ class Sandbox:
     # ---- reaching it ----
 
     def get_host(self, port: int) -> str:
-        """host:port at which the host reaches `port` inside the sandbox (its bridge network's
-        address; a sandbox from a loopback-only snapshot has none: ws.ports.publish reaches it)."""
-        addr = self._ws.info().network.get("ip")
-        if not addr:
-            raise InvalidArgumentException("the sandbox has no network the host can reach (it comes from a "
-                                           "loopback-only snapshot); sbx.workspace.ports.publish(port) reaches it")
-        return f"{str(addr).split('/')[0]}:{port}"
+        """host:port at which the host reaches `port` inside the sandbox: its own address on the
+        bridge, or for a fork (which shares its source's address) and a loopback-only sandbox, a
+        port this process forwards into the sandbox's own network namespace (ws.ports), kept
+        until the sandbox is killed."""
+        net = self._ws.info().network
+        if net.get("ip") and net.get("zone") is None:
+            return f"{str(net['ip']).split('/')[0]}:{port}"
+        published = self._ws.ports.list().get(port)
+        if published is None:
+            try:
+                published = self._ws.ports.publish(port)
+            except NetworkError:  # published meanwhile by another thread of this process
+                published = self._ws.ports.list().get(port)
+                if published is None:
+                    raise
+        return f"{published[0]}:{published[1]}"
 
     def __repr__(self) -> str:
         return f"<Sandbox {self.sandbox_id} init={self._ws.init_pid}>"
