@@ -343,25 +343,17 @@ class Workspace:
         Forks made from now on inherit it; those made before keep theirs. SpecError for a bad
         policy, before anything changes."""
         self.live_init_pid()
-        self._fresh_egress()
+        _fresh_egress(self._rec)
         spec = dataclasses.replace(self._rec.spec, egress=egress).validate()
         set_egress(self.id, self._rec.network, spec.egress)
         self._rec.spec = dataclasses.replace(self._rec.spec, egress=spec.egress)
         self._rec.save()
 
-    def _fresh_egress(self) -> None:
-        """The egress policy as the record says now: set_egress() from another process (E2B's
-        server, Sandbox.update_network by id) changes it, and forks must inherit that one."""
-        with contextlib.suppress(FileNotFoundError, ValueError, TypeError):
-            egress = Record.load(self.id).spec.egress
-            if egress != self._rec.spec.egress:
-                self._rec.spec = dataclasses.replace(self._rec.spec, egress=egress)
-
     def is_running(self) -> bool:
         return self._rec.status is Status.RUNNING and self._rec.init_alive()
 
     def info(self) -> WorkspaceInfo:
-        self._fresh_egress()
+        _fresh_egress(self._rec)
         rec = self._rec
         st = info_state(rec.status, rec.init_alive(), lambda: self._cgroup().frozen())
         fs = rec.fs
@@ -475,13 +467,22 @@ class Workspace:
         return f"<Workspace {self.id} init={self.init_pid} {self._rec.status}>"
 
 
+def _fresh_egress(rec: Record) -> None:
+    """The egress policy as the record on disk says now: set_egress() from another process (E2B's
+    server, Sandbox.update_network by id) changes it, and forks must inherit that one."""
+    with contextlib.suppress(FileNotFoundError, ValueError, TypeError):
+        egress = Record.load(rec.id).spec.egress
+        if egress != rec.spec.egress:
+            rec.spec = dataclasses.replace(rec.spec, egress=egress)
+
+
 def _capture(ws: Workspace, memory: str, *, delta: bool, dedupe: bool) -> Snapshot:
     """Snapshot.take and Workspace.fork's snapshot: `delta` stores only pages that differ from the
     last retained snapshot, `dedupe` compares them after the thaw."""
     engine = memory_engines.resolve(memory)  # an engine this host lacks fails before any freeze
     if not ws.is_running():
         raise WorkspaceStateError(f"workspace {ws.id} is not running (destroyed, or its init died)")
-    ws._fresh_egress()  # the clones inherit the policy in force, whoever set it
+    _fresh_egress(ws.record)  # the clones inherit the policy in force, whoever set it
     return Snapshot(snapshot.take(ws.record, engine, delta=delta, dedupe=dedupe))
 
 
