@@ -58,6 +58,8 @@ from .errors import (
 from .files import EntryInfo, FileType, WriteInfo
 from .fs import StorageWarning
 from .fs import digest as rootfs_digest
+from .network.policy import EgressPolicy
+from .network.policy import from_e2b as egress_from_e2b  # E2B's network={...} as a policy
 from .spec import WorkspaceSpec
 from .watch import FilesystemEvent, FilesystemEventType, WatchHandle
 from .workspace import MemoryStats, Snapshot, Workspace, WorkspaceInfo, host_memory
@@ -66,13 +68,13 @@ __all__ = [
     "AsyncCommandHandle", "AsyncSandbox", "AsyncSnapshot", "AsyncWatchHandle", "AsyncWorkspace", "BunshinError",
     "CgroupError",
     "CommandError", "CommandExitException", "CommandHandle", "CommandResult", "CommandTimeout", "CriuError",
-    "CriuTimeout", "DeadlineExceeded", "EntryInfo", "FileNotFoundException", "FileOperationError", "FileType",
-    "FilesystemEvent", "FilesystemEventType", "ForkError", "ForkTimeout", "HostMemory",
+    "CriuTimeout", "DeadlineExceeded", "EgressPolicy", "EntryInfo", "FileNotFoundException", "FileOperationError",
+    "FileType", "FilesystemEvent", "FilesystemEventType", "ForkError", "ForkTimeout", "HostMemory",
     "InvalidArgumentException", "KernelFeatureError", "MemoryStats", "NetworkError", "NotFoundException",
     "PrivilegeError", "ProcessInfo", "PtySize", "RootfsError", "Sandbox", "SandboxException", "SandboxInfo",
     "SandboxMetrics", "SandboxNotFoundException", "SandboxPaginator", "SandboxQuery", "SandboxState",
     "Snapshot", "SnapshotInfo", "SnapshotPaginator", "SpecError", "StorageWarning", "TimeoutException",
     "WatchHandle", "Workspace", "WorkspaceFileNotFound", "WorkspaceInfo", "WorkspaceNotFound",
-    "WorkspaceSpec", "WorkspaceStateError", "WriteInfo", "__version__", "deadlines", "host_memory",
+    "WorkspaceSpec", "WorkspaceStateError", "WriteInfo", "__version__", "deadlines", "egress_from_e2b", "host_memory",
     "rootfs_digest",
 ]

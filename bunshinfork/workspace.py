@@ -34,6 +34,7 @@ from .errors import (
 )
 from .files import Files
 from .images import templates
+from .network import set_egress
 from .network.ports import Ports
 from .process import lifetime
 from .spec import WorkspaceSpec
@@ -83,6 +84,8 @@ class WorkspaceInfo:
     restore_window: tuple[float, float] | None = None
     # An image rootfs's ExposedPorts ("80/tcp"), as the image declares them.
     exposed_ports: tuple[str, ...] = ()
+    # Its egress policy now ({"allow_out": [...], "deny_out": [...]}); None: all allowed.
+    egress: dict[str, list[str]] | None = None
 
 
 @dataclass(frozen=True)
@@ -334,10 +337,23 @@ class Workspace:
         self._rec.spec = dataclasses.replace(spec, env={**spec.env, **env})
         self._rec.save()
 
+    def set_egress(self, egress: dict[str, list[str]] | str | None) -> None:
+        """Replace the workspace's egress policy while it runs (WorkspaceSpec.egress's forms;
+        None: all allowed). Connections already open keep going; new ones meet the new rules.
+        Forks made from now on inherit it; those made before keep theirs. SpecError for a bad
+        policy, before anything changes."""
+        self.live_init_pid()
+        _fresh_egress(self._rec)
+        spec = dataclasses.replace(self._rec.spec, egress=egress).validate()
+        set_egress(self.id, self._rec.network, spec.egress)
+        self._rec.spec = dataclasses.replace(self._rec.spec, egress=spec.egress)
+        self._rec.save()
+
     def is_running(self) -> bool:
         return self._rec.status is Status.RUNNING and self._rec.init_alive()
 
     def info(self) -> WorkspaceInfo:
+        _fresh_egress(self._rec)
         rec = self._rec
         st = info_state(rec.status, rec.init_alive(), lambda: self._cgroup().frozen())
         fs = rec.fs
@@ -350,6 +366,7 @@ class Workspace:
             memory_limit=limit if isinstance(limit, int) else None, pids_limit=rec.spec.pids_limit,
             parent=rec.parent, disk_limit=rec.spec.disk_limit, timings=dict(rec.timings),
             restore_window=rec.restore_window, exposed_ports=self._image.exposed_ports if self._image else (),
+            egress=rec.spec.egress if isinstance(rec.spec.egress, dict) else None,
         )
 
     def memory(self) -> MemoryStats:
@@ -450,12 +467,22 @@ class Workspace:
         return f"<Workspace {self.id} init={self.init_pid} {self._rec.status}>"
 
 
+def _fresh_egress(rec: Record) -> None:
+    """The egress policy as the record on disk says now: set_egress() from another process (E2B's
+    server, Sandbox.update_network by id) changes it, and forks must inherit that one."""
+    with contextlib.suppress(FileNotFoundError, ValueError, TypeError):
+        egress = Record.load(rec.id).spec.egress
+        if egress != rec.spec.egress:
+            rec.spec = dataclasses.replace(rec.spec, egress=egress)
+
+
 def _capture(ws: Workspace, memory: str, *, delta: bool, dedupe: bool) -> Snapshot:
     """Snapshot.take and Workspace.fork's snapshot: `delta` stores only pages that differ from the
     last retained snapshot, `dedupe` compares them after the thaw."""
     engine = memory_engines.resolve(memory)  # an engine this host lacks fails before any freeze
     if not ws.is_running():
         raise WorkspaceStateError(f"workspace {ws.id} is not running (destroyed, or its init died)")
+    _fresh_egress(ws.record)  # the clones inherit the policy in force, whoever set it
     return Snapshot(snapshot.take(ws.record, engine, delta=delta, dedupe=dedupe))
 
 

@@ -49,7 +49,6 @@ NOT_LOCAL: dict[str, dict[str, str]] = {
         "get_mcp_token": "the MCP gateway of E2B's cloud templates",
         "mcp_port": "the MCP gateway of E2B's cloud templates",
         "default_mcp_template": "the MCP gateway of E2B's cloud templates",
-        "update_network": "egress rules of E2B's cloud proxy; a local sandbox has loopback or a bridge with NAT",
         "git": "deprecated by E2B: 'Run git with sandbox.commands.run() instead'",
     },
     "Commands": {"__init__": "built by the sandbox from its envd connection"},

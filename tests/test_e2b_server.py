@@ -26,6 +26,8 @@ import e2b_server_support as support
 import httpx
 import pytest
 import test_e2b_examples as ex
+from fake_internet import PORT as FAKE_PORT
+from fake_internet import FakeHost, fake_host
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -448,3 +450,58 @@ def test_ports(served: support.Served, cleanup: None) -> None:
     assert r.status_code == 200 and r.text == f"hello from {closed.sandbox_id}"
     gone = httpx.get(served.url + "/", headers={"Host": "8000-nope.localhost"}, timeout=30)
     assert gone.status_code == 502 and "was not found" in gone.json()["message"]
+
+
+# ---- egress rules ----
+
+PROBE = """
+import socket, sys
+try:
+    s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=8)
+    s.sendall(b"hi")
+    print("connected" if s.recv(2) == b"hi" else "EOF")
+except OSError as e:
+    print(type(e).__name__)
+"""
+
+
+def _reach(sbx: e2b.Sandbox, host: FakeHost) -> str:
+    sbx.files.write("/tmp/probe.py", PROBE)
+    t0 = time.monotonic()
+    out = sbx.commands.run(f"python3 /tmp/probe.py {host.addr} {FAKE_PORT}", timeout=30).stdout.strip()
+    assert time.monotonic() - t0 < 5, "a denied connection is refused at once, never dropped"
+    return out
+
+
+def test_network_rules_over_http(served: support.Served, cleanup: None) -> None:
+    """E2B's SDK's network={...} and update_network against the server: the rules hold in the
+    sandbox and its forks, what cannot apply is a 400, and the default sandbox is online."""
+    with fake_host(0) as allowed, fake_host(1) as denied:
+        sbx = e2b.Sandbox.create(network={"allow_out": [allowed.addr], "deny_out": lambda ctx: [ctx.all_traffic]})
+        info = sbx.get_info()
+        assert info.allow_internet_access is True
+        assert info.network == {"allow_out": [f"{allowed.addr}/32"], "deny_out": ["0.0.0.0/0"],
+                                "allow_public_traffic": True}
+        (kid,) = sbx.fork(count=1)
+        assert not isinstance(kid, Exception), kid
+        for s in (sbx, kid):
+            assert (_reach(s, allowed), _reach(s, denied)) == ("connected", "ConnectionRefusedError")
+        sbx.update_network({"deny_out": [denied.addr]})
+        assert sbx.get_info().network["deny_out"] == [f"{denied.addr}/32"]
+        e2b.Sandbox.update_network(sbx.sandbox_id, {"allow_internet_access": False})
+        assert sbx.get_info().allow_internet_access is False
+        assert (_reach(sbx, allowed), _reach(sbx, denied)) == ("ConnectionRefusedError", "ConnectionRefusedError")
+        assert (_reach(kid, allowed), _reach(kid, denied)) == ("connected", "ConnectionRefusedError")  # its own
+        for bad in ({"rules": {"api.example.com": []}}, {"dns_servers": ["1.1.1.1"]},
+                    {"egress_proxy": {"address": "proxy.example.com:1080"}}):
+            with pytest.raises(e2b.SandboxException, match="400"):
+                sbx.update_network(bad)  # type: ignore[arg-type]
+            with pytest.raises(e2b.SandboxException, match="400"):
+                e2b.Sandbox.create(network=bad)  # type: ignore[arg-type]
+        assert api(served, "PUT", "/sandboxes/nope/network", json={}).status_code == 404
+        assert api(served, "PUT", f"/sandboxes/{sbx.sandbox_id}/network", content=b"[]").status_code == 400
+        online = e2b.Sandbox.create()
+        assert online.get_info().allow_internet_access is True
+        assert (_reach(online, allowed), _reach(online, denied)) == ("connected", "connected")
+        assert {i.sandbox_id for i in e2b.Sandbox.list().next_items()} == {sbx.sandbox_id, kid.sandbox_id,
+                                                                            online.sandbox_id}

@@ -246,8 +246,9 @@ def test_a_saved_template_takes_envs_and_metadata(sbx: Sandbox, tmp_path: Path,
 
 
 def test_cloud_only_options_are_refused_or_ignored() -> None:
-    for kwargs in ({"mcp": {"github": {}}}, {"network": {"deny_out": ["0.0.0.0/0"]}}, {"iam": {"tokens": {"a": 1}}},
-                   {"volume_mounts": {"/data": "vol"}}, {"lifecycle": {"on_timeout": "pause"}}):
+    for kwargs in ({"mcp": {"github": {}}}, {"network": {"egress_proxy": {"address": "p:1080"}}},
+                   {"iam": {"tokens": {"a": 1}}}, {"volume_mounts": {"/data": "vol"}},
+                   {"lifecycle": {"on_timeout": "pause"}}):
         with pytest.raises(InvalidArgumentException):
             Sandbox.create(**kwargs)  # type: ignore[arg-type]
     # Transport options configure E2B's cloud: accepted and ignored.

@@ -97,6 +97,9 @@ class AsyncWorkspace:
     async def set_timeout(self, timeout: float) -> None:
         await blocking(self._ws.set_timeout, timeout)
 
+    async def set_egress(self, egress: dict[str, list[str]] | str | None) -> None:
+        await blocking(self._ws.set_egress, egress)
+
     async def destroy(self) -> None:
         await blocking(self._ws.destroy)
 

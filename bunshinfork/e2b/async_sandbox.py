@@ -184,6 +184,10 @@ class AsyncSandbox:
     async def __aexit__(self, exc_type: object, exc_value: object, traceback: object) -> None:
         await self.kill()
 
+    @variant()
+    async def update_network(self, network: dict[str, Any], **opts: Any) -> None:
+        await blocking(self._sbx.update_network, network)
+
     @variant(_fork_by_id)
     async def fork(self: S, timeout: int | None = None, count: int | None = None,
                    **opts: Any) -> list[S | Exception]:

@@ -9,10 +9,14 @@ get_info(), set_timeout(), connect() and pause() work on an instance or, given a
 on the class. What E2B does in its cloud and cannot apply to one host (API keys, domains,
 regions, egress proxies, MCP gateways, volumes) is accepted and ignored where it only
 configures the transport, and refused where ignoring it would change what the sandbox is.
+As in E2B, a sandbox is online by default (a bridged workspace with NAT, which forks), and
+its egress rules (network={"allow_out": [...], "deny_out": [...]}, update_network) are
+enforced by the host (bunshinfork.network.egress).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import importlib.metadata
 import logging
@@ -27,12 +31,14 @@ from ..commands import E2B, Commands, Conventions, Pty
 from ..errors import (
     BunshinError,
     InvalidArgumentException,
+    NetworkError,
     WorkspaceFileNotFound,
     WorkspaceNotFound,
     WorkspaceStateError,
 )
 from ..files import Files
 from ..workspace import Workspace
+from . import network as e2b_network
 from . import sidecar, templates
 from .dispatch import variant
 from .types import (
@@ -74,8 +80,9 @@ def _list_snapshots_all(cls: type[Sandbox], sandbox_id: str | None = None, limit
 
 def check_create_options(mcp: dict[str, Any] | None, network: dict[str, Any] | None, iam: dict[str, Any] | None,
                          lifecycle: dict[str, Any] | None, volume_mounts: dict[str, Any] | None) -> None:
-    """Refuse the options that configure an E2B cloud service a local sandbox does not have."""
-    for name, value in (("mcp", mcp), ("network", network), ("iam", iam), ("volume_mounts", volume_mounts)):
+    """Refuse the options that configure an E2B cloud service a local sandbox does not have
+    (network's rules are checked by network.create_policy)."""
+    for name, value in (("mcp", mcp), ("iam", iam), ("volume_mounts", volume_mounts)):
         if value:
             raise InvalidArgumentException(f"{name}= configures an E2B cloud service that a local sandbox "
                                            "does not have")
@@ -169,17 +176,25 @@ class Sandbox:
         template: "base" (the default: the host's /usr under a generated /etc), "debian",
         "docker:IMAGE", an absolute directory, or the id or name of a snapshot saved by
         create_snapshot(). timeout: its lifetime in seconds (default 300; 0: none).
-        allow_internet_access=True gives it a bridge network with NAT (a sandbox with a network
-        cannot be forked); otherwise it has loopback only. secure, idempotency_key and the API
-        options (api_key, domain, request_timeout, ...) configure E2B's cloud transport and are
-        ignored. mcp, network rules, iam and volume_mounts are E2B cloud services: refused.
+        Every sandbox has a bridge network with NAT (E2B's default allow_internet_access=True);
+        allow_internet_access=False denies all egress (deny_out 0.0.0.0/0, as in E2B), and
+        network={"allow_out": [...], "deny_out": [...]} takes E2B's egress rules (CIDRs or
+        addresses, or callables given ctx.all_traffic); the host enforces them, forks inherit
+        them, a denied connection is refused at once. network's rules, egress_proxy,
+        dns_servers and mask_request_host cannot apply here: InvalidArgumentException. A
+        sandbox from a saved snapshot has the snapshot's network, under these rules. secure,
+        idempotency_key and the API options (api_key, domain, request_timeout, ...) configure
+        E2B's cloud transport and are ignored. mcp, iam and volume_mounts are E2B cloud
+        services: refused.
         """
         check_create_options(mcp, network, iam, lifecycle, volume_mounts)
+        policy = e2b_network.create_policy(network, allow_internet_access)  # refused before anything is built
         life = cls.default_sandbox_timeout if timeout is None else timeout
-        net = {"network": "bridge", "nat": True} if allow_internet_access else {}
+        net = {"network": "bridge", "nat": True, "egress": policy.to_dict() if policy is not None else None}
         sbx = cls(templates.start(template, life, dict(envs or {}), net), logger)
         try:
-            sidecar.save(sbx.workspace, sidecar.Meta(dict(metadata or {}), template or cls.default_template))
+            sidecar.save(sbx.workspace, sidecar.Meta(dict(metadata or {}), template or cls.default_template,
+                                                     allow_internet_access is not False))
             ensure_default_user(sbx.workspace, str(cls.conventions.default_user))
         except BaseException:
             sbx.workspace.destroy()
@@ -214,8 +229,9 @@ class Sandbox:
             end_at=utc(ends) if ends else datetime.datetime.max.replace(tzinfo=datetime.UTC),
             state=SandboxState.PAUSED if info.state == "paused" else SandboxState.RUNNING,
             cpu_count=os.cpu_count() or 1, memory_mb=mem >> 20, envd_version=importlib.metadata.version("bunshin"),
-            allow_internet_access=info.network.get("mode") == "bridge" and bool(info.network.get("nat")),
-            lifecycle={"on_timeout": "kill", "auto_resume": False}, volume_mounts=[],
+            allow_internet_access=meta.allow_internet_access and info.network.get("mode") == "bridge",
+            network=e2b_network.info(info.egress), lifecycle={"on_timeout": "kill", "auto_resume": False},
+            volume_mounts=[],
         )
 
     @variant()
@@ -328,6 +344,17 @@ class Sandbox:
 
     # ---- forking and snapshots ----
 
+    @variant()
+    def update_network(self, network: dict[str, Any], **opts: Any) -> None:
+        """Replace the sandbox's egress rules (E2B's SandboxNetworkUpdate: allow_out, deny_out,
+        allow_internet_access; what it leaves out is cleared). Open connections carry on; new
+        ones meet the new rules. Forks made afterwards inherit them."""
+        policy, internet = e2b_network.update_policy(network)
+        self._ws.set_egress(policy.to_dict() if policy is not None else None)
+        meta = sidecar.load(self._ws)
+        if meta.allow_internet_access != internet:
+            sidecar.save(self._ws, dataclasses.replace(meta, allow_internet_access=internet))
+
     @variant(_fork_by_id)
     def fork(self: S, timeout: int | None = None, count: int | None = None,
              **opts: Any) -> list[S | Exception]:
@@ -370,13 +397,22 @@ class Sandbox:
     # ---- reaching it ----
 
     def get_host(self, port: int) -> str:
-        """host:port at which the host reaches `port` inside the sandbox (a bridge network's
-        address; a loopback-only sandbox has none)."""
-        addr = self._ws.info().network.get("ip")
-        if not addr:
-            raise InvalidArgumentException("the sandbox has no network the host can reach (create it with "
-                                           "allow_internet_access=True for a bridge network)")
-        return f"{str(addr).split('/')[0]}:{port}"
+        """host:port at which the host reaches `port` inside the sandbox: its own address on the
+        bridge, or for a fork (which shares its source's address) and a loopback-only sandbox, a
+        port this process forwards into the sandbox's own network namespace (ws.ports), kept
+        until the sandbox is killed."""
+        net = self._ws.info().network
+        if net.get("ip") and net.get("zone") is None:
+            return f"{str(net['ip']).split('/')[0]}:{port}"
+        published = self._ws.ports.list().get(port)
+        if published is None:
+            try:
+                published = self._ws.ports.publish(port)
+            except NetworkError:  # published meanwhile by another thread of this process
+                published = self._ws.ports.list().get(port)
+                if published is None:
+                    raise
+        return f"{published[0]}:{published[1]}"
 
     def __repr__(self) -> str:
         return f"<Sandbox {self.sandbox_id} init={self._ws.init_pid}>"

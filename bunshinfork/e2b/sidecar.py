@@ -1,6 +1,6 @@
-"""E2B's own state of a sandbox (its metadata and the template it came from), in a file of
-its own beside the workspace's record: destroy() removes it with the record, and the core
-record knows nothing of E2B."""
+"""E2B's own state of a sandbox (its metadata, the template it came from, whether internet
+access was asked), in a file of its own beside the workspace's record: destroy() removes it
+with the record, and the core record knows nothing of E2B."""
 
 from __future__ import annotations
 
@@ -18,13 +18,15 @@ FILE = "e2b.json"
 class Meta:
     metadata: dict[str, str] = field(default_factory=dict)
     template: str = ""
+    allow_internet_access: bool = True  # as asked (E2B reports it apart from its rules)
 
 
 def load(ws: Workspace) -> Meta:
     """What the sandbox's file says now (another process may have written it); empty if none."""
     with contextlib.suppress(FileNotFoundError, ValueError, TypeError):
         raw = json.loads((ws.state_dir / FILE).read_text())
-        return Meta(dict(raw.get("metadata") or {}), str(raw.get("template") or ""))
+        return Meta(dict(raw.get("metadata") or {}), str(raw.get("template") or ""),
+                    raw.get("allow_internet_access") is not False)
     return Meta()
 
 

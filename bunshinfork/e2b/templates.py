@@ -41,15 +41,18 @@ def delete(snapshot_id: str) -> bool:
 
 def start(template: str | None, lifetime: float, env: dict[str, str], network: dict[str, Any]) -> Workspace:
     """A running workspace from `template`: a saved snapshot's clone (given `env` on top of
-    its own), or a new workspace on the rootfs the template names."""
+    its own, and the egress policy of `network`: its network is the snapshot's), or a new
+    workspace on the rootfs the template names, with `network` (WorkspaceSpec fields)."""
     if template and template != DEFAULT and templates.find(template) is not None:
         clone = Workspace.from_template(template, timeout=lifetime)
-        if env:
-            try:
+        try:
+            if env:
                 clone.update_env(env)
-            except BaseException:
-                clone.destroy()
-                raise
+            if "egress" in network:
+                clone.set_egress(network["egress"])
+        except BaseException:
+            clone.destroy()
+            raise
         return clone
     rootfs = "host" if template in (None, DEFAULT) else str(template)
     if not (rootfs in ("host", "debian") or rootfs.startswith(("docker:", "oci:", "registry:", "/"))):

@@ -40,13 +40,24 @@ from .. import state
 from ..contract import Build, Capture, Check, Held, Part
 from ..state import NetworkState
 from . import bridge, ports
-from .bridge import BRIDGE, clone_link_up, gc, host_ifname, leftover_interfaces, setup, setup_clone, subnet, teardown
+from .bridge import (
+    BRIDGE,
+    clone_link_up,
+    gc,
+    host_ifname,
+    leftover_interfaces,
+    set_egress,
+    setup,
+    setup_clone,
+    subnet,
+    teardown,
+)
 from .clones import CAPTURE_FILE, external_flows, load_capture, save_capture
 from .nat import NAT_FAMILY, NAT_TABLE, nat_rules, nft_available
 from .nsock import destroy_tcp
 
 __all__ = ["BRIDGE", "CAPTURE_FILE", "NAT_FAMILY", "NAT_TABLE", "NetworkPart", "gc", "host_ifname",
-           "leftover_interfaces", "nat_rules", "setup", "subnet", "teardown"]
+           "leftover_interfaces", "nat_rules", "set_egress", "setup", "subnet", "teardown"]
 
 
 def check_netlink() -> Check:

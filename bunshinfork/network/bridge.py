@@ -401,6 +401,16 @@ def setup_clone(ws_id: str, source: NetworkState, flows: list[Flow], egress_spec
     return result
 
 
+def set_egress(ws_id: str, net: NetworkState | None, egress_spec: object) -> None:
+    """Replace a running workspace's egress rules by `egress_spec` (a spec's egress), under the
+    lock that setup and teardown hold, so that its rules never race their removal."""
+    policy = _policy(egress_spec)
+    if net is None or net.mode != "bridge" or (policy is None and not nft_available()):
+        return  # no link to hold, or no rules: none was ever installed without nftables
+    with _lock():
+        egress.replace(ws_id, net, policy)
+
+
 def clone_link_up(ws_id: str, net: NetworkState) -> None:
     """The clone's host end, made by CRIU's restore: labelled, addressed, routed, up."""
     assert net.host_if is not None

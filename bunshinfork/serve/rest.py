@@ -94,9 +94,13 @@ class Rest:
 
     def detail_json(self, e: Entry) -> dict[str, Any]:
         out = self.listed_json(e)
+        network: dict[str, Any] = {"allowPublicTraffic": e.traffic_token is None}
+        if e.sbx is not None:  # the rules in force (none kept for a paused sandbox's answer)
+            egress = e.sbx.workspace.info().egress or {}
+            network.update({_CAMEL[k]: list(v) for k, v in egress.items() if k in _CAMEL})
         out.update({"envdAccessToken": e.envd_token, "domain": self.domain,
                     "allowInternetAccess": e.allow_internet_access, "lifecycle": e.lifecycle.to_api(),
-                    "network": {"allowPublicTraffic": e.traffic_token is None}})
+                    "network": network})
         return out
 
     # ---- lookups ----
@@ -128,17 +132,22 @@ class Rest:
         if not _str_map(metadata) or not _str_map(envs):
             raise ApiError(400, "metadata and envVars must map strings to strings")
         network = body.get("network") or {}
-        if not isinstance(network, dict) or any(network.get(k) for k in ("allowOut", "denyOut", "rules")):
-            raise ApiError(400, "egress rules (network allowOut/denyOut) are not served yet")
+        if not isinstance(network, dict):
+            raise ApiError(400, "network must be an object")
+        network = dict(network)
+        # allowPublicTraffic guards the sandbox's URLs, which this server serves (its traffic token).
+        public = network.pop("allowPublicTraffic", True)
         internet = body.get("allow_internet_access", body.get("allowInternetAccess"))
-        public = network.get("allowPublicTraffic", True)
+        internet = True if internet is None else internet  # E2B's default: online
+        if not isinstance(internet, bool) or not isinstance(public, bool):
+            raise ApiError(400, "allow_internet_access and network allowPublicTraffic must be booleans")
         # The pause lifecycle is the server's to enforce (the workspace's own lifetime would kill it).
         ws_life = timeout if life.on_timeout == "kill" else 0
         sbx = await AsyncSandbox.create(template, timeout=ws_life, metadata=metadata, envs=envs,
-                                        allow_internet_access=bool(internet))
+                                        allow_internet_access=internet, network=_snake(network))
         e = Entry(sandbox_id=sbx.sandbox_id, template=template, metadata=dict(metadata), started_at=time.time(),
                   deadline=lifecycle.deadline_after(timeout), lifecycle=life, envd_token=secrets.token_hex(16),
-                  traffic_token=None if public else secrets.token_hex(16), allow_internet_access=bool(internet),
+                  traffic_token=None if public else secrets.token_hex(16), allow_internet_access=internet,
                   workspace_id=sbx.sandbox_id, sbx=sbx)
         self.store.add(e)
         self.schedule(e)
@@ -325,8 +334,15 @@ class Rest:
         return Response(status_code=204)
 
     async def network(self, request: Request) -> Response:
-        self.entry(request.path_params["sandbox_id"])
-        raise ApiError(501, "egress rules (update_network) are not served yet")
+        """update_network: the body replaces the sandbox's egress rules (what it leaves out is cleared)."""
+        body = await body_of(request)
+        e = self.entry(request.path_params["sandbox_id"])
+        async with e.lock:
+            sbx = await self.running(e)
+            await sbx.update_network(_snake(body))
+            e.allow_internet_access = body.get("allow_internet_access", True) is not False
+            self.store.save(e)
+        return Response(status_code=204)
 
     def routes(self, wrap: Callable[[Callable[[Request], Awaitable[Response]]], Any]) -> list[Route]:
         r = [
@@ -352,6 +368,19 @@ def _rmtree(p: Any) -> None:
     import shutil
 
     shutil.rmtree(p, ignore_errors=True)
+
+
+# E2B's network fields on the wire (camelCase) and in its SDK (snake_case); allow_internet_access
+# is snake_case on both.
+_CAMEL = {"allow_out": "allowOut", "deny_out": "denyOut", "dns_servers": "dnsServers",
+          "egress_proxy": "egressProxy", "rules": "rules", "mask_request_host": "maskRequestHost",
+          "https_ports": "httpsPorts", "allow_public_traffic": "allowPublicTraffic"}
+_SNAKE = {v: k for k, v in _CAMEL.items()}
+
+
+def _snake(network: dict[str, Any]) -> dict[str, Any]:
+    """A network object of the wire, in the SDK's names (unknown ones kept: refused downstream)."""
+    return {_SNAKE.get(k, k): v for k, v in network.items()}
 
 
 def _str_map(d: Any) -> bool:
