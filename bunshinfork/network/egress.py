@@ -33,6 +33,8 @@ from .policy import ALL_TRAFFIC, CLOSED, E2B_KEYS, E2B_UNSUPPORTED, EgressPolicy
 FAMILY = "ip"
 TABLE = "bunshin_egress"
 BRIDGE_TABLE = "bunshin_egress_ports"
+PROXY_CHAIN = "proxy"
+PROXY_PORTS = (80, 443)  # HTTP's Host and TLS's SNI
 __all__ = ["ALL_TRAFFIC", "CLOSED", "E2B_KEYS", "E2B_UNSUPPORTED", "EgressPolicy", "from_e2b", "parse"]
 
 
@@ -47,14 +49,28 @@ def _set(items: tuple[str, ...]) -> str:
     return "{ " + ", ".join(items) + " }"
 
 
-def install(ws_id: str, policy: EgressPolicy, host_if: str, ip: str, bridge: str | None) -> None:
+def install(ws_id: str, policy: EgressPolicy, host_if: str, ip: str, bridge: str | None,
+            proxy: tuple[str, int] | None = None) -> None:
     """The workspace's egress rules: on its own link (a clone), or by address behind `bridge`
-    with its port held to that address (the source)."""
+    with its port held to that address (the source). `proxy` (gateway, port): where its
+    domain-rule proxy listens, for a policy that needs one."""
     c = f'comment "bunshin ws={ws_id} egress"'
     match = f'iifname "{bridge}" ip saddr {ip}' if bridge else f'iifname "{host_if}"'
     lines = [f"add table {FAMILY} {TABLE}"]
     for hook in ("forward", "input"):
         lines.append(f"add chain {FAMILY} {TABLE} {hook} {{ type filter hook {hook} priority filter; policy accept; }}")
+    if proxy is not None:
+        gw, port = proxy
+        lines.append(f"add chain {FAMILY} {TABLE} {PROXY_CHAIN} {{ type nat hook prerouting priority dstnat; "
+                     "policy accept; }")
+        # Only what deny_out would refuse is the proxy's to judge: an allowed CIDR or an
+        # address not denied goes straight out.
+        allowed = f"ip daddr != {_set(policy.allow_out)} " if policy.allow_out else ""
+        lines.append(f"add rule {FAMILY} {TABLE} {PROXY_CHAIN} {match} ip daddr {_set(policy.deny_out)} {allowed}"
+                     f"tcp dport {_set(tuple(map(str, PROXY_PORTS)))} dnat to {gw}:{port} {c}")
+        # The redirected connection arrives at the host's own address, which deny_out may cover.
+        lines.append(f"add rule {FAMILY} {TABLE} input {match} ct state new ct status dnat "
+                     f"ip daddr {gw} tcp dport {port} accept {c}")
     for hook in ("forward", "input"):
         pre = f"add rule {FAMILY} {TABLE} {hook} {match} ct state new"
         if policy.allow_out:
