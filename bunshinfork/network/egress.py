@@ -16,10 +16,28 @@ source address: nothing inside the workspace, root included, can lift them. Clon
 their source's policy (it is part of the spec) on their own links. Every reject rule counts
 what it refused (refused()).
 
-Domain names: matching them needs a proxy that reads the HTTP Host header (port 80) and the
-TLS SNI (port 443), and even then it cannot see HTTP/3 (QUIC), encrypted ClientHello (ECH),
-any other protocol or port, nor tell a domain from another served at one address. No such
-proxy is built yet: a domain in allow_out is refused with a SpecError rather than ignored.
+Domain names in allow_out ("pypi.org", "*.github.com": any subdomain, not the apex) are matched
+on the HTTP Host header (port 80) and the TLS SNI (port 443) by a proxy of the workspace's own
+on the host (sniproxy.py, started by proxies.py; a clone gets its own, so clones inherit
+the rules and their flows stay apart although they share one inside address):
+
+- only when deny_out is not empty (otherwise everything is allowed already);
+- a chain `proxy` (nat prerouting) redirects the workspace's new TCP connections to ports 80
+  and 443 of addresses that deny_out covers and allow_out's CIDRs do not, to gateway:<port>
+  where its proxy listens; the input chain accepts exactly those redirected connections;
+- the proxy reads the first bytes (ClientHello or request head, never decrypting, with a
+  deadline), matches the name, resolves it on the host (never with the workspace's DNS) and
+  connects to the client's destination if that is one of the name's addresses, else to the
+  name's first address: a lying Host or SNI reaches only the allowed name's own servers;
+- anything else is reset at once. The TCP handshake has completed with the proxy by then,
+  so a denied name reads as ConnectionResetError, where a denied CIDR is refused at connect.
+
+What Host/SNI matching cannot see or decide (docs/network.md says it for users): QUIC/HTTP3
+(UDP 443) and every other port follow the CIDR rules only; encrypted ClientHello (ECH) shows
+only its outer, public name; a request without a name (an IP literal without Host, TLS without
+SNI, HTTP/2 cleartext with prior knowledge) is reset; only a connection's first request is
+read, later ones on it go to the same server; and a server that routes by a name inside the
+encrypted stream (domain fronting on a CDN) may serve another site than the allowed one.
 """
 
 from __future__ import annotations
