@@ -28,8 +28,8 @@ from helpers import run_ok
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bunshinfork.network import egress, proxies
 from bunshinfork.network import gc as network_gc
-from bunshinfork.network import proxies
 from bunshinfork.network.sniproxy import name_matches
 from bunshinfork.workspace import Workspace
 
@@ -224,6 +224,30 @@ def test_without_deny_domains_need_no_proxy(web: dict[str, FakeHost]) -> None:
         assert ws.id not in proxies.running().values()
         probes = [Probe("denied.test", 80, ip=B), Probe("allowed.test", 443, ip=A)]
         assert probe([ws], web, probes) == expected(policy, probes, 1)
+
+
+def test_speculations_hold_closes_allowed_names_too(web: dict[str, FakeHost]) -> None:
+    probes = [Probe("allowed.test", 443, ip=A)]
+    with Workspace.create(network="bridge", egress=POLICY) as ws:
+        assert egress.hold_closed(ws.id, ws._rec.network)
+        try:
+            assert probe([ws], web, probes) == {A: [], B: []}
+            assert egress.refused(ws.id, egress.HOLD) >= 1
+        finally:
+            egress.release_hold(ws.id)
+        assert probe([ws], web, probes) == {A: ["t0x0"], B: []}
+
+
+def test_a_failed_forks_proxies_go(web: dict[str, FakeHost], monkeypatch: pytest.MonkeyPatch) -> None:
+    from bunshinfork.process import restore
+
+    def fail(_session: object) -> None:
+        raise RuntimeError("injected restore failure")
+
+    with Workspace.create(network="bridge", egress=POLICY) as src:
+        monkeypatch.setattr(restore, "RESTORE_HOOK", fail)
+        assert all(isinstance(r, Exception) for r in src.fork(2, "copy"))
+        assert list(proxies.running().values()) == [src.id]
 
 
 def test_a_dead_creators_proxy_is_gcd() -> None:
