@@ -327,7 +327,7 @@ class Proxy:
                 t.result()  # a reset or the idle deadline: both ends are reset below
             writer.close()
             upstream.close()
-        except (OSError, TimeoutError, ValueError):
+        except Exception:  # whatever went wrong, the client gets a reset, never a hang
             _reset(writer)
             if upstream is not None:
                 _reset(upstream)
