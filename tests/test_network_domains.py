@@ -268,7 +268,7 @@ RANDOM_PROBES = [
 ]
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
 @given(allow=st.lists(st.sampled_from(CIDRS + DOMAINS), max_size=3, unique=True),
        deny=st.lists(st.sampled_from(CIDRS), max_size=2, unique=True),
        depth=st.integers(min_value=0, max_value=2))

@@ -132,7 +132,11 @@ def hold_closed(ws_id: str, net: NetworkState | None) -> bool:
         return False
     c = f'comment "bunshin ws={ws_id} egress {HOLD}"'
     match = f'iifname "{net.host_if}"' if net.zone is not None else f'iifname "{net.bridge}" ip saddr {net.ip}'
-    lines = [f"add table {FAMILY} {TABLE}"]
+    lines = [f"add table {FAMILY} {TABLE}",
+             f"add chain {FAMILY} {TABLE} {PROXY_CHAIN} {{ type nat hook prerouting priority dstnat; policy accept; }}",
+             # Nothing goes to the domain proxy while held: a reject after that redirect never
+             # reached the client (it timed out), while the forward chain's reject below does.
+             f"insert rule {FAMILY} {TABLE} {PROXY_CHAIN} {match} accept {c}"]
     for hook in ("forward", "input"):
         lines.append(f"add chain {FAMILY} {TABLE} {hook} {{ type filter hook {hook} priority filter; policy accept; }}")
         pre = f"insert rule {FAMILY} {TABLE} {hook} {match} ct state new"
