@@ -21,7 +21,7 @@ from .cgroups.watchdog import LOG_NAME
 from .fs import btrfs, quota, store
 from .fs.btrfs import btrfsutil
 from .memory import ksm
-from .network import clones, egress, leftover_interfaces, nat, ports
+from .network import clones, egress, leftover_interfaces, nat, ports, proxies
 
 INIT_COMMS = ("bunshin-init", "init")
 
@@ -107,6 +107,11 @@ def published_ports() -> set[str]:
     return ports.active()
 
 
+def egress_proxies() -> set[str]:
+    """Domain-rule egress proxies running on this machine, as "pid ws"."""
+    return {f"{pid} {ws}" for pid, ws in proxies.running().items()}
+
+
 def loop_devices() -> set[str]:
     """Every attached loop device, with its backing file."""
     out = set()
@@ -188,6 +193,7 @@ PROBES: dict[str, Callable[[], set]] = {
     "nft rules": nft_rules,
     "ip rules": ip_rules,
     "published ports": published_ports,
+    "egress proxies": egress_proxies,
     "processes": processes,
     "host fds": host_fds,
     "tmpfs bytes": lambda: {tmpfs_bytes()},

@@ -46,9 +46,10 @@ class WorkspaceSpec:
     memory_limit / pids_limit: enforced by the workspace's cgroup; the OOM killer acts inside it.
     network: "none" (loopback only) or "bridge" (a veth on the bunshin0 bridge; nat=True adds
       masquerading to the host's uplink).
-    egress: what the workspace may reach, E2B's rules: {"allow_out": [CIDR...], "deny_out":
-      [CIDR...]} (allow wins; no allow_out: all not denied is allowed), or "closed" (nothing
-      leaves). Enforced by the host's nftables, rejected at once; forks inherit it. On
+    egress: what the workspace may reach, E2B's rules: {"allow_out": [CIDR or domain...],
+      "deny_out": [CIDR...]} (allow wins; no allow_out: all not denied is allowed; domains,
+      "name" or "*.name", are matched on HTTP Host and TLS SNI), or "closed" (nothing leaves).
+      Enforced by the host's nftables and proxy, rejected at once; forks inherit it. On
       network="none" there is nothing to enforce. See bunshinfork.network.egress.
     storage_dir: where the private writable layers live; a btrfs directory makes each layer a
       subvolume (see storage.setup_btrfs_loop). Default: the state root's tmpfs.

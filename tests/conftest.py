@@ -86,6 +86,7 @@ def snapshot() -> dict[str, set]:
         "nft rules": census.nft_rules(),
         "ip rules": census.ip_rules(),
         "published ports": census.published_ports(),
+        "egress proxies": census.egress_proxies(),
     }
 
 

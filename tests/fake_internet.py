@@ -3,7 +3,9 @@ server in it, reached through this host as a router on its own segment (198.51.1
 TEST-NET-2, never routed anywhere), not on the workspaces' bridge.
 
 The server echoes every byte it gets and records each connection's peer: the flows the
-fake host saw.
+fake host saw. `extra` ports serve the same echo, in TLS where a context is given (the
+domain-rule tests' HTTP on 80 and HTTPS on 443); every connection on any port is in `arrivals`
+with the first bytes it carried (decrypted for TLS).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import socket
+import ssl
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,6 +28,13 @@ PORT = 7100
 
 
 @dataclass
+class Arrival:
+    port: int  # the fake host's port
+    peer: str
+    first: bytes = b""
+
+
+@dataclass
 class FakeHost:
     name: str
     addr: str  # the host's address on its segment
@@ -32,6 +42,7 @@ class FakeHost:
     host_if: str
     flows: list[tuple[str, int]] = field(default_factory=list)  # peers, in order of connection
     received: list[bytes] = field(default_factory=list)  # the first bytes of each connection
+    arrivals: list[Arrival] = field(default_factory=list)  # every connection, on any port
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -43,32 +54,46 @@ class FakeHost:
             return list(self.flows)
 
 
-def _serve(host: FakeHost, srv: socket.socket, conns: list[socket.socket], stop: threading.Event) -> None:
+def _serve(host: FakeHost, srv: socket.socket, conns: list[socket.socket], stop: threading.Event,
+           tls: ssl.SSLContext | None = None) -> None:
+    port = srv.getsockname()[1]
     while not stop.is_set():
         try:
             c, peer = srv.accept()
         except OSError:
             return
+        arrival = Arrival(port, peer[0])
         with host._lock:
             host.flows.append((peer[0], peer[1]))
+            host.arrivals.append(arrival)
             conns.append(c)
-        threading.Thread(target=_echo, args=(host, c), daemon=True).start()
+        threading.Thread(target=_echo, args=(host, c, arrival, tls, conns), daemon=True).start()
 
 
-def _echo(host: FakeHost, c: socket.socket) -> None:
+def _echo(host: FakeHost, c: socket.socket, arrival: Arrival, tls: ssl.SSLContext | None,
+          conns: list[socket.socket]) -> None:
     first = True
     with contextlib.suppress(OSError):
+        if tls is not None:
+            c.settimeout(10)
+            c = tls.wrap_socket(c, server_side=True)  # detaches the plain socket: close this one at the end
+            c.settimeout(None)
+            with host._lock:
+                conns.append(c)
         while data := c.recv(4096):
             if first:
                 with host._lock:
                     host.received.append(data)
+                    arrival.first = data
                 first = False
             c.sendall(data)
 
 
 @contextlib.contextmanager
-def fake_host(index: int = 0, port: int = PORT) -> Iterator[FakeHost]:
-    """Fake host number `index` (198.51.100.4i+2 behind router 198.51.100.4i+1), serving on `port`."""
+def fake_host(index: int = 0, port: int = PORT,
+              extra: dict[int, ssl.SSLContext | None] | None = None) -> Iterator[FakeHost]:
+    """Fake host number `index` (198.51.100.4i+2 behind router 198.51.100.4i+1), serving on `port`
+    and on each of `extra`'s ports (TLS where it gives a context)."""
     name = f"bunshin-test-fake-{secrets.token_hex(3)}"
     base = 4 * index
     host = FakeHost(name, f"198.51.100.{base + 2}", f"198.51.100.{base + 1}", f"bt{secrets.token_hex(4)}")
@@ -76,7 +101,7 @@ def fake_host(index: int = 0, port: int = PORT) -> Iterator[FakeHost]:
     netns.create(name)
     stop = threading.Event()
     conns: list[socket.socket] = []
-    srv: socket.socket | None = None
+    servers: list[socket.socket] = []
     try:
         with IPRoute() as ipr:
             ipr.link("add", ifname=host.host_if, kind="veth", peer={"ifname": "eth0", "net_ns_fd": name})
@@ -90,15 +115,17 @@ def fake_host(index: int = 0, port: int = PORT) -> Iterator[FakeHost]:
             ns.link("set", index=eth, state="up")
             ns.route("add", dst="0.0.0.0/0", gateway=host.router)
         IP_FORWARD.write_text("1")
-        srv = socket_in(host.path, socket.AF_INET, socket.SOCK_STREAM)
-        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        srv.bind((host.addr, port))
-        srv.listen(64)
-        threading.Thread(target=_serve, args=(host, srv, conns, stop), daemon=True).start()
+        for p, tls in {port: None, **(extra or {})}.items():
+            srv = socket_in(host.path, socket.AF_INET, socket.SOCK_STREAM)
+            servers.append(srv)
+            srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            srv.bind((host.addr, p))
+            srv.listen(64)
+            threading.Thread(target=_serve, args=(host, srv, conns, stop, tls), daemon=True).start()
         yield host
     finally:
         stop.set()
-        if srv is not None:
+        for srv in servers:
             with contextlib.suppress(OSError):
                 srv.shutdown(socket.SHUT_RDWR)
             srv.close()

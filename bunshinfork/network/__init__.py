@@ -29,7 +29,8 @@ Forking a bridged workspace (clones.py has the details):
   (the capture travels with the snapshot: network.json).
 
 Published ports (ports.py) and egress policies (egress.py) work per workspace, clones
-included; the census (bunshinfork.census) counts their rules and forwarders.
+included; domain rules add a host-side Host/SNI proxy per workspace (sniproxy.py, proxies.py).
+The census (bunshinfork.census) counts their rules, forwarders and proxies.
 """
 
 from __future__ import annotations

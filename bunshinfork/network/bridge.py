@@ -32,7 +32,7 @@ from .. import state
 from ..errors import NetworkError
 from ..host import DEFAULT_SUBNET, HOST, SUBNET_ENV
 from ..state import NetworkState, Status
-from . import clones, egress
+from . import clones, egress, proxies
 from .nat import NAT_FAMILY, NAT_TABLE, ensure_nat, nft_available, remove_nat
 from .nsock import Flow
 
@@ -292,6 +292,14 @@ def _policy(raw: object) -> egress.EgressPolicy | None:
     return None if policy is None or not (policy.allow_out or policy.deny_out) else policy
 
 
+def _proxy(ws_id: str, policy: egress.EgressPolicy, gateway: str | None) -> tuple[str, int] | None:
+    """Start the workspace's domain-rule proxy if its policy needs one: (address, port)."""
+    if not policy.needs_proxy:
+        return None
+    assert gateway is not None
+    return gateway, proxies.start(ws_id, policy.domains, gateway)
+
+
 def setup(ws_id: str, init_pid: int, mode: str, nat: bool = False, egress_spec: object = None) -> NetworkState:
     """Give the workspace whose init is `init_pid` its network; the result goes into its record."""
     if mode == "none":
@@ -319,7 +327,7 @@ def _setup_bridge(ws_id: str, init_pid: int, nat: bool, policy: egress.EgressPol
         try:
             if policy is not None:
                 # Before the link exists: nothing can leave ahead of the policy.
-                egress.install(ws_id, policy, host_if, str(ip), BRIDGE)
+                egress.install(ws_id, policy, host_if, str(ip), BRIDGE, _proxy(ws_id, policy, result.gateway))
             _plumb(ipr, nsfd, ws_id, result, br_idx)
             if nat:
                 ensure_nat(net)
@@ -327,6 +335,7 @@ def _setup_bridge(ws_id: str, init_pid: int, nat: bool, policy: egress.EgressPol
             with contextlib.suppress(Exception):
                 if policy is not None:
                     egress.remove({ws_id})
+                    proxies.stop(ws_id)
             with contextlib.suppress(Exception):
                 idx = _lookup(ipr, host_if)
                 if idx is not None:
@@ -388,12 +397,16 @@ def setup_clone(ws_id: str, source: NetworkState, flows: list[Flow], egress_spec
                 ensure_nat(net)
             clones.install(ws_id, host_if, result, net, flows)
             if (policy := _policy(egress_spec)) is not None:
-                egress.install(ws_id, policy, host_if, source.ip, None)
+                # The clone's own proxy (its own port: the clones' connections, one inside
+                # address for all, stay distinct flows after the redirect).
+                egress.install(ws_id, policy, host_if, source.ip, None, _proxy(ws_id, policy, result.gateway))
         except BaseException:
             with contextlib.suppress(Exception):
                 clones.remove({ws_id})
             with contextlib.suppress(Exception):
                 egress.remove({ws_id})
+            with contextlib.suppress(Exception):
+                proxies.stop(ws_id)
             with contextlib.suppress(Exception):
                 if result.nat and not _nat_in_use(ipr, exclude=ws_id):
                     remove_nat()
@@ -439,6 +452,7 @@ def teardown(ws_id: str, record: NetworkState | None) -> None:
             clones.rules_down(zones)
         if nft_available():
             egress.remove({ws_id})
+        proxies.stop(ws_id)
         nat = (record is not None and record.nat) or any(v.nat and v.owner == ws_id for v in mine)
         if nat and not _nat_in_use(ipr, exclude=ws_id):
             remove_nat()
@@ -475,6 +489,7 @@ def gc() -> list[str]:
             removed += [f"{clones.FAMILY} {clones.TABLE} ws={w}" for w in clones.remove(keep=live_ids)]
             removed += clones.rules_down(keep={n.zone for n in live.values() if n.zone})
             removed += [f"{egress.FAMILY} {egress.TABLE} ws={w}" for w in egress.remove(keep=live_ids)]
+        removed += proxies.gc({rec.id for rec in state.records() if alive(rec)})
         nat_needed = any(v.nat for v in remaining) or any(n.nat for n in live.values())
         # Without the binding no NAT table can have been made, and gc must still work.
         if not nat_needed and nft_available() and remove_nat():

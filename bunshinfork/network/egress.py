@@ -16,10 +16,28 @@ source address: nothing inside the workspace, root included, can lift them. Clon
 their source's policy (it is part of the spec) on their own links. Every reject rule counts
 what it refused (refused()).
 
-Domain names: matching them needs a proxy that reads the HTTP Host header (port 80) and the
-TLS SNI (port 443), and even then it cannot see HTTP/3 (QUIC), encrypted ClientHello (ECH),
-any other protocol or port, nor tell a domain from another served at one address. No such
-proxy is built yet: a domain in allow_out is refused with a SpecError rather than ignored.
+Domain names in allow_out ("pypi.org", "*.github.com": any subdomain, not the apex) are matched
+on the HTTP Host header (port 80) and the TLS SNI (port 443) by a proxy of the workspace's own
+on the host (sniproxy.py, started by proxies.py; a clone gets its own, so clones inherit
+the rules and their flows stay apart although they share one inside address):
+
+- only when deny_out is not empty (otherwise everything is allowed already);
+- a chain `proxy` (nat prerouting) redirects the workspace's new TCP connections to ports 80
+  and 443 of addresses that deny_out covers and allow_out's CIDRs do not, to gateway:<port>
+  where its proxy listens; the input chain accepts exactly those redirected connections;
+- the proxy reads the first bytes (ClientHello or request head, never decrypting, with a
+  deadline), matches the name, resolves it on the host (never with the workspace's DNS) and
+  connects to the client's destination if that is one of the name's addresses, else to the
+  name's first address: a lying Host or SNI reaches only the allowed name's own servers;
+- anything else is reset at once. The TCP handshake has completed with the proxy by then,
+  so a denied name reads as ConnectionResetError, where a denied CIDR is refused at connect.
+
+What Host/SNI matching cannot see or decide (docs/network.md says it for users): QUIC/HTTP3
+(UDP 443) and every other port follow the CIDR rules only; encrypted ClientHello (ECH) shows
+only its outer, public name; a request without a name (an IP literal without Host, TLS without
+SNI, HTTP/2 cleartext with prior knowledge) is reset; only a connection's first request is
+read, later ones on it go to the same server; and a server that routes by a name inside the
+encrypted stream (domain fronting on a CDN) may serve another site than the allowed one.
 """
 
 from __future__ import annotations
@@ -33,6 +51,8 @@ from .policy import ALL_TRAFFIC, CLOSED, E2B_KEYS, E2B_UNSUPPORTED, EgressPolicy
 FAMILY = "ip"
 TABLE = "bunshin_egress"
 BRIDGE_TABLE = "bunshin_egress_ports"
+PROXY_CHAIN = "proxy"
+PROXY_PORTS = (80, 443)  # HTTP's Host and TLS's SNI
 __all__ = ["ALL_TRAFFIC", "CLOSED", "E2B_KEYS", "E2B_UNSUPPORTED", "EgressPolicy", "from_e2b", "parse"]
 
 
@@ -47,14 +67,28 @@ def _set(items: tuple[str, ...]) -> str:
     return "{ " + ", ".join(items) + " }"
 
 
-def install(ws_id: str, policy: EgressPolicy, host_if: str, ip: str, bridge: str | None) -> None:
+def install(ws_id: str, policy: EgressPolicy, host_if: str, ip: str, bridge: str | None,
+            proxy: tuple[str, int] | None = None) -> None:
     """The workspace's egress rules: on its own link (a clone), or by address behind `bridge`
-    with its port held to that address (the source)."""
+    with its port held to that address (the source). `proxy` (gateway, port): where its
+    domain-rule proxy listens, for a policy that needs one."""
     c = f'comment "bunshin ws={ws_id} egress"'
     match = f'iifname "{bridge}" ip saddr {ip}' if bridge else f'iifname "{host_if}"'
     lines = [f"add table {FAMILY} {TABLE}"]
     for hook in ("forward", "input"):
         lines.append(f"add chain {FAMILY} {TABLE} {hook} {{ type filter hook {hook} priority filter; policy accept; }}")
+    if proxy is not None:
+        gw, port = proxy
+        lines.append(f"add chain {FAMILY} {TABLE} {PROXY_CHAIN} {{ type nat hook prerouting priority dstnat; "
+                     "policy accept; }")
+        # Only what deny_out would refuse is the proxy's to judge: an allowed CIDR or an
+        # address not denied goes straight out.
+        allowed = f"ip daddr != {_set(policy.allow_out)} " if policy.allow_out else ""
+        lines.append(f"add rule {FAMILY} {TABLE} {PROXY_CHAIN} {match} ip daddr {_set(policy.deny_out)} {allowed}"
+                     f"tcp dport {_set(tuple(map(str, PROXY_PORTS)))} dnat to {gw}:{port} {c}")
+        # The redirected connection arrives at the host's own address, which deny_out may cover.
+        lines.append(f"add rule {FAMILY} {TABLE} input {match} ct state new ct status dnat "
+                     f"ip daddr {gw} tcp dport {port} accept {c}")
     for hook in ("forward", "input"):
         pre = f"add rule {FAMILY} {TABLE} {hook} {match} ct state new"
         if policy.allow_out:
@@ -98,7 +132,11 @@ def hold_closed(ws_id: str, net: NetworkState | None) -> bool:
         return False
     c = f'comment "bunshin ws={ws_id} egress {HOLD}"'
     match = f'iifname "{net.host_if}"' if net.zone is not None else f'iifname "{net.bridge}" ip saddr {net.ip}'
-    lines = [f"add table {FAMILY} {TABLE}"]
+    lines = [f"add table {FAMILY} {TABLE}",
+             f"add chain {FAMILY} {TABLE} {PROXY_CHAIN} {{ type nat hook prerouting priority dstnat; policy accept; }}",
+             # Nothing goes to the domain proxy while held: a reject after that redirect never
+             # reached the client (it timed out), while the forward chain's reject below does.
+             f"insert rule {FAMILY} {TABLE} {PROXY_CHAIN} {match} accept {c}"]
     for hook in ("forward", "input"):
         lines.append(f"add chain {FAMILY} {TABLE} {hook} {{ type filter hook {hook} priority filter; policy accept; }}")
         pre = f"insert rule {FAMILY} {TABLE} {hook} {match} ct state new"
