@@ -36,6 +36,7 @@ from bunshinrl import (
 )
 from bunshinrl.cluster import ClusterEngine, RayWorkspacePool, Replication
 from bunshinrl.policy import Action
+from bunshinrl.wiring import CoreConfig, build_core
 
 # Tasks and policies travel to the host actors by value (Ray's own cloudpickle): Ray's workers
 # cannot import tests/.
@@ -94,6 +95,19 @@ def pool(cluster: object) -> Iterator[RayWorkspacePool]:
         yield p
 
 
+def depth_core() -> RolloutCore:
+    """A host core that captures every state (the depth policy): replication's test needs the
+    hot prefix held at its full depth, which the default policy keeps only behind long steps."""
+    return build_core(CoreConfig(cache_bytes=512 << 20, snapshot_policy="depth", critical_path_captures=False,
+                                 persist_between_epochs=False))
+
+
+@pytest.fixture
+def depth_pool(cluster: object) -> Iterator[RayWorkspacePool]:
+    with _pool(depth_core) as p:
+        yield p
+
+
 def _single_host(policy: Scripted, t: Task, epochs: int) -> list:
     cache = ToolPrefixCache(SnapshotBackend(), 512 << 20)
     engine = RolloutEngine(policy, cache=cache)
@@ -115,6 +129,10 @@ def test_pool_hosts_are_separate_bunshin_hosts_with_the_sdk(pool: RayWorkspacePo
         assert info[h]["run_root"] == str(cfg.run_root) and info[h]["cgroup_parent"] == cfg.cgroup_parent
         assert info[h]["bridge"] == cfg.bridge and info[h]["layer_store"] == str(cfg.layer_store)
     assert info["ta"]["pid"] != info["tb"]["pid"]
+    # The default host captures with the policy every other driver builds (never after every call).
+    shared = {"policy": CoreConfig.snapshot_policy, "critical_path": CoreConfig.critical_path_captures}
+    assert shared == {"policy": "cost", "critical_path": True}
+    assert all(ray.get(pool.actor(h).stats.remote())["captures"] == shared for h in HOSTS)
     a, b = pool.actor("ta"), pool.actor("tb")
     ws = ray.get(a.create.remote())
     ray.get(a.write_file.remote(ws, "/root/x", "from ta"))
@@ -195,7 +213,9 @@ def test_a_host_killed_mid_epoch_loses_workspaces_not_the_epoch(pool: RayWorkspa
 
 
 @pytest.mark.parametrize("through", ["object-store", "shared-dir"])
-def test_a_hot_prefix_is_replicated_to_a_cold_host(pool: RayWorkspacePool, tmp_path: Path, through: str) -> None:
+def test_a_hot_prefix_is_replicated_to_a_cold_host(depth_pool: RayWorkspacePool, tmp_path: Path,
+                                                  through: str) -> None:
+    pool = depth_pool
     t = task(f"rep-{through[0]}")
     if through == "shared-dir":
         pool.replication = Replication(str(tmp_path))

@@ -67,11 +67,13 @@ class WorkspaceHost:
         self.name = name
         state.run_root()
         # Made here, after the host's environment: a core's cache and snapshots are this host's.
-        # Replication ships the states a host holds, so the default host captures every state
-        # (the depth policy, whatever the reasoning step); a pool's `core` factory may choose else.
+        # The default host captures as every other driver does (build_core's policy: a state when
+        # a second visitor needs it, or behind a reasoning step long enough to hide it), so a
+        # capture never lands on a straggler's path here either; replication and routing see the
+        # states that policy kept. A pool's `core` factory may choose else (the depth policy keeps
+        # every state). Persistence is not used: a host's states live as long as its actor.
         self.core = core() if core is not None else build_core(CoreConfig(
-            cache_bytes=cache_bytes, memory=memory, snapshot_policy="depth", critical_path_captures=False,
-            persist_between_epochs=False))
+            cache_bytes=cache_bytes, memory=memory, persist_between_epochs=False))
         self.cache = self.core.cache
         self.core.tail.journal = []  # the pool's other hosts learn this one's timings (learn())
         self.tasks: dict[str, Task] = {}
