@@ -291,3 +291,28 @@ def test_proxy_file_is_standalone() -> None:
     from bunshinfork.network import sniproxy
     text = Path(sniproxy.__file__).read_text()
     assert "from ." not in text and "import bunshinfork" not in text and "from bunshinfork" not in text
+
+
+def test_e2b_sandbox_rules_with_domains(web: dict[str, FakeHost]) -> None:
+    """E2B's own shape through the in-process Sandbox: domains and CIDRs at create, held in a
+    fork, and replaced by update_network (the name it lists is the only one let through)."""
+    from bunshinfork import Sandbox
+
+    rules = {"deny_out": ["0.0.0.0/0"], "allow_out": [f"{DNS}/32", "allowed.test", "*.wild.test"]}
+    sbx = Sandbox.create(network=rules)
+    try:
+        sbx.files.write("/etc/resolv.conf", f"nameserver {DNS}\n", user="root")
+        (kid,) = sbx.fork(count=1)
+        assert isinstance(kid, Sandbox), kid
+        try:
+            family = [sbx.workspace, kid.workspace]
+            assert probe(family, web, PROBES) == expected(rules, PROBES, 2)
+            update = {"deny_out": ["0.0.0.0/0"], "allow_out": [f"{DNS}/32", "denied.test"]}
+            sbx.update_network(update)
+            probes = [Probe("denied.test", 80), Probe("allowed.test", 443)]
+            assert probe([sbx.workspace], web, probes) == expected(update, probes, 1)
+        finally:
+            kid.kill()
+    finally:
+        sbx.kill()
+    assert sbx.sandbox_id not in proxies.running().values()
