@@ -340,10 +340,7 @@ class RolloutCore:
     def stats(self) -> dict[str, Any]:
         return {"cache": self.cache.stats() if self.cache is not None else None,
                 "speculation": dict(self.speculator.stats) if self.speculator is not None else None,
-                "guard": self.guard.report(),
-                # Which capture policy runs here (the drivers share build_core's; a test checks it).
-                "captures": {"policy": self.cache.snapshot_policy if self.cache is not None else None,
-                             "critical_path": self.critical_path_captures}}
+                "guard": self.guard.report()}
 
     def all_workspaces(self) -> list[Workspace]:
         """Every workspace the core holds now, speculative forks included (memory sampling)."""

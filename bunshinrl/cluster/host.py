@@ -348,7 +348,11 @@ class WorkspaceHost:
         return len(self.rollouts) + len(self.workspaces)
 
     async def stats(self) -> dict[str, Any]:
-        return {**self.core.stats(), **self.counters}
+        core = self.core
+        # Which capture policy this host runs (the drivers share build_core's; a test checks it).
+        captures = {"policy": core.cache.snapshot_policy if core.cache is not None else None,
+                    "critical_path": core.critical_path_captures}
+        return {**core.stats(), **self.counters, "captures": captures}
 
     # ---- teardown ----
 
