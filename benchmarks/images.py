@@ -6,7 +6,7 @@ A private dockerd (tests/images_support.py: its own data root and exec root, no 
 iptables; stopped afterwards) builds a base: `docker import` of the Debian rootfs set-up
 caches, sudo and libcap2-bin from .deb files with a file capability set by setcap, and a
 layer of a real Python environment (numpy, scipy, pandas, sympy and their dependencies, copied
-from this interpreter's site-packages: 386 MiB, 10.8k files). On it, 8 images differ in a
+from this interpreter's site-packages: 359 MiB, 10.8k files). On it, 8 images differ in a
 small top layer (a task's files). --quick: 2 images, numpy alone in the base's Python layer,
 1 rep; the JSON says so under "regime".
 
