@@ -101,11 +101,23 @@ def ensure_default_user(ws: Workspace, name: str) -> users.User:
     if new_passwd != passwd:
         files.write("/etc/passwd", new_passwd, user="root")
         files.write("/etc/group", new_group, user="root")
+        _add_shadow(files, name)
         _grant_sudo(files, name)
     if not files.exists(user.home, user="root"):
         files.make_dir(user.home, user="root")
         os.chown(f"/proc/{ws.live_init_pid()}/root{user.home}", user.uid, user.gid, follow_symlinks=False)
     return user
+
+
+def _add_shadow(files: Files, name: str) -> None:
+    """A shadow entry for the new user where the rootfs keeps /etc/shadow: PAM's account check
+    (sudo's, su's) refuses a user it lacks. '*': no password logs in, the sudo entry needs none."""
+    shadow = _read_as_root(files, "/etc/shadow")
+    if not shadow or any(line.split(":", 1)[0] == name for line in shadow.splitlines()):
+        return
+    days = int(time.time() // 86400)
+    files.write("/etc/shadow", shadow + ("" if shadow.endswith("\n") else "\n") + f"{name}:*:{days}:0:99999:7:::\n",
+                user="root")
 
 
 def _grant_sudo(files: Files, name: str) -> None:

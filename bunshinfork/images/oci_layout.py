@@ -35,6 +35,8 @@ GZIP = ("application/vnd.oci.image.layer.v1.tar+gzip",
 # Python binding the project would have to add.
 ZSTD = ("application/vnd.oci.image.layer.v1.tar+zstd",
         "application/vnd.oci.image.layer.nondistributable.v1.tar+zstd")
+ZSTD_MAGIC = 0xFD2FB528
+ZSTD_SKIPPABLE = 0x184D2A50  # 0x184D2A50-0x184D2A5F
 KNOWN = PLAIN + GZIP + ZSTD
 UNPACKS = "uncompressed, gzip and zstd layers"
 MAX_JSON = 4 << 20  # an index, manifest or config larger than this is not one
@@ -137,7 +139,13 @@ def _zstd_stream(blob: Path, digest: str) -> Iterator[IO[bytes]]:
         outer.drain()
         if outer.digest() != digest:
             raise CorruptLayer(f"layer blob {digest} is corrupt: its content's digest is {outer.digest()}")
-        raw.seek(0)
+        # The tool also reads gzip, xz and lz4: the label must be the truth (a zstd frame, or a
+        # skippable frame before one).
+        magic = int.from_bytes(os.pread(raw.fileno(), 4, 0).ljust(4, b"\0"), "little")
+        if magic != ZSTD_MAGIC and magic & 0xFFFFFFF0 != ZSTD_SKIPPABLE:
+            raise CorruptLayer(f"layer {digest} does not decompress: it is labelled zstd but is not zstd")
+        # The tool reads the descriptor itself: rewind it, not the buffer in front of it.
+        os.lseek(raw.fileno(), 0, os.SEEK_SET)
         proc = subprocess.Popen([tool, "-d", "-c", "-q", "--no-progress"], stdin=raw, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE)
         assert proc.stdout is not None and proc.stderr is not None
