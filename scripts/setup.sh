@@ -49,8 +49,9 @@ apt_packages=(
   # screencopy, virtual keyboard and clipboard tools, the VNC live view and Xwayland
   sway foot grim wtype wl-clipboard wayvnc xwayland
   # container images as workspaces (bunshinfork/images): a Docker engine, skopeo for
-  # registries and OCI layouts, and a local registry for the tests
-  docker.io skopeo docker-registry
+  # registries and OCI layouts, zstd for OCI layers compressed with it, and a local registry
+  # for the tests
+  docker.io skopeo zstd docker-registry
   # real servers run inside forked networked workspaces (tests/test_network_servers.py)
   redis-server nginx memcached
 )

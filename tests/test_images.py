@@ -13,9 +13,22 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from images_support import APP, BASE, DEEP, DEEP_LAYERS, SWE, Engine, build_images, dockerd, registry, skopeo
+from images_support import (
+    APP,
+    BASE,
+    DEEP,
+    DEEP_LAYERS,
+    SWE,
+    Engine,
+    _debs,
+    build_images,
+    dockerd,
+    registry,
+    skopeo,
+)
 
 from bunshinfork import Workspace, images
+from bunshinfork.e2b import Sandbox
 from bunshinfork.errors import (
     CorruptLayer,
     EngineUnavailable,
@@ -235,12 +248,33 @@ def test_typed_errors(engine: Engine, tmp_path: Path, monkeypatch: pytest.Monkey
     with pytest.raises(CorruptLayer):
         Workspace.create(rootfs=f"oci:{tmp_path / 'corrupt'}:v1")
     assert store.temporaries() == before  # nothing half-unpacked is left or used
-    _corrupt_layout(layout, tmp_path / "zstd", media="application/vnd.oci.image.layer.v1.tar+zstd")
+    _corrupt_layout(layout, tmp_path / "bzip2", media="application/vnd.oci.image.layer.v1.tar+bzip2")
     with pytest.raises(UnsupportedMediaType):
+        Workspace.create(rootfs=f"oci:{tmp_path / 'bzip2'}:v1")
+    # Labelled zstd, but an uncompressed tar: the decoder refuses it, and nothing is kept.
+    _corrupt_layout(layout, tmp_path / "zstd", media="application/vnd.oci.image.layer.v1.tar+zstd")
+    with pytest.raises(CorruptLayer, match="decompress"):
         Workspace.create(rootfs=f"oci:{tmp_path / 'zstd'}:v1")
+    assert store.temporaries() == before
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-engine.sock")
     with pytest.raises(EngineUnavailable):
         Workspace.create(rootfs=f"docker:{APP}")
+
+
+def test_zstd_layers(engine: Engine, tmp_path: Path) -> None:
+    # Content of its own (random): a layer the store has not seen, whatever ran before.
+    z = f"{os.urandom(8).hex()}\n".encode() + b"zstd layer\n" * 999
+    engine.build("bunshin-test/zstd:1", f"FROM {BASE}\nCOPY z /z\n", files={"z": z})
+    layout = tmp_path / "layout"
+    skopeo("--dest-compress-format", "zstd", "docker-daemon:bunshin-test/zstd:1", f"oci:{layout}:v1", engine=engine)
+    index = json.loads((layout / "index.json").read_text())
+    man = json.loads((layout / "blobs" / "sha256" / index["manifests"][0]["digest"].split(":")[1]).read_text())
+    assert {lay["mediaType"] for lay in man["layers"]} == {"application/vnd.oci.image.layer.v1.tar+zstd"}
+    top = json.loads(engine.docker("image", "inspect", "bunshin-test/zstd:1"))[0]["RootFS"]["Layers"][-1]
+    assert not store.has(top)  # its own layer: this create unpacks it from zstd
+    with Workspace.create(rootfs=f"oci:{layout}:v1") as ws:
+        assert _out(ws, "wc -l < /z") == "1000"
+    assert store.has(top)
 
 
 COUNT = "/var/tmp/counts"
@@ -291,6 +325,56 @@ def test_template_never_ready_leaves_nothing(engine: Engine, tmp_path: Path, mon
         warm.create("never", f"docker:{SWE}", ready="false", ready_timeout=2)
     assert templates.ls() == []
     assert not (tmp_path / "saved").exists() or not any((tmp_path / "saved").iterdir())
+
+
+SUDO_IMAGE = "bunshin-test/sudo-nouser:1"  # sudo, no "user", a User and WorkingDir of its own
+E2B_CHECKS = "id -un; pwd; echo $HOME; stat -c %U $HOME; sudo -n id -u"
+
+
+def _e2b_user_with_sudo(sbx: Sandbox) -> None:
+    """E2B's conventions hold whatever the image's User: commands run as "user", whom the
+    sandbox added (home /home/user, theirs) with the password-less sudo E2B's build gives."""
+    r = sbx.commands.run(E2B_CHECKS)
+    assert r.stdout.split("\n")[:5] == ["user", "/srv", "/home/user", "user", "0"], r.stdout
+    assert sbx.commands.run("stat -c '%U %a' /etc/sudoers").stdout.strip() == "root 440"
+
+
+def test_e2b_sandbox_from_an_image_runs_as_user(engine: Engine, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    engine.build(SUDO_IMAGE, f"""FROM {BASE}
+COPY debs/ /tmp/debs/
+RUN dpkg -i /tmp/debs/*.deb && rm -rf /tmp/debs
+WORKDIR /srv
+USER nobody
+""", dirs={"debs": _debs()})
+    with Workspace.create(rootfs=f"docker:{SUDO_IMAGE}") as ws:  # a Workspace honours the image's User
+        assert _out(ws, "id -un; grep -c '^user:' /etc/passwd || true") == "nobody\n0"
+    layout = tmp_path / "layout"
+    skopeo(f"docker-daemon:{SUDO_IMAGE}", f"oci:{layout}:v1", engine=engine)
+    with registry(tmp_path) as where:
+        skopeo("--dest-tls-verify=false", f"docker-daemon:{SUDO_IMAGE}", f"docker://{where}/sudo:1", engine=engine)
+        for template in (f"docker:{SUDO_IMAGE}", f"oci:{layout}:v1", f"registry:{where}/sudo:1"):
+            sbx = Sandbox.create(template)
+            try:
+                _e2b_user_with_sudo(sbx)
+            finally:
+                sbx.kill()
+    # An image without sudo: "user" is added all the same, and no sudoers appears.
+    sbx = Sandbox.create(f"docker:{SWE}")
+    try:
+        assert sbx.commands.run("id -un; pwd; test -e /etc/sudoers || echo none").stdout.split() == \
+            ["user", "/repo", "none"]
+    finally:
+        sbx.kill()
+    # A warm template made from the image: its clones are sandboxes like the others.
+    monkeypatch.setattr(templates, "ROOT", tmp_path / "saved")
+    warm.create("e2b-from-image", f"docker:{SUDO_IMAGE}", ready="true", ready_timeout=30)
+    sbx = Sandbox.create("e2b-from-image")
+    try:
+        _e2b_user_with_sudo(sbx)
+    finally:
+        sbx.kill()
+        templates.rm("e2b-from-image")
 
 
 def test_gc_leaves_the_store_and_removes_abandoned_unpacks(engine: Engine) -> None:

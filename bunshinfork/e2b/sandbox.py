@@ -95,18 +95,49 @@ def check_create_options(mcp: dict[str, Any] | None, network: dict[str, Any] | N
                                        "'kill'); pausing on timeout needs E2B's persistence service")
 
 
+SUDO = ("/usr/bin/sudo", "/bin/sudo")
+
+
 def ensure_default_user(ws: Workspace, name: str) -> users.User:
-    """E2B's sandboxes have a user "user" (home /home/user): add it where the rootfs lacks it."""
+    """E2B's sandboxes have a user "user" (home /home/user): add it where the rootfs (an image,
+    say) lacks it, as E2B's template build does, with password-less sudo where the rootfs has
+    sudo. A user the rootfs has is left as it is."""
     files = ws.files
     passwd, group = (_read_as_root(files, p) for p in users.Accounts.PATHS)
     new_passwd, new_group, user = users.add_user(passwd, group, name)
     if new_passwd != passwd:
         files.write("/etc/passwd", new_passwd, user="root")
         files.write("/etc/group", new_group, user="root")
+        _add_shadow(files, name)
+        _grant_sudo(files, name)
     if not files.exists(user.home, user="root"):
         files.make_dir(user.home, user="root")
         os.chown(f"/proc/{ws.live_init_pid()}/root{user.home}", user.uid, user.gid, follow_symlinks=False)
     return user
+
+
+def _add_shadow(files: Files, name: str) -> None:
+    """A shadow entry for the new user where the rootfs keeps /etc/shadow: PAM's account check
+    (sudo's, su's) refuses a user it lacks. '*': no password logs in, the sudo entry needs none."""
+    shadow = _read_as_root(files, "/etc/shadow")
+    if not shadow or any(line.split(":", 1)[0] == name for line in shadow.splitlines()):
+        return
+    days = int(time.time() // 86400)
+    files.write("/etc/shadow", shadow + ("" if shadow.endswith("\n") else "\n") + f"{name}:*:{days}:0:99999:7:::\n",
+                user="root")
+
+
+def _grant_sudo(files: Files, name: str) -> None:
+    """E2B's template build appends NOPASSWD: ALL for its user to /etc/sudoers; so do we, where
+    sudo and its sudoers are there (the file keeps its 0440 root: sudo refuses anything else)."""
+    if not any(files.exists(p, user="root") for p in SUDO):
+        return
+    sudoers = _read_as_root(files, "/etc/sudoers")
+    if not sudoers:
+        return
+    entry = f"{name} ALL=(ALL:ALL) NOPASSWD: ALL\n"
+    if entry not in sudoers:
+        files.write("/etc/sudoers", sudoers + ("" if sudoers.endswith("\n") else "\n") + entry, user="root")
 
 
 def _read_as_root(files: Files, path: str) -> str:
@@ -173,19 +204,22 @@ class Sandbox:
     ) -> S:
         """Create a sandbox and start it.
 
-        template: "base" (the default: the host's /usr under a generated /etc), "debian",
-        "docker:IMAGE", an absolute directory, or the id or name of a snapshot saved by
-        create_snapshot(). timeout: its lifetime in seconds (default 300; 0: none).
+        template: "base" (the default: the host's /usr under a generated /etc), "debian", an
+        image ("docker:IMAGE", "oci:DIR[:TAG]", "registry:REF"), an absolute directory, or the
+        id or name of a snapshot saved by create_snapshot() or of a warm template (bunshin
+        template create). Commands run as "user" whatever the image's User (added, with
+        password-less sudo where the image has sudo, if the image lacks it). timeout: its
+        lifetime in seconds (default 300; 0: none).
         Every sandbox has a bridge network with NAT (E2B's default allow_internet_access=True);
         allow_internet_access=False denies all egress (deny_out 0.0.0.0/0, as in E2B), and
-        network={"allow_out": [...], "deny_out": [...]} takes E2B's egress rules (CIDRs or
-        addresses, or callables given ctx.all_traffic); the host enforces them, forks inherit
-        them, a denied connection is refused at once. network's rules, egress_proxy,
-        dns_servers and mask_request_host cannot apply here: InvalidArgumentException. A
-        sandbox from a saved snapshot has the snapshot's network, under these rules. secure,
-        idempotency_key and the API options (api_key, domain, request_timeout, ...) configure
-        E2B's cloud transport and are ignored. mcp, iam and volume_mounts are E2B cloud
-        services: refused.
+        network={"allow_out": [...], "deny_out": [...]} takes E2B's egress rules (CIDRs,
+        addresses or domain names matched on Host and SNI, or callables given
+        ctx.all_traffic); the host enforces them, forks inherit them, a denied connection is
+        refused at once. network's rules, egress_proxy, dns_servers and mask_request_host
+        cannot apply here: InvalidArgumentException. A sandbox from a saved snapshot has the
+        snapshot's network, under these rules. secure, idempotency_key and the API options
+        (api_key, domain, request_timeout, ...) configure E2B's cloud transport and are
+        ignored. mcp, iam and volume_mounts are E2B cloud services: refused.
         """
         check_create_options(mcp, network, iam, lifecycle, volume_mounts)
         policy = e2b_network.create_policy(network, allow_internet_access)  # refused before anything is built

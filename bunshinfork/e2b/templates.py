@@ -56,6 +56,7 @@ def start(template: str | None, lifetime: float, env: dict[str, str], network: d
         return clone
     rootfs = "host" if template in (None, DEFAULT) else str(template)
     if not (rootfs in ("host", "debian") or rootfs.startswith(("docker:", "oci:", "registry:", "/"))):
-        raise NotFoundException(f"no template {template!r}: use 'base', 'debian', 'docker:IMAGE', a "
-                                "directory, or a snapshot saved by create_snapshot()")
+        raise NotFoundException(f"no template {template!r}: use 'base', 'debian', 'docker:IMAGE', "
+                                "'oci:DIR[:TAG]', 'registry:REF', a directory, a warm template or a "
+                                "snapshot saved by create_snapshot()")
     return Workspace.create(timeout=lifetime, rootfs=rootfs, env=env, **network)
