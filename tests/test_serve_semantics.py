@@ -3,17 +3,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
 from e2b.connection_config import ConnectionConfig
 from e2b.sandbox.sandbox_api import build_lifecycle_config
 from e2b.sandbox.signature import get_signature
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bunshinfork.errors import InvalidArgumentException
-from bunshinfork.serve import lifecycle, ports
+from bunshinfork.errors import (
+    InvalidArgumentException,
+    NotFoundException,
+    WorkspaceNotFound,
+    WorkspaceStateError,
+)
+from bunshinfork.serve import envd, lifecycle, ports
 from bunshinfork.serve.lifecycle import ListQuery
 
 
@@ -106,3 +114,21 @@ def test_extended_never_shortens() -> None:
     assert lifecycle.extended(100.0, 10, now=0) == 100.0
     assert lifecycle.extended(100.0, 500, now=0) == 500.0
     assert lifecycle.extended(float("inf"), 10) == float("inf")
+
+
+@pytest.mark.parametrize(("raised", "code"), [
+    (WorkspaceNotFound("gone"), Code.UNAVAILABLE), (NotFoundException("no file"), Code.NOT_FOUND),
+    (InvalidArgumentException("bad"), Code.INVALID_ARGUMENT), (PermissionError("no"), Code.PERMISSION_DENIED),
+    (FileExistsError("there"), Code.ALREADY_EXISTS), (WorkspaceStateError("ended"), Code.UNAVAILABLE),
+    (RuntimeError("bug"), Code.INTERNAL)])
+def test_rpc_errors_map_bunshins_errors_to_e2bs_codes(raised: Exception, code: Code) -> None:
+    with pytest.raises(ConnectError) as got, envd.rpc_errors():
+        raise raised
+    assert got.value.code == code
+
+
+@pytest.mark.parametrize("raised", [asyncio.CancelledError, KeyboardInterrupt, SystemExit])
+def test_rpc_errors_let_a_cancel_or_an_exit_pass(raised: type[BaseException]) -> None:
+    """A handler cancelled because its client went away is no error to answer."""
+    with pytest.raises(raised), envd.rpc_errors():
+        raise raised()
