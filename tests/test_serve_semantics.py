@@ -1,4 +1,5 @@
-"""bunshinfork.serve's shared E2B semantics, against the e2b SDK's own pieces where it has them
+"""E2B's semantics that the in-process Sandbox and `bunshin serve` share (bunshinfork.e2b.lifecycle),
+and the server's own pieces, against the e2b SDK's own pieces where it has them
 (signatures, host names, lifecycle bodies), and paging over any list (Hypothesis)."""
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ from e2b.sandbox.signature import get_signature
 from hypothesis import given
 from hypothesis import strategies as st
 
+from bunshinfork.e2b import lifecycle
+from bunshinfork.e2b.lifecycle import ListQuery
 from bunshinfork.errors import (
     InvalidArgumentException,
     NotFoundException,
     WorkspaceNotFound,
     WorkspaceStateError,
 )
-from bunshinfork.serve import envd, lifecycle, ports
-from bunshinfork.serve.lifecycle import ListQuery
+from bunshinfork.serve import envd, ports
 
 
 @given(n=st.integers(0, 40), limit=st.one_of(st.none(), st.integers(1, 100)), desc=st.booleans())
