@@ -246,16 +246,20 @@ def metrics(ws: Workspace) -> SandboxMetrics:
 
 
 def is_paused(ws: Workspace) -> bool:
-    """Paused as E2B means it: to disk (or frozen by Workspace.pause(), which connect() thaws)."""
-    return ws.info().state in (PAUSED_TO_DISK, "paused")
+    """Paused as E2B means it: to disk. (A frozen cgroup is not: every snapshot and fork
+    freezes its source for a moment, and Workspace.pause() is bunshin's, which connect() thaws.)"""
+    return ws.info().state == PAUSED_TO_DISK
 
 
 def pause(ws: Workspace, dest: Path | None = None) -> bool:
     """E2B's pause: save the whole state to disk (at `dest`, or bunshin's default place) and
     give the workspace's processes and memory back to the host. False if it is paused already;
     on a failed save it keeps running, unchanged."""
-    if ws.info().state == PAUSED_TO_DISK:
+    state = ws.info().state
+    if state == PAUSED_TO_DISK:
         return False
+    if state == "paused":  # frozen by Workspace.pause(): saved as it runs
+        ws.resume()
     ws.pause_to_disk(dest)
     return True
 

@@ -135,7 +135,7 @@ class Sandbox:
         lifecycle pauses it and whose deadline passed while no process watched it is paused now."""
         sbx = cls(Workspace.connect(sandbox_id), logger)
         if sbx.workspace.is_running() and sidecar.load(sbx.workspace).deadline <= time.time():
-            sbx._on_deadline()
+            cls._on_deadline(sbx)
         return sbx
 
     @property
@@ -199,7 +199,7 @@ class Sandbox:
         except BaseException:
             sbx.workspace.destroy()
             raise
-        sbx._watch()
+        cls._watch(sbx)
         if logger is not None:
             logger.info("created sandbox %s from %s", sbx.sandbox_id, template or cls.default_template)
         return sbx
