@@ -163,6 +163,10 @@ def _unbuild(b: Build) -> None:
     for entry in os.scandir(rec.dir):
         if entry.is_dir(follow_symlinks=False):
             shutil.rmtree(entry.path, ignore_errors=True)
+    # The marker the file system's release leaves to say it uses no frozen layer any more: a
+    # resumed workspace stacks one again, which a marked owner would not keep alive.
+    with contextlib.suppress(FileNotFoundError):
+        (rec.dir / state.RELEASED).unlink()
     rec.fs = rec.cgroups = rec.process = rec.network = rec.lineage = None
     rec.restore_window = None
     if rec.status is not Status.PAUSED:
