@@ -183,10 +183,17 @@ def ws_dirs() -> set[str]:
     return set(state.all_ids())
 
 
+def paused_states() -> set[str]:
+    """Saved states of workspaces paused to disk (their records are state dirs)."""
+    root = state.PAUSED_ROOT
+    return {p.name for p in root.iterdir()} if root.is_dir() else set()
+
+
 PROBES: dict[str, Callable[[], set]] = {
     "mounts": mounts,
     "cgroups": lambda: set(leftover_cgroups()),
     "state dirs": ws_dirs,
+    "paused states": paused_states,
     "loop devices": loop_devices,
     "network namespaces": net_namespaces,
     "veths": interfaces,

@@ -14,7 +14,9 @@ import contextlib
 import os
 import shutil
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from . import state
 from .cgroups import Cgroup, CgroupsPart
@@ -103,10 +105,13 @@ def fork(snap: Captured, count: int, memory: str, life: Lifetime | None = None) 
         return list(pool.map(one, range(count)))
 
 
-def _assemble(b: Build) -> Build:
+def _assemble(b: Build, undo: Callable[[Build], None] | None = None) -> Build:
+    """Build every part; a failure undoes them (release(): nothing is left; a resume's
+    _unbuild(): the paused record stays) and raises."""
     rec = b.rec
     state.run_root()
-    rec.dir.mkdir(mode=0o700)
+    if undo is None:
+        rec.dir.mkdir(mode=0o700)
     rec.save()
     try:
         for p in PARTS if b.source is None else restore_order():
@@ -122,13 +127,78 @@ def _assemble(b: Build) -> Build:
         return b
     except BaseException:
         with contextlib.suppress(BunshinError):
-            release(b)
+            (undo or release)(b)
         raise
     finally:
         for step in b.deferred:
             with contextlib.suppress(Exception):
                 step()
         b.deferred.clear()
+
+
+# ---- pause to disk and resume ----
+
+
+def park(b: Build, saved: Path) -> None:
+    """Release every part of a running workspace whose whole state was saved at `saved` (a
+    snapshot's saved copy), keeping its record, PAUSED: wake() restores it under the same id."""
+    with lifetime.cleanup_lock(b.rec) as present:
+        if not present:
+            raise WorkspaceStateError(f"workspace {b.rec.id} was destroyed while it was being paused")
+        # PAUSED before any part goes: gc and lifetime collection leave a PAUSED record alone,
+        # where a RUNNING one whose init is gone would be theirs to remove.
+        b.rec.saved = str(saved)
+        b.rec.transition(Status.PAUSED)
+        b.rec.save()
+        _unbuild(b)
+
+
+def _unbuild(b: Build) -> None:
+    """Release every part and keep the record, PAUSED, with what the parts recorded forgotten
+    (a paused workspace, or a resume that failed)."""
+    errors = _release_parts(b)
+    rec = b.rec
+    # The parts' mount points and work directories go (a restore makes them anew); the record
+    # and the files the entrances keep beside it stay.
+    for entry in os.scandir(rec.dir):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+    # The marker the file system's release leaves to say it uses no frozen layer any more: a
+    # resumed workspace stacks one again, which a marked owner would not keep alive.
+    with contextlib.suppress(FileNotFoundError):
+        (rec.dir / state.RELEASED).unlink()
+    rec.fs = rec.cgroups = rec.process = rec.network = rec.lineage = None
+    rec.restore_window = None
+    if rec.status is not Status.PAUSED:
+        rec.transition(Status.PAUSED)
+    rec.save()
+    if errors:
+        raise WorkspaceStateError(f"workspace {rec.id} pause incomplete: {'; '.join(errors)}")
+
+
+@contextlib.contextmanager
+def resuming(ws_id: str) -> Iterator[Record]:
+    """The PAUSED record of `ws_id`, held against a concurrent resume, destroy or gc until the
+    block ends. WorkspaceStateError where it is not paused (any more)."""
+    try:
+        rec = Record.load(ws_id)
+    except FileNotFoundError:
+        raise WorkspaceStateError(f"workspace {ws_id} is gone") from None
+    with lifetime.cleanup_lock(rec) as present:
+        rec = Record.load(ws_id) if present else rec  # what the previous holder left
+        if not present or rec.status is not Status.PAUSED or not rec.saved:
+            raise WorkspaceStateError(f"workspace {ws_id} is {rec.status if present else 'gone'}, not paused")
+        yield rec
+
+
+def wake(rec: Record, snap: Captured, memory: str, life: Lifetime | None = None) -> Build:
+    """Restore the PAUSED workspace `rec` (held by resuming()) from its saved snapshot `snap`,
+    under its own id, with the lifetime `life`. A failure releases what was restored and
+    leaves it PAUSED, its saved state untouched."""
+    rec.transition(Status.CREATING)
+    rec.creator_pid = os.getpid()
+    rec.lifetime = life or Lifetime()
+    return _assemble(Build(rec, source=snap, memory=memory), undo=_unbuild)
 
 
 # ---- release and gc ----
@@ -149,21 +219,48 @@ def release(held: Held) -> None:
                     os.close(pidfd)
                 held.rec.transition(Status.DESTROYED)
                 return
-            _release(held)
+            current = _as_recorded(held)
+            _release(current)
+            if current is not held:
+                held.rec.transition(Status.DESTROYED)
         return
     _release(held)
 
 
-def _release(held: Held) -> None:
+def _as_recorded(held: Build) -> Build:
+    """What to release: the record as saved now where another object paused or resumed the
+    workspace since `held` was read (its parts are those the saved record names)."""
+    if held.rec.status is Status.CREATING:
+        return held
+    try:
+        now = Record.load(held.rec.id)
+    except (FileNotFoundError, ValueError):
+        return held
+    if now.status is held.rec.status:
+        return held
+    if held.pidfd is not None:  # an init that is gone since (paused), not the one running now
+        pidfd, held.pidfd = held.pidfd, None
+        os.close(pidfd)
+    return Build(now)
+
+
+def _release_parts(held: Held) -> list[str]:
     errors = []
     for p in reversed(PARTS):
         try:
             p.release(held)
         except Exception as e:
             errors.append(f"{p.name}: {e}")
+    return errors
+
+
+def _release(held: Held) -> None:
+    errors = _release_parts(held)
     try:
         if isinstance(held, Build):
             state.remove_dir(held.rec.dir)
+            if held.rec.saved:  # a paused workspace's saved state goes with it
+                shutil.rmtree(held.rec.saved, ignore_errors=True)
         elif held.owned:
             # Its pages stay (and only they) while images of a retained snapshot read them.
             chain.retire(held.dir)
@@ -182,7 +279,7 @@ def gc() -> dict[str, list[str]]:
     # records whose init is gone.
     # A CRIU whose caller died goes first: it may still be restoring into what follows removes.
     removed = {"process": part("process").gc()}
-    removed |= {"workspaces": collect() + _gc_records(), "snapshots": _gc_snapshots()}
+    removed |= {"workspaces": collect() + _gc_records(), "snapshots": _gc_snapshots(), "paused": _gc_paused()}
     removed["state"] = state.empty_trash()  # state directories a crash left half-removed
     for p in PARTS:
         if p.name != "process":
@@ -222,11 +319,30 @@ def _gc_records() -> list[str]:
             continue
         stale = (rec.status is Status.CREATING and not rec.creator_alive()) or (
             rec.status is Status.RUNNING and not rec.init_alive()
-        )
+        ) or (rec.status is Status.PAUSED and not (rec.saved and os.path.isdir(rec.saved)))
+        if stale and rec.status is Status.CREATING and rec.saved and os.path.isdir(rec.saved):
+            # A resume whose process died: back to paused, its saved state kept.
+            with contextlib.suppress(BunshinError, OSError), lifetime.cleanup_lock(rec) as present:
+                if present:
+                    _unbuild(Build(rec))
+            removed.append(ws_id)
+            continue
         if stale:
             with contextlib.suppress(BunshinError):
                 release(Build(rec))
             removed.append(ws_id)
+    return removed
+
+
+def _gc_paused() -> list[str]:
+    """Saved states under state.PAUSED_ROOT whose workspace is gone (a crash between the
+    save and the record, or a state root lost with its tmpfs)."""
+    root = state.PAUSED_ROOT
+    removed = []
+    for d in sorted(root.iterdir()) if root.is_dir() else []:
+        if not (state.RUN_ROOT / d.name.removesuffix(".partial")).exists():
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d.name)
     return removed
 
 

@@ -281,16 +281,24 @@ class Status(enum.StrEnum):
 
     CREATING = "creating"  # its parts are being prepared or restored
     RUNNING = "running"  # every part is built: its init runs (unless it died since)
+    # Paused to disk (Workspace.pause_to_disk): its whole state saved at Record.saved and every
+    # part released; only this record is left, and a resume restores it under the same id.
+    PAUSED = "paused"
     DESTROYED = "destroyed"  # released, or being released: it owns nothing any more
 
 
 # The moves each status allows; anything else raises IllegalTransition. Destroying is
-# idempotent (a release that finds another process took the workspace apart already).
+# idempotent (a release that finds another process took the workspace apart already). A
+# resume is a restore (PAUSED -> CREATING), and one that fails goes back to PAUSED.
 TRANSITIONS: dict[Status, frozenset[Status]] = {
-    Status.CREATING: frozenset({Status.RUNNING, Status.DESTROYED}),
-    Status.RUNNING: frozenset({Status.DESTROYED}),
+    Status.CREATING: frozenset({Status.RUNNING, Status.PAUSED, Status.DESTROYED}),
+    Status.RUNNING: frozenset({Status.PAUSED, Status.DESTROYED}),
+    Status.PAUSED: frozenset({Status.CREATING, Status.DESTROYED}),
     Status.DESTROYED: frozenset({Status.DESTROYED}),
 }
+# Where a workspace paused to disk keeps its saved state by default: on disk, beside the layer
+# store (the state root is a tmpfs, which would keep the memory a pause gives back).
+PAUSED_ROOT = HOST.layer_store.parent / "paused"
 
 
 @dataclass
@@ -318,6 +326,7 @@ class Record:
     # the restores of clones forked together overlap.
     restore_window: tuple[float, float] | None = None
     lifetime: Lifetime = field(default_factory=Lifetime)
+    saved: str | None = None  # while PAUSED (and resuming): the directory its state is saved in
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "status":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
 import signal as _signal
 import threading
 from collections import ChainMap
@@ -53,18 +54,18 @@ def host_memory(workspaces: Iterable[Workspace], snapshots: Iterable[Snapshot] =
 
 def info_state(status: Status, init_alive: bool, frozen: Callable[[], bool]) -> str:
     """WorkspaceInfo.state, derived from the record's Status and what the host shows: a running
-    record whose init lives is "paused" while its cgroup is frozen, else "running"; anything
-    else is "dead" (E2B's SandboxState derives from this in turn)."""
+    record whose init lives is "paused" while its cgroup is frozen (pause()), else "running";
+    a PAUSED record is "paused-to-disk" (pause_to_disk()); anything else is "dead"."""
     if status is Status.RUNNING and init_alive:
         return "paused" if frozen() else "running"
-    return "dead"
+    return "paused-to-disk" if status is Status.PAUSED else "dead"
 
 
 @dataclass(frozen=True)
 class WorkspaceInfo:
     id: str
     hostname: str
-    state: str  # running | paused | dead
+    state: str  # running | paused (frozen) | paused-to-disk | dead
     init_pid: int
     created_at: float
     rootfs: str
@@ -240,12 +241,15 @@ class Workspace:
 
     @classmethod
     def connect(cls, ws_id: str) -> Workspace:
-        """Attach to a workspace created by this or another process."""
+        """Attach to a workspace created by this or another process. One paused to disk is
+        attached to as it is: resume_from_disk() or destroy() it."""
         pipeline.collect()
         try:
             rec = Record.load(ws_id)
         except FileNotFoundError:
             raise WorkspaceNotFound(f"no workspace {ws_id!r} under {state.RUN_ROOT}; see 'bunshin ls'") from None
+        if rec.status is Status.PAUSED:
+            return cls(rec)
         if rec.status is not Status.RUNNING or not rec.init_alive():
             raise WorkspaceStateError(
                 f"workspace {ws_id} is {rec.status if rec.status is not Status.RUNNING else 'dead'}; "
@@ -258,7 +262,7 @@ class Workspace:
         pipeline.collect()
         out = []
         for rec in state.records():
-            if rec.status is Status.RUNNING:
+            if rec.status in (Status.RUNNING, Status.PAUSED):
                 with contextlib.suppress(BunshinError):
                     out.append(Workspace(rec).info())
         return out
@@ -402,6 +406,48 @@ class Workspace:
     def resume(self) -> None:
         self.live_init_pid()
         self._cgroup().thaw()
+
+    def pause_to_disk(self, path: str | os.PathLike[str] | None = None) -> None:
+        """Save the workspace's whole state (memory, processes, files) to disk at `path` (a new
+        directory; default state.PAUSED_ROOT/<id>), then release its processes, memory, mounts,
+        cgroup and network: only its record is left, and info().state is "paused-to-disk".
+        resume_from_disk() restores it under the same id; destroy() removes it with its saved
+        state. A failed save leaves it running, unchanged. (pause() is a freeze instead: the
+        memory stays where it is.)"""
+        dest = Path(path) if path is not None else state.PAUSED_ROOT / self.id
+        tmp = dest.with_name(dest.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            # Saved complete (a cow snapshot's holders are read into images): nothing of it
+            # stays in memory or reads another snapshot's pages.
+            with _capture(self, "auto", delta=True, dedupe=False) as snap:
+                snap.save(tmp).result()
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(tmp, dest)
+        with self._lock:
+            pidfd, self._pidfd = self._pidfd, None
+            pipeline.park(Build(self._rec, pidfd=pidfd), dest)
+
+    def resume_from_disk(self, *, timeout: float | None = None) -> None:
+        """Restore a workspace paused to disk, under its own id, with its processes running and
+        its files as they were; `timeout`: its lifetime from now (None or 0: none). Its saved
+        state is deleted once it runs; a failed resume leaves it paused, its state kept.
+        WorkspaceStateError where it is not paused to disk."""
+        with pipeline.resuming(self.id) as rec:
+            snap = snapshot.load(str(rec.saved))
+            try:
+                b = pipeline.wake(rec, snap, snap.meta.memory, lifetime.asked(timeout, False))
+            finally:
+                pipeline.release(snap)  # a loaded snapshot: its files stay
+            saved, rec.saved = rec.saved, None
+            rec.save()
+        shutil.rmtree(str(saved), ignore_errors=True)
+        with self._lock:  # the same object runs again: its commands, files and pty with it
+            self._rec, self._pidfd = b.rec, b.pidfd
 
     def signal(self, sig: int) -> None:
         """Send `sig` to the workspace's init: KILL ends the workspace (destroy() removes what is

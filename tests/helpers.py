@@ -8,7 +8,7 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from bunshinfork import state
 from bunshinfork.commands import CommandResult
@@ -91,3 +91,17 @@ def host_fd_targets(pid: int) -> list[str]:
         with contextlib.suppress(FileNotFoundError):
             out.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
     return out
+
+
+# A process that holds 200 MiB and answers SIGUSR1 with how much of it still reads back: what a
+# pause to disk must give back to the host and a resume must bring back (E2B's and ours).
+HOG = ("python3 -c \"import signal,sys; b=bytearray(b'q')*(200<<20); "
+       "signal.signal(signal.SIGUSR1, lambda *a: open('/tmp/ans','w').write(str(b.count(b'q')))); "
+       "open('/tmp/ready','w').close(); [signal.pause() for _ in iter(int, 1)]\" memhog")
+HOG_READY = "for i in $(seq 400); do [ -e /tmp/ready ] && break; sleep 0.05; done; [ -e /tmp/ready ]"
+
+
+def ask_hog(sbx: Any) -> str:
+    """What the HOG of a sandbox (ours or the e2b SDK's) answers: its memory, as bytes still set."""
+    return sbx.commands.run("rm -f /tmp/ans; pkill -USR1 -f '^python3 -c .*memho[g]'; for i in $(seq 200); do "
+                            "[ -s /tmp/ans ] && break; sleep 0.05; done; cat /tmp/ans", timeout=30).stdout

@@ -28,6 +28,7 @@ import pytest
 import test_e2b_examples as ex
 from fake_internet import PORT as FAKE_PORT
 from fake_internet import FakeHost, fake_host
+from helpers import HOG, HOG_READY, ask_hog
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -53,6 +54,17 @@ def served(tmp_path_factory: pytest.TempPathFactory, key_file: Path) -> Iterator
         assert s.stop() == 0, "".join(s.log)
         left = [i for i in state.all_ids() if _creator(i) == s.proc.pid]
         assert not left, f"the server left workspaces behind: {left}"
+
+
+def _running_of(pid: int) -> set[str]:
+    """The workspaces the server `pid` made that are running (a paused one keeps its record)."""
+    out = set()
+    for i in state.all_ids():
+        with contextlib.suppress(FileNotFoundError, ValueError, TypeError):
+            rec = state.Record.load(i)
+            if rec.creator_pid == pid and rec.status is state.Status.RUNNING:
+                out.add(i)
+    return out
 
 
 def _creator(ws_id: str) -> int | None:
@@ -285,31 +297,23 @@ def test_lifetimes_list_and_snapshots(served: support.Served, cleanup: None) -> 
 # ---- pause to disk ----
 
 
-HOG = ("python3 -c \"import signal,sys; b=bytearray(b'q')*(200<<20); "
-       "signal.signal(signal.SIGUSR1, lambda *a: open('/tmp/ans','w').write(str(b.count(b'q')))); "
-       "open('/tmp/ready','w').close(); [signal.pause() for _ in iter(int, 1)]\" memhog")
-
-
-def _ask_hog(sbx: e2b.Sandbox) -> str:
-    return sbx.commands.run("rm -f /tmp/ans; pkill -USR1 -f '^python3 -c .*memho[g]'; for i in $(seq 200); do "
-                            "[ -s /tmp/ans ] && break; sleep 0.05; done; cat /tmp/ans", timeout=30).stdout
-
-
 def test_pause_frees_memory_and_resumes(served: support.Served, cleanup: None) -> None:
     sbx = e2b.Sandbox.create()
     sbx.commands.run(HOG, background=True)
-    sbx.commands.run("for i in $(seq 400); do [ -e /tmp/ready ] && break; sleep 0.05; done; [ -e /tmp/ready ]")
+    sbx.commands.run(HOG_READY)
     (before,) = sbx.get_metrics()
     assert before.mem_used >= 200 << 20  # what it costs the host (bunshin's accounting)
-    live_before = {i for i in state.all_ids() if _creator(i) == served.proc.pid}
+    live_before = _running_of(served.proc.pid)
     assert sbx.pause() is True and sbx.pause() is False
-    live_paused = {i for i in state.all_ids() if _creator(i) == served.proc.pid}
-    # Paused: its workspace is gone (memory, processes, mounts returned), its state is on disk.
-    assert len(live_before - live_paused) == 1 and not live_paused - live_before
+    live_paused = _running_of(served.proc.pid)
+    # Paused: its workspace's parts are gone (memory, processes, mounts returned), only its
+    # record is left, paused, and its state is on disk.
+    assert live_before - live_paused == {sbx.sandbox_id} and not live_paused - live_before
+    assert state.Record.load(sbx.sandbox_id).status is state.Status.PAUSED
     assert sbx.get_metrics() == []
     assert any((served.state_dir / "paused").iterdir())
     same = e2b.Sandbox.connect(sbx.sandbox_id)
-    assert _ask_hog(same) == str(200 << 20)  # the process is back, with its memory
+    assert ask_hog(same) == str(200 << 20)  # the process is back, with its memory
 
 
 def test_on_timeout_pause_and_restart(served: support.Served, key_file: Path, cleanup: None) -> None:
@@ -340,8 +344,8 @@ def test_sigkill_leaves_nothing_the_next_server_cannot_take_back(served: support
     served.stop(signal.SIGKILL)
     restarted = support.start(served.state_dir, key_file, port=port)
     served.proc = restarted.proc
-    # The running sandbox was reaped at start; the paused one stays, and resumes.
-    assert not [i for i in state.all_ids() if _creator(i) == old_pid]
+    # The running sandbox was reaped at start; the paused one stays (its record, paused), and resumes.
+    assert [i for i in state.all_ids() if _creator(i) == old_pid] == [paused.sandbox_id]
     listed = {i.sandbox_id: i.state for i in e2b.Sandbox.list().next_items()}
     assert listed == {paused.sandbox_id: "paused"}
     assert e2b.Sandbox.kill(running.sandbox_id) is False

@@ -1,6 +1,6 @@
 """A workspace record's status is a Status with allowed transitions (runc's containerState):
 an illegal move raises a typed error, records saved as plain strings still load, and
-WorkspaceInfo.state derives from it."""
+WorkspaceInfo.state derives from it. Paused to disk is a status of its own."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def test_every_status_has_its_row() -> None:
 def test_moves_follow_the_table(start: Status, to: Status) -> None:
     rec = _record()
     # Reach `start` along allowed moves only.
-    path = {Status.CREATING: [], Status.RUNNING: [Status.RUNNING], Status.DESTROYED: [Status.DESTROYED]}[start]
+    path = {Status.CREATING: [], Status.RUNNING: [Status.RUNNING], Status.PAUSED: [Status.RUNNING, Status.PAUSED],
+            Status.DESTROYED: [Status.DESTROYED]}[start]
     for step in path:
         rec.transition(step)
     assert rec.status is start
@@ -84,3 +85,46 @@ def test_info_state_derives_from_the_status() -> None:
     assert info_state(Status.RUNNING, False, thawed) == "dead"
     for other in (Status.CREATING, Status.DESTROYED):
         assert info_state(other, True, thawed) == "dead"
+    assert info_state(Status.PAUSED, False, thawed) == "paused-to-disk"  # saved on disk, no init
+
+
+def test_pause_to_disk_moves() -> None:
+    """Paused to disk is reached from running only; a resume is a restore (creating), and one
+    that fails goes back to paused; a paused workspace may be destroyed."""
+    rec = _record()
+    with pytest.raises(IllegalTransition):
+        _record(Status.DESTROYED).transition(Status.PAUSED)
+    for step in (Status.RUNNING, Status.PAUSED, Status.CREATING, Status.PAUSED, Status.CREATING, Status.RUNNING,
+                 Status.PAUSED, Status.DESTROYED):
+        rec.transition(step)
+
+
+def test_a_failed_resume_stays_paused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resume that fails releases what it restored and leaves the workspace paused, its saved
+    state kept: the next resume brings it back."""
+    from bunshinfork import pipeline
+    from bunshinfork.errors import ForkError
+    from bunshinfork.workspace import Workspace
+
+    def refuse(b: object) -> None:
+        raise ForkError("refused by the test")
+
+    ws = Workspace.create()
+    try:
+        ws.files.write("/root/f", "kept")
+        ws.pause_to_disk()
+        saved = Path(str(ws.record.saved))
+        with monkeypatch.context() as m:
+            m.setattr(pipeline.part("network"), "restore", refuse)
+            with pytest.raises(ForkError, match="refused by the test"):
+                ws.resume_from_disk()
+        rec = Record.load(ws.id)
+        assert rec.status is Status.PAUSED and rec.fs is None and rec.cgroups is None and saved.is_dir()
+        ws.resume_from_disk()
+        assert ws.is_running() and ws.files.read("/root/f") == "kept" and not saved.exists()
+        # Paused and resumed again: it now stacks the layer its first resume imported.
+        ws.pause_to_disk()
+        ws.resume_from_disk()
+        assert ws.files.read("/root/f") == "kept"
+    finally:
+        ws.destroy()

@@ -1,7 +1,8 @@
 """E2B's semantics through bunshinfork.Sandbox: the lifetime, timeout=0, CommandExitException,
 the login shell, the non-root user that exists in the sandbox, envs and cwd, E2B's commands,
-pty and files modules, by-id class calls, snapshots as templates; and Workspace keeping
-bunshin's own (root, no lifetime, fork(count))."""
+pty and files modules, by-id class calls, snapshots as templates, pause to disk (memory freed,
+processes back on connect) and the lifecycle that pauses at the deadline; and Workspace
+keeping bunshin's own (root, no lifetime, fork(count), pause() a freeze)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import wait_for
+from helpers import HOG, HOG_READY, ask_hog, wait_for
 
 from bunshinfork import (
     CommandExitException,
@@ -27,6 +28,8 @@ from bunshinfork import (
     SandboxState,
     SpecError,
     Workspace,
+    host_memory,
+    state,
 )
 from bunshinfork.errors import CommandTimeout
 from bunshinfork.images import templates as template_store
@@ -210,6 +213,56 @@ def test_by_id_and_list(sbx: Sandbox) -> None:
     assert len(metrics) == 1 and metrics[0].mem_used > 0 and metrics[0].cpu_count >= 1
 
 
+def test_pause_frees_memory_and_connect_resumes() -> None:
+    """E2B's pause: the state goes to disk and the memory back to the host (bunshin's host-cost
+    accounting, as `bunshin serve`'s test measures it); connect() brings the processes back with
+    their memory and the files as they were, under the same id."""
+    with Sandbox.create(timeout=120) as sbx:
+        sbx.commands.run(HOG, background=True)
+        sbx.commands.run(HOG_READY)
+        sbx.files.write("/home/user/kept.txt", "kept")
+        (before,) = sbx.get_metrics()
+        assert before.mem_used >= 200 << 20 and host_memory([sbx.workspace]).total >= 200 << 20
+        assert sbx.pause() is True and sbx.pause() is False
+        assert sbx.get_info().state == SandboxState.PAUSED and not sbx.is_running()
+        assert sbx.get_metrics() == [] and host_memory([sbx.workspace]).total == 0
+        # Only its record is left (its own status), and its state is on disk, not in the state root's tmpfs.
+        rec = sbx.workspace.record
+        assert rec.status is state.Status.PAUSED and sbx.workspace.info().state == "paused-to-disk"
+        assert rec.saved is not None and not Path(rec.saved).is_relative_to(state.RUN_ROOT)
+        assert Path(rec.saved).is_dir() and not list(Path(rec.dir).glob("*/"))
+        paused = Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED])).next_items()
+        assert sbx.sandbox_id in [i.sandbox_id for i in paused]
+        same = Sandbox.connect(sbx.sandbox_id)  # by id: another object, as another process would
+        assert same.sandbox_id == sbx.sandbox_id and same.is_running()
+        assert ask_hog(same) == str(200 << 20)
+        assert same.files.read("/home/user/kept.txt") == "kept"
+        assert (same.get_info().end_at.timestamp() - time.time()) == pytest.approx(300, abs=5)  # E2B's default
+        assert not Path(rec.saved).exists()
+        # The first object sees it running again.
+        assert sbx.is_running() and sbx.commands.run("echo back").stdout == "back\n"
+    assert Sandbox.kill(sbx.sandbox_id) is False
+
+
+def test_on_timeout_pause_and_connect() -> None:
+    sbx = Sandbox.create(timeout=2, lifecycle={"on_timeout": "pause"})
+    try:
+        assert sbx.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": False}
+        sbx.files.write("/tmp/kept.txt", "kept")
+        wait_for(lambda: sbx.get_info().state == SandboxState.PAUSED, timeout=60, interval=0.1)
+        assert not sbx.is_running() and sbx.workspace.info().state == "paused-to-disk"
+        sbx.connect(timeout=60)
+        assert sbx.files.read("/tmp/kept.txt") == "kept"
+        assert (sbx.get_info().end_at.timestamp() - time.time()) == pytest.approx(60, abs=3)
+        sbx.set_timeout(1)  # moves the deadline it pauses at
+        wait_for(lambda: sbx.get_info().state == SandboxState.PAUSED, timeout=60, interval=0.1)
+        saved = Path(str(sbx.workspace.record.saved))
+        assert saved.is_dir()
+    finally:
+        assert sbx.kill() is True
+    assert not saved.exists()  # a paused sandbox's kill removes its saved state too
+
+
 def test_snapshots_as_templates(sbx: Sandbox, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(template_store, "ROOT", tmp_path / "snapshots")
     sbx.commands.run("echo remembered > memo; (sleep 1000 &)")
@@ -248,7 +301,7 @@ def test_a_saved_template_takes_envs_and_metadata(sbx: Sandbox, tmp_path: Path,
 def test_cloud_only_options_are_refused_or_ignored() -> None:
     for kwargs in ({"mcp": {"github": {}}}, {"network": {"egress_proxy": {"address": "p:1080"}}},
                    {"iam": {"tokens": {"a": 1}}}, {"volume_mounts": {"/data": "vol"}},
-                   {"lifecycle": {"on_timeout": "pause"}}):
+                   {"lifecycle": {"on_timeout": "pause", "auto_resume": True}}, {"lifecycle": {"on_timeout": "stop"}}):
         with pytest.raises(InvalidArgumentException):
             Sandbox.create(**kwargs)  # type: ignore[arg-type]
     # Transport options configure E2B's cloud: accepted and ignored.

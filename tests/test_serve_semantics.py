@@ -1,20 +1,30 @@
-"""bunshinfork.serve's shared E2B semantics, against the e2b SDK's own pieces where it has them
+"""E2B's semantics that the in-process Sandbox and `bunshin serve` share (bunshinfork.e2b.lifecycle),
+and the server's own pieces, against the e2b SDK's own pieces where it has them
 (signatures, host names, lifecycle bodies), and paging over any list (Hypothesis)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
 from e2b.connection_config import ConnectionConfig
 from e2b.sandbox.sandbox_api import build_lifecycle_config
 from e2b.sandbox.signature import get_signature
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bunshinfork.errors import InvalidArgumentException
-from bunshinfork.serve import lifecycle, ports
-from bunshinfork.serve.lifecycle import ListQuery
+from bunshinfork.e2b import lifecycle
+from bunshinfork.e2b.lifecycle import ListQuery
+from bunshinfork.errors import (
+    InvalidArgumentException,
+    NotFoundException,
+    WorkspaceNotFound,
+    WorkspaceStateError,
+)
+from bunshinfork.serve import envd, ports
 
 
 @given(n=st.integers(0, 40), limit=st.one_of(st.none(), st.integers(1, 100)), desc=st.booleans())
@@ -106,3 +116,21 @@ def test_extended_never_shortens() -> None:
     assert lifecycle.extended(100.0, 10, now=0) == 100.0
     assert lifecycle.extended(100.0, 500, now=0) == 500.0
     assert lifecycle.extended(float("inf"), 10) == float("inf")
+
+
+@pytest.mark.parametrize(("raised", "code"), [
+    (WorkspaceNotFound("gone"), Code.UNAVAILABLE), (NotFoundException("no file"), Code.NOT_FOUND),
+    (InvalidArgumentException("bad"), Code.INVALID_ARGUMENT), (PermissionError("no"), Code.PERMISSION_DENIED),
+    (FileExistsError("there"), Code.ALREADY_EXISTS), (WorkspaceStateError("ended"), Code.UNAVAILABLE),
+    (RuntimeError("bug"), Code.INTERNAL)])
+def test_rpc_errors_map_bunshins_errors_to_e2bs_codes(raised: Exception, code: Code) -> None:
+    with pytest.raises(ConnectError) as got, envd.rpc_errors():
+        raise raised
+    assert got.value.code == code
+
+
+@pytest.mark.parametrize("raised", [asyncio.CancelledError, KeyboardInterrupt, SystemExit])
+def test_rpc_errors_let_a_cancel_or_an_exit_pass(raised: type[BaseException]) -> None:
+    """A handler cancelled because its client went away is no error to answer."""
+    with pytest.raises(raised), envd.rpc_errors():
+        raise raised()

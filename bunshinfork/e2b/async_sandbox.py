@@ -98,17 +98,23 @@ class AsyncSandbox:
         """The workspace behind the sandbox."""
         return self._sbx.workspace
 
+    def _async(self) -> AsyncWorkspace:
+        # The Sandbox attaches anew to a workspace another process paused or resumed.
+        if self._aws.workspace is not self._sbx.workspace:
+            self._aws = AsyncWorkspace(self._sbx.workspace)
+        return self._aws
+
     @property
     def commands(self) -> AsyncCommands:
-        return self._aws.commands
+        return self._async().commands
 
     @property
     def files(self) -> AsyncFiles:
-        return self._aws.files
+        return self._async().files
 
     @property
     def pty(self) -> AsyncPty:
-        return self._aws.pty
+        return self._async().pty
 
     @classmethod
     async def create(

@@ -4,9 +4,11 @@ A Sandbox has a Workspace (`.workspace`) and reaches it through Workspace's publ
 only. The differences are E2B's: a sandbox ends after 300 s unless told otherwise
 (set_timeout, connect(timeout=...)); commands run in a login bash as the non-root user
 "user" (who exists in every sandbox, home /home/user) and raise CommandExitException when
-they exit non-zero; fork(timeout=None, count=None) takes E2B's parameters; kill(),
-get_info(), set_timeout(), connect() and pause() work on an instance or, given a sandbox id,
-on the class. What E2B does in its cloud and cannot apply to one host (API keys, domains,
+they exit non-zero; fork(timeout=None, count=None) takes E2B's parameters; pause() saves the
+sandbox to disk and frees its memory, connect() restores it, and lifecycle={"on_timeout":
+"pause"} pauses it at its deadline; kill(), get_info(), set_timeout(), connect() and pause()
+work on an instance or, given a sandbox id, on the class. Those rules are e2b/lifecycle.py's,
+which `bunshin serve` runs too. What E2B does in its cloud and cannot apply to one host (API keys, domains,
 regions, egress proxies, MCP gateways, volumes) is accepted and ignored where it only
 configures the transport, and refused where ignoring it would change what the sandbox is.
 As in E2B, a sandbox is online by default (a bridged workspace with NAT, which forks), and
@@ -21,9 +23,7 @@ import datetime
 import importlib.metadata
 import logging
 import os
-import shutil
 import time
-from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from .. import users
@@ -38,9 +38,11 @@ from ..errors import (
 )
 from ..files import Files
 from ..workspace import Workspace
+from . import lifecycle as rules
 from . import network as e2b_network
 from . import sidecar, templates
 from .dispatch import variant
+from .lifecycle import PAUSED_TO_DISK, Lifecycle
 from .types import (
     SandboxInfo,
     SandboxMetrics,
@@ -52,7 +54,7 @@ from .types import (
     utc,
 )
 
-MAX_FORKS = 20  # E2B's limit per fork call
+MAX_FORKS = rules.MAX_FORKS
 S = TypeVar("S", bound="Sandbox")
 
 
@@ -79,20 +81,23 @@ def _list_snapshots_all(cls: type[Sandbox], sandbox_id: str | None = None, limit
 
 
 def check_create_options(mcp: dict[str, Any] | None, network: dict[str, Any] | None, iam: dict[str, Any] | None,
-                         lifecycle: dict[str, Any] | None, volume_mounts: dict[str, Any] | None) -> None:
+                         lifecycle: dict[str, Any] | None, volume_mounts: dict[str, Any] | None) -> Lifecycle:
     """Refuse the options that configure an E2B cloud service a local sandbox does not have
-    (network's rules are checked by network.create_policy)."""
+    (network's rules are checked by network.create_policy); the lifecycle asked for."""
     for name, value in (("mcp", mcp), ("iam", iam), ("volume_mounts", volume_mounts)):
         if value:
             raise InvalidArgumentException(f"{name}= configures an E2B cloud service that a local sandbox "
                                            "does not have")
-    if not lifecycle:
-        return
-    on_timeout = lifecycle.get("on_timeout", "kill")
-    action = on_timeout.get("action") if isinstance(on_timeout, dict) else on_timeout
-    if action != "kill" or lifecycle.get("auto_resume"):
-        raise InvalidArgumentException("a local sandbox is killed when its timeout ends (lifecycle on_timeout "
-                                       "'kill'); pausing on timeout needs E2B's persistence service")
+    life = rules.lifecycle_from_sdk(lifecycle)
+    if life.auto_resume:
+        raise InvalidArgumentException("lifecycle auto_resume resumes a paused sandbox on traffic through E2B's "
+                                       "proxy; an in-process sandbox resumes on connect() (`bunshin serve` "
+                                       "serves auto_resume)")
+    return life
+
+
+def _cycle(meta: sidecar.Meta) -> Lifecycle:
+    return Lifecycle("pause" if meta.on_timeout == "pause" else "kill", meta.auto_resume)
 
 
 SUDO = ("/usr/bin/sudo", "/bin/sudo")
@@ -162,8 +167,12 @@ class Sandbox:
 
     @classmethod
     def from_id(cls: type[S], sandbox_id: str, logger: logging.Logger | None = None) -> S:
-        """Attach to the running sandbox `sandbox_id` (as it is: connect() also resumes it)."""
-        return cls(Workspace.connect(sandbox_id), logger)
+        """Attach to the sandbox `sandbox_id` as it is (connect() also resumes it). One whose
+        lifecycle pauses it and whose deadline passed while no process watched it is paused now."""
+        sbx = cls(Workspace.connect(sandbox_id), logger)
+        if sbx.workspace.is_running() and sidecar.load(sbx.workspace).deadline <= time.time():
+            cls._on_deadline(sbx)
+        return sbx
 
     @property
     def workspace(self) -> Workspace:
@@ -220,19 +229,24 @@ class Sandbox:
         snapshot's network, under these rules. secure, idempotency_key and the API options
         (api_key, domain, request_timeout, ...) configure E2B's cloud transport and are
         ignored. mcp, iam and volume_mounts are E2B cloud services: refused.
+        lifecycle={"on_timeout": "pause"} pauses it to disk at its deadline (this process keeps
+        that deadline; any later call on it by id from another does too, if overdue).
         """
-        check_create_options(mcp, network, iam, lifecycle, volume_mounts)
+        cycle = check_create_options(mcp, network, iam, lifecycle, volume_mounts)
         policy = e2b_network.create_policy(network, allow_internet_access)  # refused before anything is built
         life = cls.default_sandbox_timeout if timeout is None else timeout
         net = {"network": "bridge", "nat": True, "egress": policy.to_dict() if policy is not None else None}
-        sbx = cls(templates.start(template, life, dict(envs or {}), net), logger)
+        sbx = cls(templates.start(template, life if cycle.on_timeout == "kill" else 0, dict(envs or {}), net), logger)
         try:
+            deadline = rules.deadline_after(life) if cycle.on_timeout == "pause" else float("inf")
             sidecar.save(sbx.workspace, sidecar.Meta(dict(metadata or {}), template or cls.default_template,
+                                                     cycle.on_timeout, cycle.auto_resume, deadline,
                                                      allow_internet_access is not False))
             ensure_default_user(sbx.workspace, str(cls.conventions.default_user))
         except BaseException:
             sbx.workspace.destroy()
             raise
+        cls._watch(sbx)
         if logger is not None:
             logger.info("created sandbox %s from %s", sbx.sandbox_id, template or cls.default_template)
         return sbx
@@ -241,6 +255,41 @@ class Sandbox:
         if self._logger is not None:
             self._logger.info(msg, *args)
 
+    # ---- the sandbox as it is now ----
+
+    def _current(self) -> Workspace:
+        """The workspace as its record says now: another process (or this one's deadline
+        watcher, through another object) may have paused or resumed it since."""
+        ws = self._ws
+        if ws.is_running() or ws.is_destroyed():
+            return ws
+        try:
+            now = Workspace.connect(ws.id)
+        except BunshinError:
+            return ws
+        now.set_conventions(self.conventions)
+        self._ws = now
+        return now
+
+    def _watch(self) -> None:
+        """Arm (or disarm) this process's watch of the deadline, where the lifecycle pauses."""
+        meta = sidecar.load(self._ws)
+        if meta.on_timeout == "pause" and meta.deadline != float("inf"):
+            rules.WATCHER.arm(self.sandbox_id, meta.deadline, self._on_deadline)
+        else:
+            rules.WATCHER.disarm(self.sandbox_id)
+
+    def _on_deadline(self) -> None:
+        ws = self._current()
+        meta = sidecar.load(ws)
+        if meta.on_timeout != "pause" or not ws.is_running():
+            return
+        if meta.deadline > time.time():  # moved by another process meanwhile
+            self._watch()
+            return
+        rules.pause(ws)
+        self._log("paused sandbox %s at its deadline", self.sandbox_id)
+
     # ---- identity and state ----
 
     @property
@@ -248,53 +297,32 @@ class Sandbox:
         return self._ws.id
 
     def is_running(self, request_timeout: float | None = None) -> bool:
-        return self._ws.is_running()
+        return self._current().is_running()
 
     @variant()
     def get_info(self, **opts: Any) -> SandboxInfo:
-        ws = self._ws
+        ws = self._current()
         meta = sidecar.load(ws)
         info = ws.info()
-        ends = ws.ends_at()
+        ends = meta.deadline if meta.on_timeout == "pause" else (ws.ends_at() or float("inf"))
         mem = info.memory_limit or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return SandboxInfo(
             sandbox_id=ws.id, sandbox_domain=None, template_id=meta.template or info.rootfs, name=None,
-            metadata=dict(meta.metadata), started_at=utc(info.created_at),
-            end_at=utc(ends) if ends else datetime.datetime.max.replace(tzinfo=datetime.UTC),
-            state=SandboxState.PAUSED if info.state == "paused" else SandboxState.RUNNING,
+            metadata=dict(meta.metadata), started_at=utc(info.created_at), end_at=rules.utc(ends),
+            state=SandboxState.PAUSED if rules.is_paused(ws) else SandboxState.RUNNING,
             cpu_count=os.cpu_count() or 1, memory_mb=mem >> 20, envd_version=importlib.metadata.version("bunshin"),
             allow_internet_access=meta.allow_internet_access and info.network.get("mode") == "bridge",
-            network=e2b_network.info(info.egress), lifecycle={"on_timeout": "kill", "auto_resume": False},
-            volume_mounts=[],
+            network=e2b_network.info(info.egress), lifecycle=_cycle(meta).to_sdk(), volume_mounts=[],
         )
 
     @variant()
     def get_metrics(self, start: datetime.datetime | None = None, end: datetime.datetime | None = None,
                     **opts: Any) -> list[SandboxMetrics]:
-        """One sample, now: no daemon records a history. CPU is the average since creation."""
-        ws = self._ws
-        mem = ws.memory()
-        info = ws.info()
-        ticks = os.sysconf("SC_CLK_TCK")
-        cpu_s = 0.0
-        for pid in ws.host_pids():
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                cpu_s += (int(fields[11]) + int(fields[12])) / ticks
-            except OSError:
-                continue
-        cpus = os.cpu_count() or 1
-        elapsed = max(time.time() - info.created_at, 1e-3)
-        layer = ws.layer_dir
-        disk = shutil.disk_usage(layer or ws.state_dir)
-        used = sum(f.lstat().st_size for f in (layer / "upper").rglob("*") if f.is_file()) if layer else 0
-        total_mem = info.memory_limit or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        sample = SandboxMetrics(
-            cpu_count=cpus, cpu_used_pct=round(100.0 * cpu_s / elapsed / cpus, 2), disk_total=disk.total,
-            disk_used=used, mem_total=total_mem, mem_used=mem.cgroup_usage,
-            mem_cache=max(mem.cgroup_usage - mem.rss, 0),
-            timestamp=datetime.datetime.now(datetime.UTC),
-        )
+        """One sample, now (none while paused): see lifecycle.metrics."""
+        ws = self._current()
+        if rules.is_paused(ws):
+            return []
+        sample = rules.metrics(ws)
         in_range = (start is None or sample.timestamp >= start) and (end is None or sample.timestamp <= end)
         return [sample] if in_range else []
 
@@ -321,8 +349,17 @@ class Sandbox:
 
     @variant()
     def set_timeout(self, timeout: int, **opts: Any) -> None:
-        """End the sandbox `timeout` seconds from now (extends or shortens it)."""
-        self._ws.set_timeout(timeout)
+        """End (or pause, as its lifecycle says) the sandbox `timeout` seconds from now (extends
+        or shortens it). A paused sandbox takes its lifetime when it resumes (connect)."""
+        self._set_deadline(self._current(), timeout)
+
+    def _set_deadline(self, ws: Workspace, timeout: int) -> None:
+        meta = sidecar.load(ws)
+        if meta.on_timeout == "pause":
+            sidecar.save(ws, dataclasses.replace(meta, deadline=rules.deadline_after(timeout)))
+            self._watch()
+        elif ws.info().state != PAUSED_TO_DISK:
+            ws.set_timeout(timeout)
 
     @variant(_connect_by_id)
     def connect(self, timeout: int | None = None, *, on_resume: Literal["restore", "reboot"] = "restore",
@@ -333,26 +370,42 @@ class Sandbox:
         if on_resume == "reboot":
             raise InvalidArgumentException("on_resume='reboot' cold-boots from a disk snapshot; a local sandbox "
                                            "is paused with its memory and resumes as it was")
+        ws = self._current()
+        meta = sidecar.load(ws)
+        if ws.info().state == PAUSED_TO_DISK:
+            deadline = rules.resumed_deadline(timeout)
+            rules.resume(ws, _cycle(meta), deadline)
+            if meta.on_timeout == "pause":
+                sidecar.save(ws, dataclasses.replace(meta, deadline=deadline))
+            self._watch()
+            self._log("resumed sandbox %s", self.sandbox_id)
+            return self
         if timeout is not None:
-            ends = self._ws.ends_at()
-            left = ends - time.time() if ends else float("inf")
-            if timeout > left:
-                self._ws.set_timeout(timeout)
-        if self._ws.info().state == "paused":
-            self._ws.resume()
+            ends = meta.deadline if meta.on_timeout == "pause" else (ws.ends_at() or float("inf"))
+            if rules.extended(ends, timeout) != ends:
+                self._set_deadline(ws, timeout)
+        if ws.info().state == "paused":  # frozen by Workspace.pause(): thawed
+            ws.resume()
         return self
 
     @variant()
     def pause(self, keep_memory: bool | None = None, *, mode: Literal["full", "filesystem"] | None = None,
               strict: bool = False, **opts: Any) -> bool:
-        """Freeze every process (its memory stays); connect() resumes it. False if paused already."""
+        """Save the sandbox's whole state to disk and give its processes and memory back to the
+        host (Workspace.pause_to_disk); connect() restores it, processes running and files as
+        they were. False if paused already."""
         if keep_memory is False or mode == "filesystem":
             raise InvalidArgumentException("a filesystem-only pause drops the sandbox's memory; a local sandbox "
                                            "pauses with its memory (mode='full')")
-        if self._ws.info().state == "paused":
-            return False
-        self._ws.pause()
-        return True
+        rules.WATCHER.disarm(self.sandbox_id)
+        try:
+            paused = rules.pause(self._current())
+        except BaseException:
+            self._watch()  # still running: its deadline still pauses it
+            raise
+        if paused:
+            self._log("paused sandbox %s", self.sandbox_id)
+        return paused
 
     @variant()
     def beta_pause(self, keep_memory: bool | None = None, *, mode: Literal["full", "filesystem"] | None = None,
@@ -362,10 +415,13 @@ class Sandbox:
 
     @variant(_kill_by_id)
     def kill(self, **opts: Any) -> bool:
-        """Kill the sandbox and remove everything it holds; False if it was gone already."""
-        if self._ws.is_destroyed():
+        """Kill the sandbox and remove everything it holds (a paused one's saved state too);
+        False if it was gone already."""
+        ws = self._current()
+        if ws.is_destroyed():
             return False
-        self._ws.destroy()
+        rules.WATCHER.disarm(self.sandbox_id)
+        ws.destroy()
         self._log("killed sandbox %s", self.sandbox_id)
         return True
 
@@ -394,13 +450,14 @@ class Sandbox:
              **opts: Any) -> list[S | Exception]:
         """Live-fork into `count` (default 1, at most 20) running sandboxes, each living
         `timeout` seconds (default 300); a failed fork is an Exception in the list."""
-        n = 1 if count is None else count
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_FORKS:
-            raise InvalidArgumentException(f"count must be an integer between 1 and {MAX_FORKS}, got {count!r}")
+        n = rules.check_fork_count(count)
         life = self.default_sandbox_timeout if timeout is None else timeout
-        meta = sidecar.load(self._ws)
+        ws = self._current()
+        meta = sidecar.load(ws)
+        # A child's lifecycle is its own (the default); its network is its source's.
+        meta = sidecar.Meta(meta.metadata, meta.template, allow_internet_access=meta.allow_internet_access)
         out: list[S | Exception] = []
-        for r in self._ws.fork(n, timeout=life):
+        for r in ws.fork(n, timeout=life):
             if isinstance(r, Exception):
                 out.append(r)
                 continue

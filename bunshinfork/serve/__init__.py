@@ -6,8 +6,9 @@ Connect-RPC services are the generated ASGI applications shipped in the e2b pack
 handlers that run on the host against bunshin's async API (no daemon inside a workspace).
 
 Modules: app (routing, auth), rest (control plane), envd (process and filesystem services,
-/files, /health), ports (`<port>-<id>.<domain>` proxy), lifecycle (E2B's lifetimes, pause to
-disk; shared with the in-process Sandbox), store (the server's sandbox registry).
+/files, /health), ports (`<port>-<id>.<domain>` proxy), store (the server's sandbox registry).
+E2B's semantics themselves (lifetimes, list paging, metrics, pause to disk) are
+bunshinfork.e2b.lifecycle's, which the in-process Sandbox runs too.
 """
 
 from .app import make_app

@@ -17,7 +17,9 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from .. import Workspace
 from ..aio import AsyncSandbox
+from ..e2b import lifecycle
 from ..errors import BunshinError
 from . import envd, ports
 from .rest import ApiError, Rest, error_response, status_of
@@ -58,7 +60,7 @@ class Server:
         """What a previous server left: paused sandboxes stay (with their deadlines), running
         ones are reaped, as their workspaces cannot be handed over."""
         for e in self.store.recorded():
-            if e.paused and self.store.paused_dir(e.sandbox_id).is_dir():
+            if e.paused and e.workspace_id and await asyncio.to_thread(_paused_to_disk, e.workspace_id):
                 self.store.entries[e.sandbox_id] = e
                 self.schedule(e)
                 continue
@@ -202,6 +204,13 @@ class Server:
             await response(scope, receive, send)
         else:
             await envd.http_error(404, f"no envd route {path}")(scope, receive, send)
+
+
+def _paused_to_disk(workspace_id: str) -> bool:
+    try:
+        return Workspace.connect(workspace_id).info().state == lifecycle.PAUSED_TO_DISK
+    except BunshinError:
+        return False
 
 
 def signed_ok(e: Entry, scope: Scope, headers: dict[str, str]) -> bool:

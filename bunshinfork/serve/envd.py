@@ -10,7 +10,7 @@ import contextlib
 import datetime
 import errno
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from connectrpc.code import Code
@@ -62,7 +62,7 @@ def user_of(authorization: str | None) -> str:
     return name or DEFAULT_USER
 
 
-def rpc_error(e: BaseException) -> ConnectError:
+def rpc_error(e: Exception) -> ConnectError:
     """bunshin's typed errors as Connect codes the SDKs map back to theirs."""
     if isinstance(e, ConnectError):
         return e
@@ -81,6 +81,18 @@ def rpc_error(e: BaseException) -> ConnectError:
     if isinstance(e, (CommandError, BunshinError, OSError)):
         return ConnectError(Code.INVALID_ARGUMENT if isinstance(e, CommandError) else Code.INTERNAL, str(e))
     return ConnectError(Code.INTERNAL, f"{type(e).__name__}: {e}")
+
+
+@contextlib.contextmanager
+def rpc_errors() -> Iterator[None]:
+    """Raise what the block raises as a Connect error with E2B's code (rpc_error). Only
+    Exceptions: a handler cancelled because its client went away (asyncio.CancelledError),
+    KeyboardInterrupt and SystemExit pass as themselves, so that a stream cut halfway ends
+    its command's stream rather than turning into an error reply."""
+    try:
+        yield
+    except Exception as e:
+        raise rpc_error(e) from None
 
 
 def entry_pb(e: EntryInfo) -> filesystem_pb.EntryInfo:
@@ -152,17 +164,15 @@ async def _follow(handle: AsyncCommandHandle, queue: asyncio.Queue[tuple[str, by
             yield process_pb.ProcessEvent(event=Oneof("keepalive", process_pb.ProcessEvent.KeepAlive()))
         while not queue.empty():
             yield _data_event(*queue.get_nowait())
-        try:
+        with rpc_errors():
             r = waiter.result()
-        except BaseException as e:
-            raise rpc_error(e) from None
         end = process_pb.ProcessEvent.EndEvent(exit_code=r.exit_code, exited=True, status=f"exit status {r.exit_code}",
                                                error=r.error or None)
         yield process_pb.ProcessEvent(event=Oneof("end", end))
     finally:
         if not waiter.done():
             waiter.cancel()
-            with contextlib.suppress(BaseException):
+            with contextlib.suppress(Exception):
                 await handle.disconnect()
 
 
@@ -175,10 +185,8 @@ def _keepalive(ctx: RequestContext[Any, Any]) -> float | None:
 class ProcessService(Base):
     async def list(self, request: process_pb.ListRequest, ctx: RequestContext[Any, Any]) -> process_pb.ListResponse:
         sbx = self.sandbox(ctx)
-        try:
+        with rpc_errors():
             procs = await sbx.commands.list()
-        except BaseException as e:
-            raise rpc_error(e) from None
         return process_pb.ListResponse(processes=[
             process_pb.ProcessInfo(pid=p.pid, tag=p.tag, config=process_pb.ProcessConfig(
                 cmd=p.cmd, args=list(p.args), envs=dict(p.envs), cwd=p.cwd)) for p in procs])
@@ -191,7 +199,7 @@ class ProcessService(Base):
             raise ConnectError(Code.INVALID_ARGUMENT, "process.cmd is required")
         cwd = cfg.cwd if cfg.has_field("cwd") and cfg.cwd else None
         envs = dict(cfg.envs)
-        try:
+        with rpc_errors():
             if request.pty is not None:
                 size = request.pty.size or process_pb.PTY.Size(cols=80, rows=24)
                 return await sbx.pty.create(PtySize(rows=size.rows or 24, cols=size.cols or 80),
@@ -201,8 +209,6 @@ class ProcessService(Base):
                 [cfg.cmd, *cfg.args], background=True, envs=envs, user=user, cwd=cwd, stdin=bool(request.stdin),
                 timeout=0, on_stdout=lambda s: queue.put_nowait(("stdout", s.encode())),
                 on_stderr=lambda s: queue.put_nowait(("stderr", s.encode())))
-        except BaseException as e:
-            raise rpc_error(e) from None
         assert isinstance(handle, AsyncCommandHandle)
         return handle
 
@@ -219,12 +225,10 @@ class ProcessService(Base):
                       ctx: RequestContext[Any, Any]) -> AsyncIterator[process_pb.ConnectResponse]:
         sbx, pid = self.sandbox(ctx), _selected_pid(request.process)
         queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
-        try:
+        with rpc_errors():
             handle = await sbx.commands.connect(pid, timeout=0,
                                                 on_stdout=lambda s: queue.put_nowait(("stdout", s.encode())),
                                                 on_stderr=lambda s: queue.put_nowait(("stderr", s.encode())))
-        except BaseException as e:
-            raise rpc_error(e) from None
         start = process_pb.ProcessEvent.StartEvent(pid=pid)
         yield process_pb.ConnectResponse(event=process_pb.ProcessEvent(event=Oneof("start", start)))
         async for ev in _follow(handle, queue, _keepalive(ctx)):
@@ -234,19 +238,15 @@ class ProcessService(Base):
                      ctx: RequestContext[Any, Any]) -> process_pb.UpdateResponse:
         sbx, pid = self.sandbox(ctx), _selected_pid(request.process)
         if request.pty is not None and request.pty.size is not None:
-            try:
+            with rpc_errors():
                 await sbx.pty.resize(pid, PtySize(rows=request.pty.size.rows, cols=request.pty.size.cols))
-            except BaseException as e:
-                raise rpc_error(e) from None
         return process_pb.UpdateResponse()
 
     async def send_input(self, request: process_pb.SendInputRequest,
                          ctx: RequestContext[Any, Any]) -> process_pb.SendInputResponse:
         sbx, pid = self.sandbox(ctx), _selected_pid(request.process)
-        try:
+        with rpc_errors():
             await sbx.commands.send_stdin(pid, _input_bytes(request.input))
-        except BaseException as e:
-            raise rpc_error(e) from None
         return process_pb.SendInputResponse()
 
     async def stream_input(self, request: AsyncIterator[process_pb.StreamInputRequest],
@@ -259,20 +259,16 @@ class ProcessService(Base):
                 case Oneof(field="data", value=data):
                     if pid is None:
                         raise ConnectError(Code.INVALID_ARGUMENT, "a start event must come before data")
-                    try:
+                    with rpc_errors():
                         await sbx.commands.send_stdin(pid, _input_bytes(data.input))
-                    except BaseException as e:
-                        raise rpc_error(e) from None
         return process_pb.StreamInputResponse()
 
     async def send_signal(self, request: process_pb.SendSignalRequest,
                           ctx: RequestContext[Any, Any]) -> process_pb.SendSignalResponse:
         sbx, pid = self.sandbox(ctx), _selected_pid(request.process)
         # SIGTERM and SIGKILL both end the command's process group (bunshin kills with SIGKILL).
-        try:
+        with rpc_errors():
             killed = await sbx.commands.kill(pid)
-        except BaseException as e:
-            raise rpc_error(e) from None
         if not killed:
             raise ConnectError(Code.NOT_FOUND, f"process with pid {pid} not found")
         return process_pb.SendSignalResponse()
@@ -280,10 +276,8 @@ class ProcessService(Base):
     async def close_stdin(self, request: process_pb.CloseStdinRequest,
                           ctx: RequestContext[Any, Any]) -> process_pb.CloseStdinResponse:
         sbx, pid = self.sandbox(ctx), _selected_pid(request.process)
-        try:
+        with rpc_errors():
             await sbx.commands.close_stdin(pid)
-        except BaseException as e:
-            raise rpc_error(e) from None
         return process_pb.CloseStdinResponse()
 
 
@@ -294,10 +288,8 @@ class FilesystemService(Base):
 
     async def _call(self, ctx: RequestContext[Any, Any], op: str, *args: Any, **kwargs: Any) -> Any:
         sbx = self.sandbox(ctx)
-        try:
+        with rpc_errors():
             return await getattr(sbx.files, op)(*args, user=self.user(ctx), **kwargs)
-        except BaseException as e:
-            raise rpc_error(e) from None
 
     async def stat(self, request: filesystem_pb.StatRequest, ctx: RequestContext[Any, Any]) -> Any:
         return filesystem_pb.StatResponse(entry=entry_pb(await self._call(ctx, "get_info", request.path)))
@@ -340,11 +332,9 @@ class FilesystemService(Base):
 
     async def create_watcher(self, request: filesystem_pb.CreateWatcherRequest, ctx: RequestContext[Any, Any]) -> Any:
         sbx = self.sandbox(ctx)
-        try:
+        with rpc_errors():
             handle = await asyncio.to_thread(sbx.workspace.files.watch_dir, request.path, self.user(ctx),
                                              recursive=request.recursive, include_entry=request.include_entry)
-        except BaseException as e:
-            raise rpc_error(e) from None
         watcher_id = secrets.token_hex(8)
         self._watchers[watcher_id] = (ctx.request_headers.get("e2b-sandbox-id") or "", handle)
         return filesystem_pb.CreateWatcherResponse(watcher_id=watcher_id)
@@ -358,10 +348,8 @@ class FilesystemService(Base):
     async def get_watcher_events(self, request: filesystem_pb.GetWatcherEventsRequest,
                                  ctx: RequestContext[Any, Any]) -> Any:
         handle = self._watcher(ctx, request.watcher_id)
-        try:
+        with rpc_errors():
             events = await asyncio.to_thread(handle.get_new_events)
-        except BaseException as e:
-            raise rpc_error(e) from None
         return filesystem_pb.GetWatcherEventsResponse(events=[_event_pb(e) for e in events])
 
     async def remove_watcher(self, request: filesystem_pb.RemoveWatcherRequest, ctx: RequestContext[Any, Any]) -> Any:
@@ -375,7 +363,7 @@ class FilesystemService(Base):
         for wid, (sid, handle) in list(self._watchers.items()):
             if sid == sandbox_id:
                 self._watchers.pop(wid, None)
-                with contextlib.suppress(BaseException):
+                with contextlib.suppress(Exception):
                     handle.stop()
 
 
@@ -397,7 +385,7 @@ def http_error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"code": status, "message": message}, status_code=status)
 
 
-def _http_status(e: BaseException) -> int:
+def _http_status(e: Exception) -> int:
     err = rpc_error(e)
     return {Code.NOT_FOUND: 404, Code.INVALID_ARGUMENT: 400, Code.PERMISSION_DENIED: 403,
             Code.ALREADY_EXISTS: 409, Code.UNAVAILABLE: 502}.get(err.code, 500)
@@ -410,7 +398,7 @@ async def files_get(sbx: AsyncSandbox, request: Request) -> Response:
     user = request.query_params.get("username") or DEFAULT_USER
     try:
         stream = await sbx.files.read(path, format="stream", user=user)
-    except BaseException as e:
+    except Exception as e:
         return http_error(_http_status(e), str(e))
 
     async def chunks() -> AsyncIterator[bytes]:
@@ -446,9 +434,7 @@ async def files_post(sbx: AsyncSandbox, request: Request) -> Response:
         for name, data in uploads:
             info = await sbx.files.write(name, data, user=user)
             out.append({"name": info.name, "type": info.type.value if info.type else "file", "path": info.path})
-    except BaseException as e:
-        if isinstance(e, asyncio.CancelledError):
-            raise
+    except Exception as e:  # not a cancel: a client gone mid-upload is no error to answer
         return http_error(_http_status(e), str(e))
     return JSONResponse(out)
 

@@ -17,11 +17,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .. import Sandbox
+from .. import Sandbox, Workspace
 from ..aio import AsyncSandbox
+from ..e2b import lifecycle
+from ..e2b.lifecycle import Lifecycle, ListQuery
 from ..errors import BunshinError, InvalidArgumentException, NotFoundException
-from . import lifecycle
-from .lifecycle import Lifecycle, ListQuery
 from .store import Entry, Store
 
 ENVD_VERSION = "0.5.7"  # the envd protocol level served (commands' stdin and close, octet-stream uploads)
@@ -141,12 +141,12 @@ class Rest:
         internet = True if internet is None else internet  # E2B's default: online
         if not isinstance(internet, bool) or not isinstance(public, bool):
             raise ApiError(400, "allow_internet_access and network allowPublicTraffic must be booleans")
-        # The pause lifecycle is the server's to enforce (the workspace's own lifetime would kill it).
-        ws_life = timeout if life.on_timeout == "kill" else 0
-        sbx = await AsyncSandbox.create(template, timeout=ws_life, metadata=metadata, envs=envs,
-                                        allow_internet_access=internet, network=_snake(network))
+        deadline = lifecycle.deadline_after(timeout)
+        sbx = await AsyncSandbox.create(template, timeout=lifecycle.workspace_lifetime(life, deadline),
+                                        metadata=metadata, envs=envs, allow_internet_access=internet,
+                                        network=_snake(network))
         e = Entry(sandbox_id=sbx.sandbox_id, template=template, metadata=dict(metadata), started_at=time.time(),
-                  deadline=lifecycle.deadline_after(timeout), lifecycle=life, envd_token=secrets.token_hex(16),
+                  deadline=deadline, lifecycle=life, envd_token=secrets.token_hex(16),
                   traffic_token=None if public else secrets.token_hex(16), allow_internet_access=internet,
                   workspace_id=sbx.sandbox_id, sbx=sbx)
         self.store.add(e)
@@ -168,22 +168,17 @@ class Rest:
         return JSONResponse(self.sandbox_json(e), status_code=201 if resumed else 200)
 
     async def resume(self, e: Entry, timeout: int | None) -> None:
-        # A resumed sandbox lives `timeout` (E2B's default 300 s) from now, whatever is left of
-        # the lifetime it paused with (a sandbox paused at its deadline would pause again at once).
-        e.deadline = lifecycle.deadline_after(lifecycle.DEFAULT_TIMEOUT if timeout is None else timeout)
-        ws_life = None
-        if e.lifecycle.on_timeout == "kill" and e.deadline != float("inf"):
-            ws_life = max(1, round(e.deadline - time.time()))
-        ws = await asyncio.to_thread(lifecycle.resume_from_disk, self.store.paused_dir(e.sandbox_id), ws_life)
-        e.sbx, e.workspace_id, e.paused = AsyncSandbox(ws), ws.id, False
+        assert e.workspace_id is not None
+        e.deadline = lifecycle.resumed_deadline(timeout)
+        ws = await asyncio.to_thread(Workspace.connect, e.workspace_id)
+        await asyncio.to_thread(lifecycle.resume, ws, e.lifecycle, e.deadline)
+        e.sbx, e.paused = AsyncSandbox(ws), False
         self.store.save(e)
-        await asyncio.to_thread(_rmtree, self.store.paused_dir(e.sandbox_id))
 
     async def apply_deadline(self, e: Entry) -> None:
         """The entry's deadline, to the workspace (kill lifecycle: its init enforces it) and the timer."""
         if not e.paused and e.sbx is not None and e.lifecycle.on_timeout == "kill":
-            left = 0 if e.deadline == float("inf") else max(1, round(e.deadline - time.time()))
-            await e.sbx.set_timeout(left)
+            await e.sbx.set_timeout(lifecycle.workspace_lifetime(e.lifecycle, e.deadline))
         self.store.save(e)
         self.schedule(e)
 
@@ -225,9 +220,10 @@ class Rest:
             start, end = _ts(q.get("start")), _ts(q.get("end"))
         except ValueError as err:
             raise ApiError(400, f"invalid query: {err}") from None
-        if (start is not None and m.timestamp < start) or (end is not None and m.timestamp > end):
+        ts = m.timestamp.timestamp()
+        if (start is not None and ts < start) or (end is not None and ts > end):
             return JSONResponse([])
-        return JSONResponse([{"timestamp": _iso(m.timestamp), "timestampUnix": int(m.timestamp),
+        return JSONResponse([{"timestamp": _iso(ts), "timestampUnix": int(ts),
                               "cpuCount": m.cpu_count, "cpuUsedPct": m.cpu_used_pct, "memUsed": m.mem_used,
                               "memTotal": m.mem_total, "memCache": m.mem_cache, "diskUsed": m.disk_used,
                               "diskTotal": m.disk_total}])
@@ -241,10 +237,12 @@ class Rest:
 
     async def kill_entry(self, e: Entry) -> None:
         async with e.lock:
-            sbx = e.sbx
+            sbx, paused = e.sbx, e.paused
             self.store.drop(e.sandbox_id)
             if sbx is not None:
                 await sbx.kill()
+            elif paused and e.workspace_id:  # its record and saved state
+                await AsyncSandbox.kill(e.workspace_id)
 
     async def set_timeout(self, request: Request) -> Response:
         body = await body_of(request)
@@ -269,8 +267,8 @@ class Rest:
     async def pause_entry(self, e: Entry) -> None:
         """Save to disk and release the workspace (the caller holds e.lock)."""
         assert e.sbx is not None
-        await asyncio.to_thread(lifecycle.pause_to_disk, e.sbx.workspace, self.store.paused_dir(e.sandbox_id))
-        e.sbx, e.workspace_id, e.paused = None, None, True
+        await asyncio.to_thread(lifecycle.pause, e.sbx.workspace, self.store.paused_dir(e.sandbox_id))
+        e.sbx, e.paused = None, True
         self.store.save(e)
         self.schedule(e)
 
@@ -362,12 +360,6 @@ class Rest:
             ("/templates/{template_id:path}", self.delete_template, "DELETE"),
         ]
         return [Route(path, wrap(fn), methods=[method]) for path, fn, method in r]
-
-
-def _rmtree(p: Any) -> None:
-    import shutil
-
-    shutil.rmtree(p, ignore_errors=True)
 
 
 # E2B's network fields on the wire (camelCase) and in its SDK (snake_case); allow_internet_access

@@ -1,5 +1,5 @@
-"""The server's sandbox registry: E2B's sandbox id -> the workspace behind it now (None while
-paused to disk), its lifetime, lifecycle, metadata and tokens. Every entry is also a JSON file
+"""The server's sandbox registry: E2B's sandbox id -> the workspace behind it (paused to disk
+or running), its lifetime, lifecycle, metadata and tokens. Every entry is also a JSON file
 under the state directory, so that the next server after a crash (SIGKILL included) finds the
 paused sandboxes to keep and the running ones to reap."""
 
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..aio import AsyncSandbox
-from .lifecycle import Lifecycle
+from ..e2b.lifecycle import Lifecycle
 
 
 @dataclass
@@ -30,9 +30,9 @@ class Entry:
     envd_token: str
     traffic_token: str | None  # set when allow_public_traffic is False
     allow_internet_access: bool = False
-    workspace_id: str | None = None  # the bunshin workspace behind it now; None while paused
+    workspace_id: str | None = None  # the bunshin workspace behind it (paused to disk, it keeps its id)
     paused: bool = False
-    sbx: AsyncSandbox | None = field(default=None, repr=False, compare=False)
+    sbx: AsyncSandbox | None = field(default=None, repr=False, compare=False)  # None while paused
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
     timer: asyncio.TimerHandle | None = field(default=None, repr=False, compare=False)
 
