@@ -421,7 +421,16 @@ def set_egress(ws_id: str, net: NetworkState | None, egress_spec: object) -> Non
     if net is None or net.mode != "bridge" or (policy is None and not nft_available()):
         return  # no link to hold, or no rules: none was ever installed without nftables
     with _lock():
-        egress.replace(ws_id, net, policy)
+        # Domain rules live in the proxy's arguments: a new policy gets a proxy of its own,
+        # started before its rules point at it, and the old one stops once its rules are gone.
+        old = proxies.pids(ws_id)
+        proxy = _proxy(ws_id, policy, net.gateway) if policy is not None else None
+        try:
+            egress.replace(ws_id, net, policy, proxy)
+        except BaseException:
+            proxies.stop_pids(proxies.pids(ws_id) - old)
+            raise
+        proxies.stop_pids(old)
 
 
 def clone_link_up(ws_id: str, net: NetworkState) -> None:

@@ -188,19 +188,21 @@ def remove(owners: set[str] | None = None, keep: set[str] | None = None, tag: st
     return sorted(gone)
 
 
-def replace(ws_id: str, net: NetworkState | None, policy: EgressPolicy | None) -> None:
+def replace(ws_id: str, net: NetworkState | None, policy: EgressPolicy | None,
+            proxy: tuple[str, int] | None = None) -> None:
     """Put `policy` in place of the workspace's own egress rules, on a running workspace (E2B's
     update_network). The new rules go in before the old ones go, so that no packet meets the
     workspace with neither in place: until then a packet the old rules decide gets their
     verdict, any other the new one's. A speculation's hold (its tag) stays as it is. Nothing to
-    do for a workspace with no link: its policy matters once it has one (never, today)."""
+    do for a workspace with no link: its policy matters once it has one (never, today).
+    `proxy`: where the new policy's domain-rule proxy listens, if it needs one (install's)."""
     if net is None or net.mode != "bridge" or not net.host_if or not net.ip:
         return
     old = [(fam, table, r) for fam, table in ((FAMILY, TABLE), ("bridge", BRIDGE_TABLE))
            for r in _rules(fam, table) if _owner(r) == ws_id and _owner(r, HOLD) is None]
     if policy is not None and (policy.allow_out or policy.deny_out):
         # A clone matches on its own link; a source by its address behind the bridge (install's doc).
-        install(ws_id, policy, net.host_if, net.ip, None if net.zone is not None else net.bridge)
+        install(ws_id, policy, net.host_if, net.ip, None if net.zone is not None else net.bridge, proxy)
     if old:
         from .nat import nft_json
         nft_json([{"delete": {"rule": {"family": fam, "table": table, "chain": r["chain"], "handle": r["handle"]}}}

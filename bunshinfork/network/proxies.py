@@ -99,6 +99,17 @@ def _kill(pid: int) -> bool:
     return True
 
 
+def pids(ws_id: str) -> set[int]:
+    """The workspace's running proxies."""
+    return {pid for pid, ws in running().items() if ws == ws_id}
+
+
+def stop_pids(which: set[int]) -> None:
+    """Stop these proxies (a policy's replaced ones, or a failed replacement's new one)."""
+    for pid in which:
+        _kill(pid)
+
+
 def stop(ws_id: str) -> list[str]:
     """Stop the workspace's proxies (one, normally). Returns them as "pid ws"."""
     return [f"{pid} {ws}" for pid, ws in running().items() if ws == ws_id and _kill(pid)]
