@@ -153,7 +153,11 @@ def test_pool_hosts_are_separate_bunshin_hosts_with_the_sdk(pool: RayWorkspacePo
     ray.get(a.release.remote(snap))
 
 
-def test_cache_operations_remotely(pool: RayWorkspacePool) -> None:
+def test_cache_operations_remotely(depth_pool: RayWorkspacePool) -> None:
+    # record() hands over a workspace whose state must be kept (the depth policy's): under the
+    # default policy a later materialise would replay the call, whose real observation is not
+    # the one this test records by hand.
+    pool = depth_pool
     t = task("cops")
     a = pool.actor("ta")
     ray.get([pool.actor(h).register.remote([t]) for h in HOSTS])

@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from ..errors import NetworkError
@@ -74,7 +75,26 @@ def start(ws_id: str, domains: tuple[str, ...], gateway: str) -> int:
     finally:
         lsock.close()
     _children[proc.pid] = proc
+    _visible(proc)
     return port
+
+
+def _visible(proc: subprocess.Popen[bytes], timeout: float = 5.0) -> None:
+    """Return once running() finds the new proxy by its argv, so a stop or gc right after the
+    start cannot miss it (a census once saw it only later); NetworkError if it died instead."""
+    fd = os.pidfd_open(proc.pid)
+    try:
+        deadline = time.monotonic() + timeout
+        while sniproxy.TAG not in _cmdline(proc.pid):
+            # The pidfd turns readable if the proxy exits; otherwise this paces the re-read.
+            if select.select([fd], [], [], 0.01)[0] or time.monotonic() > deadline:
+                _children.pop(proc.pid, None)
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                proc.wait()
+                raise NetworkError(f"the egress proxy {proc.pid} did not start (exit {proc.returncode})")
+    finally:
+        os.close(fd)
 
 
 def _kill(pid: int) -> bool:
