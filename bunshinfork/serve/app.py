@@ -1,6 +1,6 @@
 """The ASGI application: auth, and routing of each request to the control plane, to a
-sandbox's envd (requests with E2b-Sandbox-Id) or to a sandbox's port (Host
-`<port>-<id>.<domain>`)."""
+sandbox's envd (requests with E2b-Sandbox-Id, or Host `49983-<id>.<domain>`) or to a
+sandbox's port (Host `<port>-<id>.<domain>`)."""
 
 from __future__ import annotations
 
@@ -34,12 +34,14 @@ class Server:
     """One server: its store, control plane, envd services and deadlines."""
 
     def __init__(self, api_key: str, root: Path, domain: str = "localhost",
-                 on_ready: Callable[[], None] | None = None) -> None:
+                 on_ready: Callable[[], None] | None = None, public_domain: str | None = None) -> None:
         self.api_key = api_key
         self.on_ready = on_ready
-        self.domain = domain
+        self.domain = domain  # what Host headers are matched against
         self.store = Store(root)
-        self.rest = Rest(self.store, domain, self.schedule)
+        # The domain sandboxes are announced with, which the SDKs put in every envd and get_host
+        # URL: `domain:PORT` when TLS is served on a port other than 443.
+        self.rest = Rest(self.store, public_domain or domain, self.schedule)
         self.process_app, self.fs_app, self.fs_service = envd.apps(self.lookup)
         self.rest_app = Starlette(routes=self.rest.routes(self._guard), lifespan=self._lifespan)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -140,6 +142,10 @@ class Server:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         target = ports.parse_host(headers.get("host", ""), self.domain)
+        if target is not None and target[0] == ports.ENVD_PORT:
+            # E2B_DOMAIN clients reach envd at `49983-<id>.<domain>`: the name gives the sandbox.
+            await self._envd(target[1], scope, receive, send, headers)
+            return
         if target is not None:
             await ports.serve(self.store, target, scope, receive, send, headers)
             return
@@ -227,9 +233,10 @@ def _same(given: str | None, want: str) -> bool:
 
 
 def make_app(api_key: str, root: Path, domain: str = "localhost",
-             on_ready: Callable[[], None] | None = None) -> Server:
-    """The application; on_ready runs once it has taken over what a previous server left."""
-    return Server(api_key, root, domain, on_ready)
+             on_ready: Callable[[], None] | None = None, public_domain: str | None = None) -> Server:
+    """The application; on_ready runs once it has taken over what a previous server left.
+    public_domain (default: domain) is the one sandboxes are announced with."""
+    return Server(api_key, root, domain, on_ready, public_domain)
 
 
 __all__ = ["JSONResponse", "Server", "make_app"]

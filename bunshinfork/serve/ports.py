@@ -1,6 +1,7 @@
 """A sandbox's ports from outside: requests whose Host is `<port>-<id>.<domain>` (what E2B's
 get_host gives) go to that port in the sandbox, with the sandbox's traffic token when it was
-created with allow_public_traffic=False; and the signatures of download_url/upload_url."""
+created with allow_public_traffic=False; and the signatures of download_url/upload_url.
+Port ENVD_PORT is envd's: the SDKs with only E2B_DOMAIN set send envd's calls there."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from ..errors import BunshinError
 from .store import Entry, Store
 
 TRAFFIC_HEADER = "e2b-traffic-access-token"
+# envd's port: e2b's ConnectionConfig.envd_port, the `49983-<id>.<domain>` of E2B_DOMAIN clients.
+ENVD_PORT = 49983
 PROXY_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
 _HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
         "transfer-encoding", "upgrade", "host", "content-length"}
