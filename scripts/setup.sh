@@ -54,6 +54,9 @@ apt_packages=(
   docker.io skopeo zstd docker-registry
   # real servers run inside forked networked workspaces (tests/test_network_servers.py)
   redis-server nginx memcached
+  # `*.localhost` names resolve to loopback (glibc's myhostname module): get_host's
+  # `<port>-<id>.localhost` and `bunshin serve --tls-cert` for E2B_DOMAIN clients
+  libnss-myhostname
 )
 
 missing=()
