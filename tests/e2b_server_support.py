@@ -25,9 +25,12 @@ class Served:
     proc: subprocess.Popen[str]
     state_dir: Path
     log: list[str] = field(default_factory=list)
+    domain: str | None = None  # served with TLS: clients set only E2B_DOMAIN
 
     @property
     def env(self) -> dict[str, str]:
+        if self.domain is not None:
+            return {"E2B_DOMAIN": self.domain, "E2B_API_KEY": self.key}
         return {"E2B_API_URL": self.url, "E2B_SANDBOX_URL": self.url, "E2B_API_KEY": self.key}
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
@@ -38,7 +41,7 @@ class Served:
 
 
 def start(state_dir: Path, key_file: Path, port: int = 0, extra: tuple[str, ...] = ()) -> Served:
-    """Start the server; it prints the three exports once its socket is bound (accepting)."""
+    """Start the server; it prints its exports, E2B_API_KEY last, once it accepts."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "bunshinfork.cli", "serve", "--port", str(port), "--state-dir", str(state_dir),
          "--api-key-file", str(key_file), *extra],
@@ -46,14 +49,16 @@ def start(state_dir: Path, key_file: Path, port: int = 0, extra: tuple[str, ...]
     assert proc.stdout is not None
     lines = []
     deadline = time.monotonic() + 60
-    while len(lines) < 3:
+    while not lines or not lines[-1].startswith("export E2B_API_KEY="):
         line = proc.stdout.readline()
         if not line or time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError(f"bunshin serve did not start: {lines!r} {proc.stdout.read()}")
         lines.append(line)
     exports = dict(line.removeprefix("export ").strip().split("=", 1) for line in lines)
-    served = Served(exports["E2B_API_URL"], exports["E2B_API_KEY"], proc, state_dir)
+    domain = exports.get("E2B_DOMAIN")
+    url = exports["E2B_API_URL"] if domain is None else f"https://api.{domain}"
+    served = Served(url, exports["E2B_API_KEY"], proc, state_dir, domain=domain)
 
     def drain() -> None:
         for line in proc.stdout:  # type: ignore[union-attr]
