@@ -48,7 +48,12 @@ TCG_THREAD = {"6.1": "multi", "6.12": "single"}
 # TCG's emulated TSCs look unsynchronised to the kernel, which then falls back to
 # HPET: an emulated MMIO read on every clock_gettime.  Spectre/Meltdown
 # mitigations only cost emulation time in a throw-away test guest.
-KERNEL_ARGS = ("console=ttyS0", "panic=-1", "tsc=reliable", "mitigations=off")
+# watchdog_thresh=60: the soft-lockup detector fires after 2x this many seconds of a CPU that
+# does not schedule. Under TCG a vCPU can be starved by the emulator for longer than the default
+# 20 s: a 6.12 run flagged "BUG: soft lockup" in clear_page_erms while a 2 MiB huge page was
+# zeroed for a page fault of the test's own python, nothing of the module on the stack. At 120 s
+# it still reports a real lockup, and every test has its own, shorter deadline for a hang.
+KERNEL_ARGS = ("console=ttyS0", "panic=-1", "tsc=reliable", "mitigations=off", "watchdog_thresh=60")
 
 
 # A kernel splat's first line, after the printk timestamp.
