@@ -15,9 +15,11 @@ import secrets
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pyroute2 import IPRoute, NetNS, netns
 
@@ -25,6 +27,27 @@ from bunshinfork.network.nsock import socket_in
 
 IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
 PORT = 7100
+# Run inside a workspace with a fake host's address and port: what a new connection meets
+# ("connected" when the echo answers, else the error's name).
+PROBE = """
+import socket, sys
+try:
+    s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=8)
+    s.sendall(b"hi")
+    print("connected" if s.recv(2) == b"hi" else "EOF")
+except OSError as e:
+    print(type(e).__name__)
+"""
+
+
+def reach_from_sandbox(sbx: Any, host: FakeHost) -> str:
+    """PROBE from inside an E2B sandbox (the SDK's or bunshinfork's: the same files and
+    commands), timed: a refusal must be immediate (rejected, never dropped into a timeout)."""
+    sbx.files.write("/tmp/probe.py", PROBE)
+    t0 = time.monotonic()
+    out = str(sbx.commands.run(f"python3 /tmp/probe.py {host.addr} {PORT}", timeout=30).stdout).strip()
+    assert time.monotonic() - t0 < 5, (out, "a denied connection must be refused at once")
+    return out
 
 
 @dataclass

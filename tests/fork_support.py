@@ -76,6 +76,21 @@ def forked(results: list[Workspace | Exception]) -> list[Workspace]:
 
 
 @contextlib.contextmanager
+def fork_chain(src: Workspace, depth: int, memory: str = "copy") -> Iterator[list[Workspace]]:
+    """The source and `depth` forks, each of the one before (a fork of a fork ...); the forks
+    are destroyed at the end."""
+    family, made = [src], []
+    try:
+        for _ in range(depth):
+            made += forked(family[-1].fork(1, memory))
+            family.append(made[-1])
+        yield family
+    finally:
+        for ws in made:
+            ws.destroy()
+
+
+@contextlib.contextmanager
 def fork_of(src: Workspace | Snapshot, count: int = 1, memory: str = "copy") -> Iterator[list[Workspace]]:
     clones = forked(src.fork(count, memory))
     try:

@@ -26,8 +26,8 @@ import e2b_server_support as support
 import httpx
 import pytest
 import test_e2b_examples as ex
-from fake_internet import PORT as FAKE_PORT
-from fake_internet import FakeHost, fake_host
+from fake_internet import fake_host
+from fake_internet import reach_from_sandbox as _reach
 from helpers import HOG, HOG_READY, ask_hog
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -457,25 +457,6 @@ def test_ports(served: support.Served, cleanup: None) -> None:
 
 
 # ---- egress rules ----
-
-PROBE = """
-import socket, sys
-try:
-    s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=8)
-    s.sendall(b"hi")
-    print("connected" if s.recv(2) == b"hi" else "EOF")
-except OSError as e:
-    print(type(e).__name__)
-"""
-
-
-def _reach(sbx: e2b.Sandbox, host: FakeHost) -> str:
-    sbx.files.write("/tmp/probe.py", PROBE)
-    t0 = time.monotonic()
-    out = sbx.commands.run(f"python3 /tmp/probe.py {host.addr} {FAKE_PORT}", timeout=30).stdout.strip()
-    assert time.monotonic() - t0 < 5, "a denied connection is refused at once, never dropped"
-    return out
-
 
 def test_network_rules_over_http(served: support.Served, cleanup: None) -> None:
     """E2B's SDK's network={...} and update_network against the server: the rules hold in the

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from fake_internet import PORT, FakeHost, fake_host
-from fork_support import forked
+from fork_support import fork_chain, forked
 from helpers import run_ok
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -274,16 +274,8 @@ RANDOM_PROBES = [
        depth=st.integers(min_value=0, max_value=2))
 def test_nothing_denied_ever_arrives(web: dict[str, FakeHost], allow: list[str], deny: list[str], depth: int) -> None:
     policy = {"allow_out": allow, "deny_out": deny}
-    with Workspace.create(network="bridge", nat=depth == 1, egress=policy) as src:
-        family, made = [src], []
-        try:
-            for _ in range(depth):
-                made += forked(family[-1].fork(1, "copy"))
-                family.append(made[-1])
-            assert probe(family, web, RANDOM_PROBES) == expected(policy, RANDOM_PROBES, len(family)), policy
-        finally:
-            for ws in made:
-                ws.destroy()
+    with Workspace.create(network="bridge", nat=depth == 1, egress=policy) as src, fork_chain(src, depth) as family:
+        assert probe(family, web, RANDOM_PROBES) == expected(policy, RANDOM_PROBES, len(family)), policy
 
 
 def test_proxy_file_is_standalone() -> None:

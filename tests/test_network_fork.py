@@ -15,8 +15,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from fake_internet import PORT, FakeHost, fake_host
-from fork_support import COW, WORKLOADS, forked
+from fake_internet import PORT, PROBE, FakeHost, fake_host
+from fork_support import COW, WORKLOADS, fork_chain, forked
 from helpers import run_ok, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -224,17 +224,6 @@ def test_publish_reaches_a_none_workspace() -> None:
 
 # ---- egress policy ----
 
-PROBE = """
-import socket, sys
-try:
-    s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=8)
-    s.sendall(b"hi")
-    print("connected" if s.recv(2) == b"hi" else "EOF")
-except OSError as e:
-    print(type(e).__name__)
-"""
-
-
 def reach(ws: Workspace, host: FakeHost) -> str:
     return run_ok(ws, ["python3", "-c", PROBE, host.addr, str(PORT)], timeout=20).stdout.strip()
 
@@ -296,16 +285,8 @@ CIDRS = ["198.51.100.2/32", "198.51.100.6/32", "198.51.100.0/24", "0.0.0.0/0"]
 def test_nothing_denied_ever_arrives(two_hosts: tuple[FakeHost, FakeHost], allow: list[str], deny: list[str],
                                      depth: int) -> None:
     policy = {"allow_out": allow, "deny_out": deny}
-    with Workspace.create(network="bridge", nat=depth == 1, egress=policy) as src:
-        family, made = [src], []
-        try:
-            for _ in range(depth):
-                made += forked(family[-1].fork(1, "copy"))
-                family.append(made[-1])
-            _check_policy(family, two_hosts, policy)
-        finally:
-            for ws in made:
-                ws.destroy()
+    with Workspace.create(network="bridge", nat=depth == 1, egress=policy) as src, fork_chain(src, depth) as family:
+        _check_policy(family, two_hosts, policy)
 
 
 # ---- speculation stays inside the workspace ----

@@ -15,26 +15,16 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fake_internet import PORT, FakeHost, fake_host
+from fake_internet import FakeHost, fake_host, reach_from_sandbox
 from helpers import wait_for
 
 from bunshinfork import AsyncSandbox, InvalidArgumentException, Sandbox, Workspace, state
 from bunshinfork.network import ports
 
-PROBE = """
-import socket, sys
-try:
-    s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=8)
-    s.sendall(b"hi")
-    print("connected" if s.recv(2) == b"hi" else "EOF")
-except OSError as e:
-    print(type(e).__name__)
-"""
 REFUSED = "ConnectionRefusedError"
 
 
@@ -44,22 +34,12 @@ def two_hosts() -> Iterator[tuple[FakeHost, FakeHost]]:
         yield a, b
 
 
-def reach(sbx: Sandbox, host: FakeHost) -> str:
-    """What a new connection from inside the sandbox to `host` meets, timed: a refusal must be
-    immediate (rejected, never dropped into a timeout)."""
-    sbx.files.write("/tmp/probe.py", PROBE)
-    t0 = time.monotonic()
-    out = sbx.commands.run(f"python3 /tmp/probe.py {host.addr} {PORT}", timeout=30).stdout.strip()
-    assert time.monotonic() - t0 < 5, (out, "a denied connection must be refused at once")
-    return out
-
-
 def check(family: list[Sandbox], hosts: tuple[FakeHost, FakeHost], expect: tuple[str, str]) -> None:
     """Every sandbox of `family` meets `expect` at each host, and a host sees only the allowed flows."""
     for host, want in zip(hosts, expect, strict=True):
         before = len(host.seen())
         for sbx in family:
-            assert reach(sbx, host) == want, (sbx.sandbox_id, host.addr)
+            assert reach_from_sandbox(sbx, host) == want, (sbx.sandbox_id, host.addr)
         assert len(host.seen()) - before == (len(family) if want == "connected" else 0), host.addr
 
 
