@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from bunshinfork.templates.gui import _instance
 from bunshinrl.envs import gui as gui_env
 
 HELP = "/root/Desktop/help.html"
@@ -25,7 +26,11 @@ def test_launch_app_and_open_page_then_the_task_is_solved() -> None:
         assert page == "loaded 'Editor help':\nSelect all, type, save.", page
         assert time.monotonic() - t > 0.3  # a browser start and a page load: real time
         assert env.call(ws, "launch_app", app="editor") == "started editor"
-        assert "Mousepad" in env.call(ws, "list_windows")
+        listing = env.call(ws, "list_windows")
+        assert "Mousepad" in listing and "'Editor help - Chromium'" in listing, listing
+        # The workspace's hostname (its id: a fork's differs) is no part of what the agent sees,
+        # or a replay of the listing in another workspace never matches what was recorded.
+        assert ws.id not in listing, listing
         assert env.call(ws, "activate_window", title="Mousepad").startswith("activated")
         env.call(ws, "key", combo="ctrl+a")
         env.call(ws, "type_text", text="Ship it")
@@ -37,3 +42,14 @@ def test_launch_app_and_open_page_then_the_task_is_solved() -> None:
         assert env.call(ws, "open_page", path="/root/none.html").startswith("ERROR")
     finally:
         ws.destroy()
+
+
+def test_a_wm_class_instance_with_spaces_stays_out_of_the_title() -> None:
+    """wmctrl -lx's line as Chromium's window gives it (an instance holding spaces), against
+    Mousepad's; and a window that changed between the two listings gets no instance."""
+    chromium = "chromium-browser (/root/.config/chromium-gui).Chromium-browser  ws-1 Editor help - Chromium"
+    assert _instance(chromium, "ws-1", "Editor help - Chromium") == "chromium-browser (/root/.config/chromium-gui)"
+    assert _instance("mousepad.Mousepad     ws-1 /root/notes.txt - Mousepad", "ws-1",
+                     "/root/notes.txt - Mousepad") == "mousepad"
+    assert _instance("xterm.XTerm  N/A ", "N/A", "") == "xterm"
+    assert _instance("mousepad.Mousepad  ws-1 *notes.txt - Mousepad", "ws-1", "notes.txt - Mousepad") == ""

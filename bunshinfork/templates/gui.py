@@ -161,21 +161,28 @@ class GuiWorkspace(Desktop):
 
     def windows(self) -> list[Window]:
         """Managed top-level windows, as the window manager lists them."""
-        r = run(self.ws, "wmctrl -lpGx; echo; xprop -root _NET_ACTIVE_WINDOW", env=self.env, check=False)
+        r = run(self.ws, "wmctrl -lpG; echo; wmctrl -lx; echo; xprop -root _NET_ACTIVE_WINDOW",
+                env=self.env, check=False)
         # Before the first window maps, the WM has not set _NET_CLIENT_LIST and wmctrl fails.
         if not r.ok and "client list" not in r.stderr:
-            raise TemplateError(f"wmctrl -lpGx failed in {self.ws.id}: {r.stderr.strip()}")
-        listing, _, active_line = r.stdout.rpartition("\n_NET_ACTIVE_WINDOW")
+            raise TemplateError(f"wmctrl -lpG failed in {self.ws.id}: {r.stderr.strip()}")
+        listings, _, active_line = r.stdout.rpartition("\n_NET_ACTIVE_WINDOW")
         active = active_line.rsplit(None, 1)[-1] if "0x" in active_line else ""
+        geometry, _, classes = listings.partition("\n\n")
+        classes_by_id = {f[0]: f[2] for f in (line.split(None, 2) for line in classes.splitlines()) if len(f) == 3}
         out = []
-        for line in listing.splitlines():
-            parts = line.split(None, 9)
-            if len(parts) < 9:
+        for line in geometry.splitlines():
+            # id, desktop, pid, x, y, width, height, client host, title (may hold spaces). The
+            # WM_CLASS column is read apart (_instance): an instance may hold spaces, and a split
+            # of wmctrl -x's line put Chromium's client host (the workspace's hostname, which
+            # differs in every fork) into its title, so a replayed listing never matched.
+            parts = line.split(None, 8)
+            if len(parts) < 8:
                 continue
-            # id, desktop, pid, x, y, width, height, WM_CLASS, client host, title (may hold spaces)
-            title = parts[9] if len(parts) > 9 else ""
+            title = parts[8] if len(parts) > 8 else ""
             out.append(Window(parts[0], int(parts[1]), int(parts[2]), int(parts[3]), int(parts[4]),
-                              int(parts[5]), int(parts[6]), title, app_id=parts[7].partition(".")[0],
+                              int(parts[5]), int(parts[6]), title,
+                              app_id=_instance(classes_by_id.get(parts[0], ""), parts[7], title),
                               focused=bool(active) and int(parts[0], 16) == int(active.rstrip(","), 16)))
         return out
 
@@ -287,3 +294,15 @@ def gui_workspace(apps: Iterable[str] = APPS, width: int = 1280, height: int = 8
         with contextlib.suppress(BunshinError):
             ws.destroy()
         raise
+
+
+def _instance(body: str, host: str, title: str) -> str:
+    """The WM_CLASS instance from the rest of a `wmctrl -lx` line ("instance.class host title"),
+    given that window's host and title from `wmctrl -lpG`: an instance may hold spaces
+    ("chromium-browser (/root/.config/chromium-gui)"), so it is what is left once the known end
+    is taken off; "" if the window changed between the two listings."""
+    end = f"{host} {title}".rstrip()
+    body = body.rstrip()
+    if not body.endswith(end):
+        return ""
+    return body[: len(body) - len(end)].rstrip().rsplit(".", 1)[0]
