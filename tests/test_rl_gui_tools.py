@@ -44,7 +44,7 @@ def test_launch_app_and_open_page_then_the_task_is_solved() -> None:
         ws.destroy()
 
 
-def test_a_wm_class_instance_with_spaces_stays_out_of_the_title() -> None:
+def test_a_wm_class_instance_with_spaces_is_read_whole() -> None:
     """wmctrl -lx's line as Chromium's window gives it (an instance holding spaces), against
     Mousepad's; and a window that changed between the two listings gets no instance."""
     chromium = "chromium-browser (/root/.config/chromium-gui).Chromium-browser  ws-1 Editor help - Chromium"
