@@ -340,6 +340,38 @@ def test_frozen_layer_goes_when_its_snapshot_and_clones_go_together() -> None:
             assert not os.path.exists(path)
 
 
+def test_a_released_clone_whose_directory_goes_mid_check_keeps_no_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race behind the test above, made certain: a clone whose release is done (marked) has
+    its state directory removed just as the last user's release reads its record. That record
+    must not count as a user (read the marker after the record and it does, and the frozen layer
+    outlives everyone)."""
+    with Workspace.create() as src:
+        snap = src.snapshot("copy")
+        path = snap._snap.meta.fs.layer.path
+        a, b = forked(snap.fork(2))
+        snap.release()
+        assert os.path.exists(path)  # its clones stack it
+        remove_dir = state.remove_dir
+        with monkeypatch.context() as m:
+            m.setattr(state, "remove_dir", lambda d: None)  # a's release stops short of it
+            a.destroy()
+        assert (state.RUN_ROOT / a.id / state.RELEASED).exists()
+        load = state.Record.load
+
+        def load_then_remove(ws_id: str) -> state.Record:
+            rec = load(ws_id)
+            if ws_id == a.id:
+                remove_dir(rec.dir)
+            return rec
+
+        monkeypatch.setattr(state.Record, "load", staticmethod(load_then_remove))
+        try:
+            b.destroy()
+        finally:
+            remove_dir(state.RUN_ROOT / a.id)  # where b's release never read a's record
+        assert not os.path.exists(path)
+
+
 CRASHER = """
 import os, sys
 from bunshinfork import Workspace
