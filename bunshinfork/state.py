@@ -20,7 +20,7 @@ import secrets
 import shutil
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -364,11 +364,12 @@ class Record:
         return proc_starttime(self.creator_pid) is not None
 
 
-def records(exclude: str | None = None) -> Iterator[Record]:
+def records(exclude: str | None = None, skip: Callable[[str], bool] | None = None) -> Iterator[Record]:
     """Every readable workspace record, by id. One being removed or half written (a creator
-    that died before saving it) is skipped: only gc, which reads ids, deals with those."""
+    that died before saving it) is skipped: only gc, which reads ids, deals with those. `skip`
+    is asked of each id before its record is read (a marker that must be read first)."""
     for ws_id in all_ids():
-        if ws_id == exclude:
+        if ws_id == exclude or (skip is not None and skip(ws_id)):
             continue
         try:
             yield Record.load(ws_id)

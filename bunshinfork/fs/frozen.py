@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from .. import state
-from ..state import FsState, Layer, Record, SnapshotMeta, Status
+from ..state import FsState, Layer, SnapshotMeta, Status
 from . import layers
 from .btrfs import btrfsutil, same_fs
 
@@ -211,13 +211,7 @@ def _references(exclude: str) -> set[str]:
     """Paths of the frozen layers any workspace or snapshot other than `exclude` (and other than
     those being released) stacks or holds."""
     refs: set[str] = set()
-    for ws_id in state.all_ids():
-        if ws_id == exclude or _releasing(ws_id):
-            continue
-        try:
-            rec = Record.load(ws_id)
-        except (OSError, ValueError):
-            continue  # gone since, or half written by a creator that died (gc's to remove)
+    for rec in state.records(exclude, skip=_releasing):
         if rec.fs is not None and rec.status is not Status.DESTROYED:
             refs.update(lay.path for lay in rec.fs.lowers)
     for snap_id in state.snapshot_ids():
