@@ -46,9 +46,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from bunshinfork.templates import CATALOGUE
+from bunshinrl.calls.policy import Action, FinalAnswer, SampleContext, Step
+from bunshinrl.calls.signature import ToolCall
 from bunshinrl.envs import coding
-from bunshinrl.policy import Action, FinalAnswer, SampleContext, Step
-from bunshinrl.signature import ToolCall
 
 
 @dataclass(frozen=True)

@@ -97,9 +97,9 @@ from bunshinrl import (
     ToolPrefixCache,
 )
 from bunshinrl.envs import coding, gui, webshop
-from bunshinrl.reasoning import ReasoningClock
-from bunshinrl.speculator import PLACEMENTS
-from bunshinrl.wiring import CoreConfig, build_core
+from bunshinrl.rollout.reasoning import ReasoningClock
+from bunshinrl.rollout.wiring import CoreConfig, build_core
+from bunshinrl.speculation.speculator import PLACEMENTS
 
 DEFAULT_PLACEMENT = Speculator().placement
 SNAPSHOT_POLICIES = ("depth", "cost")

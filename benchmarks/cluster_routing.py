@@ -41,8 +41,8 @@ from typing import Any
 
 from bunshinfork import Workspace
 from bunshinrl import FinalAnswer, SampleContext, Step, Task, ToolCall
-from bunshinrl.policy import Action
-from bunshinrl.tools import shell_tool
+from bunshinrl.calls.policy import Action
+from bunshinrl.calls.tools import shell_tool
 
 # The local cluster is the tests' (tests/cluster_support.py), loaded by its path: one definition
 # of what a loopback-only, leak-checked local cluster of bunshin hosts is.

@@ -2,7 +2,7 @@
 
 python benchmarks/grpo_llm.py [--quick] --backend {hf,vllm} --out DIR
 
-Trains the test model (bunshinrl.grpo.testmodel: a random-init Qwen2 of ~0.4M parameters and a
+Trains the test model (bunshinrl.training.testmodel: a random-init Qwen2 of ~0.4M parameters and a
 tokenizer trained on the suite; decoding constrained to each task's candidate calls) on the
 verifiable task suite, token by token:
 
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bunshinfork import census
 from bunshinrl.grpo import experiment
-from bunshinrl.grpo.tasks import suite
+from bunshinrl.training.tasks import suite
 
 QUICK_TASKS = ("files-ab", "service-pong", "fix-both")
 # Host objects a finished run must not leave (not processes or fds: torch and the server's
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     try:
-        from bunshinrl.grpo.trainer import GRPOConfig
+        from bunshinrl.training.trainer import GRPOConfig
     except ImportError as e:
         print(f"grpo_llm needs torch and transformers (bash scripts/setup.sh installs them): {e}", file=sys.stderr)
         return 2

@@ -5,21 +5,21 @@ speculative tool execution (Speculator with a ToolSelector), driven by RolloutEn
 also works on its own inside another trainer; see bunshinrl/README.md.
 """
 
-from .backend import SharedSnapshot, SnapshotBackend, StateBackend
-from .cache import Plan, ReplayDiverged, ToolPrefixCache
-from .core import Rollout, RolloutCore
-from .engine import RolloutEngine
-from .guard import DeterminismGuard
-from .policy import Action, FinalAnswer, Policy, SampleContext, Step
-from .replies import parse_message, parse_reply, render_call
-from .selector import SelectorContext, SelectorReport, ToolSelector, Trajectory, train_selector
-from .signature import ToolCall, prefix_signature, template_digest
-from .speculator import SpecHit, SpeculationError, SpeculativeBranch, Speculator
-from .store import BlobStore
-from .tail import TailPolicy
-from .task import INVALID_TOOL, REWARD_TOOL, Task
-from .timeline import EpochResult, SampleTimeline
-from .tools import Tool, ToolSet, shell_tool, string_params
+from .calls.guard import DeterminismGuard
+from .calls.policy import Action, FinalAnswer, Policy, SampleContext, Step
+from .calls.replies import parse_message, parse_reply, render_call
+from .calls.signature import ToolCall, prefix_signature, template_digest
+from .calls.task import INVALID_TOOL, REWARD_TOOL, Task
+from .calls.tools import Tool, ToolSet, shell_tool, string_params
+from .prefix.cache import Plan, ReplayDiverged, ToolPrefixCache
+from .rollout.core import Rollout, RolloutCore
+from .rollout.engine import RolloutEngine
+from .rollout.timeline import EpochResult, SampleTimeline
+from .speculation.selector import SelectorContext, SelectorReport, ToolSelector, Trajectory, train_selector
+from .speculation.speculator import SpecHit, SpeculationError, SpeculativeBranch, Speculator
+from .speculation.tail import TailPolicy
+from .states.backend import SharedSnapshot, SnapshotBackend, StateBackend
+from .states.store import BlobStore
 
 __all__ = [
     "INVALID_TOOL", "REWARD_TOOL", "Action", "BlobStore", "DeterminismGuard", "EpochResult", "FinalAnswer", "Plan",

@@ -16,7 +16,7 @@ import pytest
 
 from bunshinfork import Workspace
 from bunshinrl import Task, Tool
-from bunshinrl.tools import command_observation
+from bunshinrl.calls.tools import command_observation
 
 SERVER = textwrap.dedent('''
     import http.server, urllib.parse

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from bunshinrl import RolloutEngine
+from bunshinrl.calls.policy import FinalAnswer, SampleContext, Step
+from bunshinrl.calls.signature import ToolCall
 from bunshinrl.envs import coding
-from bunshinrl.policy import FinalAnswer, SampleContext, Step
-from bunshinrl.signature import ToolCall
 
 # Loaded by its path: putting benchmarks/ on sys.path would shadow the tests' own `workloads`
 # package with benchmarks/workloads.py for every test module collected after this one.

@@ -34,9 +34,9 @@ from bunshinrl import (
     ToolCall,
     ToolPrefixCache,
 )
+from bunshinrl.calls.policy import Action
 from bunshinrl.cluster import ClusterEngine, RayWorkspacePool, Replication
-from bunshinrl.policy import Action
-from bunshinrl.wiring import CoreConfig, build_core
+from bunshinrl.rollout.wiring import CoreConfig, build_core
 
 # Tasks and policies travel to the host actors by value (Ray's own cloudpickle): Ray's workers
 # cannot import tests/.

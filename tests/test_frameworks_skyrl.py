@@ -24,7 +24,7 @@ from bunshinrl import ToolCall, render_call
 from bunshinrl.adapters import Runtime
 from bunshinrl.adapters.skyrl import ENV_ID, BunshinEnv
 from bunshinrl.grpo import suite
-from bunshinrl.grpo.chat import render_action
+from bunshinrl.policies.chat import render_action
 
 pytestmark = pytest.mark.usefixtures("no_own_leaks")
 

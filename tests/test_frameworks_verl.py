@@ -38,7 +38,7 @@ from verl.workers.config import RolloutConfig
 from bunshinrl.adapters import Runtime
 from bunshinrl.adapters.verl import BunshinAgentLoop, BunshinTool, VLLMServerClient
 from bunshinrl.grpo import VLLMServer, suite
-from bunshinrl.grpo.chat import SYSTEM_PROMPT
+from bunshinrl.policies.chat import SYSTEM_PROMPT
 
 pytestmark = pytest.mark.usefixtures("no_own_leaks")
 

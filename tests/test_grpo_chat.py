@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 
 from bunshinrl import INVALID_TOOL, Step, ToolCall, parse_message, parse_reply, render_call
+from bunshinrl.calls.policy import FinalAnswer
 from bunshinrl.grpo import suite
-from bunshinrl.grpo.chat import candidate_replies, messages
-from bunshinrl.policy import FinalAnswer
+from bunshinrl.policies.chat import candidate_replies, messages
 
 pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from bunshinrl.grpo import testmodel  # noqa: E402
-from bunshinrl.grpo.constrain import ChoiceConstraint, Vocabulary  # noqa: E402
+from bunshinrl.policies.constrain import ChoiceConstraint, Vocabulary  # noqa: E402
 
 TASKS = {t.id: t for t in suite()}
 
@@ -55,7 +55,7 @@ def test_test_model_is_a_standard_qwen2_checkpoint(model_dir: Path, tmp_path: Pa
 def test_chat_template_renders_tools_and_the_trajectory(model_dir: Path) -> None:
     from transformers import AutoTokenizer
 
-    from bunshinrl.grpo.chat import template_messages
+    from bunshinrl.policies.chat import template_messages
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     task = TASKS["service-pong"]

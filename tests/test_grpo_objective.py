@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bunshinrl import Step, ToolCall
-from bunshinrl.grpo.objective import LOSS_AGG_MODES, agg_loss, group_advantages, grpo_loss, kl_k3
+from bunshinrl.training.objective import LOSS_AGG_MODES, agg_loss, group_advantages, grpo_loss, kl_k3
 
 torch = pytest.importorskip("torch")
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos", reason="verl (scripts/setup.sh installs it)")
@@ -82,9 +82,9 @@ def test_only_generated_tokens_get_gradient(tmp_path: Path) -> None:
     """A two-turn episode stitched into one sequence: the prompt, the tool's output and the
     template's scaffolding have mask 0 and zero gradient; the model's tokens do not."""
     from bunshinrl.grpo import suite, testmodel
-    from bunshinrl.grpo.chat import render_call
-    from bunshinrl.grpo.hf_policy import HFPolicy
-    from bunshinrl.grpo.turns import Turn, stitch
+    from bunshinrl.policies.chat import render_call
+    from bunshinrl.policies.hf_policy import HFPolicy
+    from bunshinrl.policies.turns import Turn, stitch
 
     task = next(t for t in suite() if t.id == "files-ab")
     policy = HFPolicy.from_pretrained(testmodel.make(tmp_path / "m"), [task])

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from bunshinfork import Workspace
 from bunshinrl import FinalAnswer, Task, ToolCall
-from bunshinrl.grpo.actions import FINAL, call, from_text
-from bunshinrl.grpo.tasks import REWARD_TOOL, parse_reward, suite
+from bunshinrl.policies.actions import FINAL, call, from_text
+from bunshinrl.training.tasks import REWARD_TOOL, parse_reward, suite
 
 
 def _initialized(task: Task) -> Workspace:

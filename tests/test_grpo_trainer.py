@@ -11,14 +11,14 @@ import pytest
 
 from bunshinrl import SampleContext
 from bunshinrl.grpo import suite
-from bunshinrl.grpo.chat import candidate_replies
+from bunshinrl.policies.chat import candidate_replies
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from bunshinrl.grpo import testmodel  # noqa: E402
-from bunshinrl.grpo.hf_policy import HFPolicy  # noqa: E402
-from bunshinrl.grpo.trainer import CHECKPOINT, GRPOConfig, GRPOTrainer  # noqa: E402
+from bunshinrl.policies.hf_policy import HFPolicy  # noqa: E402
+from bunshinrl.training.trainer import CHECKPOINT, GRPOConfig, GRPOTrainer  # noqa: E402
 
 TASKS = [t for t in suite() if t.id in ("files-ab", "service-pong", "fix-both")]
 LR = 5e-3  # for a 0.5M-parameter model trained from scratch; real checkpoints want ~1e-6

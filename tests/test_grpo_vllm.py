@@ -20,14 +20,14 @@ from rl_support import serve_vllm
 
 from bunshinrl import SampleContext, Step, ToolCall, parse_reply
 from bunshinrl.grpo import OpenAIPolicy, VLLMServer, VLLMServerSync, WeightSyncError, suite
-from bunshinrl.grpo.chat import candidate_replies
+from bunshinrl.policies.chat import candidate_replies
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from bunshinrl.grpo import testmodel  # noqa: E402
-from bunshinrl.grpo.hf_policy import HFPolicy  # noqa: E402
-from bunshinrl.grpo.trainer import GRPOConfig, GRPOTrainer  # noqa: E402
+from bunshinrl.policies.hf_policy import HFPolicy  # noqa: E402
+from bunshinrl.training.trainer import GRPOConfig, GRPOTrainer  # noqa: E402
 
 TASKS = [t for t in suite() if t.id in ("files-ab", "fix-both")]
 TMAP = {t.id: t for t in TASKS}

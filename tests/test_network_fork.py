@@ -26,7 +26,7 @@ from bunshinfork.errors import NetworkError, SpecError
 from bunshinfork.network import clones
 from bunshinfork.workspace import Workspace
 from bunshinrl import Speculator, ToolCall
-from bunshinrl.tools import Tool
+from bunshinrl.calls.tools import Tool
 
 AGENT = "/root/netagent.py"
 CLONES = 4

@@ -18,8 +18,8 @@ import bunshinrl._async
 from bunshinfork import AsyncWorkspace, Workspace
 from bunshinfork.commands import Commands
 from bunshinrl import FinalAnswer, RolloutEngine, SampleContext, Step, Task, ToolCall
-from bunshinrl.policy import Action
-from bunshinrl.tools import shell_tool
+from bunshinrl.calls.policy import Action
+from bunshinrl.calls.tools import shell_tool
 
 pytestmark = pytest.mark.usefixtures("no_own_leaks")
 

@@ -14,9 +14,9 @@ import pytest
 from rl_support import counter_task, no_own_leaks  # noqa: F401 (fixture, used by name)
 
 from bunshinrl import RolloutEngine, SnapshotBackend, ToolCall, ToolPrefixCache
-from bunshinrl.policy import Action, FinalAnswer, SampleContext, Step
-from bunshinrl.reasoning import ReasoningClock
-from bunshinrl.wiring import CoreConfig, build_core
+from bunshinrl.calls.policy import Action, FinalAnswer, SampleContext, Step
+from bunshinrl.rollout.reasoning import ReasoningClock
+from bunshinrl.rollout.wiring import CoreConfig, build_core
 
 pytestmark = pytest.mark.usefixtures("no_own_leaks")
 

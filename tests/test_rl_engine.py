@@ -22,7 +22,7 @@ from bunshinrl import (
     ToolCall,
     ToolPrefixCache,
 )
-from bunshinrl.policy import Action
+from bunshinrl.calls.policy import Action
 
 # Host-wide leak checks also see other processes' workspaces; this one checks our own.
 pytestmark = pytest.mark.usefixtures("no_own_leaks")

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from bunshinrl import DeterminismGuard, Tool, ToolCall, ToolPrefixCache
-from bunshinrl.backend import Persisted
-from bunshinrl.tree import Node
+from bunshinrl.prefix.tree import Node
+from bunshinrl.states.backend import Persisted
 
 
 @dataclass(eq=False)

@@ -9,7 +9,7 @@ import numpy as np
 from sklearn.base import clone
 
 from bunshinrl import ToolCall, ToolSelector, Trajectory, train_selector
-from bunshinrl.selector import FINAL, SelectorContext, examples
+from bunshinrl.speculation.selector import FINAL, SelectorContext, examples
 
 LS, CAT, TEST, EDIT = (ToolCall("ls"), ToolCall("cat", {"path": "a"}), ToolCall("run_tests"),
                        ToolCall("edit", {"path": "a", "find": "x", "replace": "y"}))

@@ -10,8 +10,8 @@ from rl_support import counter_task, my_snapshots, no_own_leaks  # noqa: F401 (f
 
 from bunshinfork import Workspace
 from bunshinrl import SharedSnapshot, SpeculationError, Speculator, TailPolicy, ToolCall, ToolSelector
-from bunshinrl.selector import SelectorContext
-from bunshinrl.speculator import _check_isolated
+from bunshinrl.speculation.selector import SelectorContext
+from bunshinrl.speculation.speculator import _check_isolated
 
 # Host-wide leak checks also see other processes' workspaces; this one checks our own.
 pytestmark = pytest.mark.usefixtures("no_own_leaks")

@@ -6,8 +6,8 @@ import os
 import stat
 from pathlib import Path
 
-from bunshinrl.delta import BLOCK, DeltaStore, apply, diff, materialize, scan
-from bunshinrl.store import BlobStore
+from bunshinrl.states.delta import BLOCK, DeltaStore, apply, diff, materialize, scan
+from bunshinrl.states.store import BlobStore
 
 
 def test_blob_store_deduplicates(tmp_path: Path) -> None:

@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from .._async import LoopThread, run_blocking
-from ..cache import SnapshotPolicy
-from ..core import Rollout
-from ..policy import SampleContext
-from ..task import REWARD_TOOL, Task
-from ..wiring import CoreConfig, build_core
+from ..calls.policy import SampleContext
+from ..calls.task import REWARD_TOOL, Task
+from ..prefix.cache import SnapshotPolicy
+from ..rollout.core import Rollout
+from ..rollout.wiring import CoreConfig, build_core
 
 # ---- tasks by name ----
 
@@ -55,7 +55,7 @@ def resolve_task(name: str, template: Mapping[str, Any] | None = None) -> Task:
         if not isinstance(task, Task):
             raise TypeError(f"{name} is a {type(task).__name__}, not a bunshinrl Task")
     if task is None:
-        from ..grpo.tasks import suite
+        from ..training.tasks import suite
 
         with _TASKS_LOCK:
             for t in suite():

@@ -6,7 +6,7 @@
 SkyRL's generator makes one env per trajectory, calls `init(prompt)`, `step(llm_output)` until
 `done`, `get_metrics()` at the episode's end, then `close()`, and aggregates every episode's
 metrics with the env class's `aggregate_metrics`. Here the trajectory is a Rollout
-(bunshinrl.core): a step parses the model's tool call(s) (Hermes `<tool_call>` blocks or bare
+(bunshinrl.rollout.core): a step parses the model's tool call(s) (Hermes `<tool_call>` blocks or bare
 JSON; several are run in order), serves each from a speculative branch that predicted it, from
 the prefix cache, or runs it for real, and returns the observations. The episode ends when the
 model answers without a tool call or its budget is spent; the task's verifier then scores the
@@ -31,10 +31,10 @@ from typing import Any
 import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
-from ..core import Rollout
-from ..policy import FinalAnswer, calls_of
-from ..replies import parse_reply
-from ..task import INVALID_TOOL, Task
+from ..calls.policy import FinalAnswer, calls_of
+from ..calls.replies import parse_reply
+from ..calls.task import INVALID_TOOL, Task
+from ..rollout.core import Rollout
 from .runtime import Runtime, plain, resolve_task, rollout_metrics, task_options
 
 ENV_ID = "bunshin-workspace"

@@ -7,7 +7,7 @@ finds, and a client for its token-level server interface on a vLLM OpenAI-compat
         config: {type: native, task: fix-both, template: {rootfs: host}}
 
 BunshinTool is verl's own BaseTool, built as `BunshinTool(config=..., tool_schema=...)`. Its
-`execute` runs the call on the trajectory's Rollout (bunshinrl.core): the prefix cache may skip
+`execute` runs the call on the trajectory's Rollout (bunshinrl.rollout.core): the prefix cache may skip
 it, a speculative branch may already have run it. The trajectory is `agent_data.request_id`,
 one per sample (never a dataset-level field), so each sample has its own workspace.
 
@@ -35,9 +35,9 @@ from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 from verl.workers.rollout.llm_server import LLMServerClient
 from verl.workers.rollout.replica import TokenOutput
 
-from ..signature import ToolCall
-from ..task import Task
-from ..tools import is_hidden
+from ..calls.signature import ToolCall
+from ..calls.task import Task
+from ..calls.tools import is_hidden
 from .runtime import Runtime, plain, resolve_task, rollout_metrics, task_options
 
 log = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ class BunshinAgentLoop(ToolAgentLoop):
         uid = kwargs.get("uid")
         self._group = str(uid) if uid is not None else None
         if self.constrain:
-            from ..grpo.chat import candidate_replies
+            from ..policies.chat import candidate_replies
 
             sampling_params = {**sampling_params, "structured_outputs": {"choice": list(candidate_replies(task))}}
         try:
@@ -180,7 +180,7 @@ class VLLMServerClient(LLMServerClient):
     def __init__(self, config: DictConfig, base_url: str, model: str, *, api_key: str = "EMPTY",
                  timeout: float = 120.0) -> None:
         super().__init__(config, load_balancer_handle=None)
-        from ..grpo.openai_policy import OpenAIClient
+        from ..policies.openai_policy import OpenAIClient
 
         self.model = model
         self.client = OpenAIClient(base_url, api_key=api_key, timeout=timeout)

@@ -1,6 +1,6 @@
 """ClusterEngine: RolloutEngine's epoch over a RayWorkspacePool, with prefix-affinity routing.
 
-The policy runs here, in the driver; each sample's Rollout (bunshinrl.core) runs on the host
+The policy runs here, in the driver; each sample's Rollout (bunshinrl.rollout.core) runs on the host
 it was placed on and is stepped remotely, one tool call at a time, exactly as RolloutEngine
 steps a local one: the same core serves each call from that host's shard of the prefix cache
 or runs it there. So trajectories, observations and rewards are those of a single host.
@@ -40,11 +40,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..policy import FinalAnswer, Policy, SampleContext, Step, calls_of
-from ..selector import SelectorReport, Trajectory, train_selector
-from ..signature import ToolCall
-from ..task import Task
-from ..timeline import EpochResult, SampleTimeline
+from ..calls.policy import FinalAnswer, Policy, SampleContext, Step, calls_of
+from ..calls.signature import ToolCall
+from ..calls.task import Task
+from ..rollout.timeline import EpochResult, SampleTimeline
+from ..speculation.selector import SelectorReport, Trajectory, train_selector
 from .pool import RayWorkspacePool
 
 

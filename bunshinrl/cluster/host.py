@@ -39,16 +39,16 @@ from bunshinfork.cgroups import cgroup
 from bunshinfork.host import DEFAULT_RUN_ROOT, HOST, HostConfig
 
 from .._async import run_blocking
-from ..backend import SharedSnapshot
-from ..cache import ToolPrefixCache
-from ..core import Rollout, RolloutCore
-from ..policy import SampleContext, Step
-from ..selector import ToolSelector
-from ..signature import ToolCall
-from ..task import Task
-from ..timeline import SampleTimeline
-from ..tree import Node
-from ..wiring import CoreConfig, build_core
+from ..calls.policy import SampleContext, Step
+from ..calls.signature import ToolCall
+from ..calls.task import Task
+from ..prefix.cache import ToolPrefixCache
+from ..prefix.tree import Node
+from ..rollout.core import Rollout, RolloutCore
+from ..rollout.timeline import SampleTimeline
+from ..rollout.wiring import CoreConfig, build_core
+from ..speculation.selector import ToolSelector
+from ..states.backend import SharedSnapshot
 
 CoreFactory = Callable[[], RolloutCore]
 

@@ -10,6 +10,6 @@ rollout, let each rollout call tools on its clone (task.call(clone, "click", x=.
 score the clone with task.reward(clone).
 """
 
-from ..task import Task
+from ..calls.task import Task
 
 __all__ = ["Task"]

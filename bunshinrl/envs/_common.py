@@ -8,7 +8,7 @@ from typing import Any
 
 from bunshinfork import BunshinError, Workspace
 
-from ..tools import Tool
+from ..calls.tools import Tool
 
 
 def agent_tool(fn: Callable[..., str]) -> Callable[..., str]:

@@ -23,8 +23,8 @@ from typing import Any
 
 from bunshinfork import BunshinError, Workspace
 
-from ..task import Task
-from ..tools import Tool, command_observation
+from ..calls.task import Task
+from ..calls.tools import Tool, command_observation
 from ._common import agent_tool, tools_of
 
 PROJ = "/root/proj"

@@ -22,8 +22,8 @@ from typing import Any
 from bunshinfork import BunshinError, Workspace
 from bunshinfork.templates import GuiWorkspace, WaylandWorkspace, attach_desktop, start_gui, start_wayland
 
-from ..task import Task
-from ..tools import Tool
+from ..calls.task import Task
+from ..calls.tools import Tool
 from ._common import agent_tool, tools_of
 
 NOTES = GuiWorkspace.editor_file

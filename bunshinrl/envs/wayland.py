@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..task import Task
+from ..calls.task import Task
 from .gui import DEFAULT_TARGET, INITIAL_TEXT, NOTES_ON, TOOLS, reward_for
 from .gui import make_env as _make_env
 

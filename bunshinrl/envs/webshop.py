@@ -17,8 +17,8 @@ from typing import Any
 from bunshinfork import BunshinError, Workspace
 from bunshinfork.templates import CATALOGUE, Browser, WebShopWorkspace, start_webshop
 
-from ..task import Task
-from ..tools import Tool
+from ..calls.task import Task
+from ..calls.tools import Tool
 from ._common import agent_tool, tools_of
 
 DEFAULT_ITEMS = {"MUG-BLU": 2, "TEA-GRN": 1}

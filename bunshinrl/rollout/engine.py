@@ -14,15 +14,15 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 
-from .cache import ToolPrefixCache
+from ..calls.guard import DeterminismGuard
+from ..calls.policy import FinalAnswer, Policy, SampleContext, calls_of
+from ..calls.task import Task
+from ..prefix.cache import ToolPrefixCache
+from ..speculation.selector import SelectorReport, Trajectory
+from ..speculation.speculator import Speculator
+from ..speculation.tail import TailPolicy
+from ..states.metrics import MemorySampler
 from .core import Rollout, RolloutCore
-from .guard import DeterminismGuard
-from .metrics import MemorySampler
-from .policy import FinalAnswer, Policy, SampleContext, calls_of
-from .selector import SelectorReport, Trajectory
-from .speculator import Speculator
-from .tail import TailPolicy
-from .task import Task
 from .timeline import EpochResult
 from .wiring import CoreConfig, build_core
 

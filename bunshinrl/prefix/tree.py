@@ -8,7 +8,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from .signature import ToolCall, extend_signature, root_signature
+from ..calls.signature import ToolCall, extend_signature, root_signature
 
 
 @dataclass(eq=False)

@@ -12,7 +12,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Sequence
 
-from .signature import ToolCall
+from ..calls.signature import ToolCall
 
 
 class TailPolicy:

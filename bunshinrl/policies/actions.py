@@ -2,7 +2,7 @@
 
 An action text is the canonical key of a tool call, `name{"arg":"value"}` (ToolCall.key, so
 equal calls are equal text), or FINAL for "I am done". A model never writes these: what it
-writes is parsed by bunshinrl.replies; these are the suite's own vocabulary (candidate replies
+writes is parsed by bunshinrl.calls.replies; these are the suite's own vocabulary (candidate replies
 are rendered from them, random baselines draw them).
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..policy import Action, FinalAnswer
-from ..signature import ToolCall
+from ..calls.policy import Action, FinalAnswer
+from ..calls.signature import ToolCall
 
 FINAL = "<final>"
 

@@ -49,21 +49,21 @@ from typing import Any
 
 from bunshinfork import AsyncWorkspace, Workspace, rootfs_digest
 
-from ._async import call_sync_or_async, run_blocking
-from .backend import SharedSnapshot
-from .cache import ReplayDiverged, ToolPrefixCache
-from .guard import DeterminismGuard
-from .metrics import WorkspaceRegistry
-from .policy import SampleContext, Step
+from .._async import call_sync_or_async, run_blocking
+from ..calls.guard import DeterminismGuard
+from ..calls.policy import SampleContext, Step
+from ..calls.signature import ToolCall, template_digest
+from ..calls.task import REWARD_TOOL, Task, parse_reward
+from ..calls.tools import Tool, ToolSet
+from ..prefix.cache import ReplayDiverged, ToolPrefixCache
+from ..prefix.tree import Node
+from ..speculation.selector import SelectorContext, SelectorReport, Trajectory, train_selector
+from ..speculation.speculator import SpecHit, SpeculativeBranch, Speculator
+from ..speculation.tail import TailPolicy
+from ..states.backend import SharedSnapshot
+from ..states.metrics import WorkspaceRegistry
 from .reasoning import ReasoningClock
-from .selector import SelectorContext, SelectorReport, Trajectory, train_selector
-from .signature import ToolCall, template_digest
-from .speculator import SpecHit, SpeculativeBranch, Speculator
-from .tail import TailPolicy
-from .task import REWARD_TOOL, Task, parse_reward
 from .timeline import SampleTimeline
-from .tools import Tool, ToolSet
-from .tree import Node
 
 # ---- where a sample's state lives ----
 
@@ -113,7 +113,7 @@ class RolloutCore:
 
     cache=None and speculator=None is plain memory sharing (Base). prefetch: warm workspaces
     behind cache hits and the root prefetched (see the module doc); reasoning: what predicts the
-    next reasoning step (default: the steps seen). Build one with bunshinrl.wiring.build_core.
+    next reasoning step (default: the steps seen). Build one with bunshinrl.rollout.wiring.build_core.
     """
 
     def __init__(self, *, cache: ToolPrefixCache | None = None, speculator: Speculator | None = None,

@@ -22,9 +22,9 @@ from typing import Any
 
 from bunshinfork import BunshinError, Workspace
 
-from ..task import REWARD_TOOL, Task, Verdict, by_id, parse_reward
-from ..tools import Tool, command_observation, string_params
-from .actions import FINAL, call
+from ..calls.task import REWARD_TOOL, Task, Verdict, by_id, parse_reward
+from ..calls.tools import Tool, command_observation, string_params
+from ..policies.actions import FINAL, call
 
 Verifier = Callable[[Workspace], Verdict]
 

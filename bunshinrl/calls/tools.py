@@ -19,7 +19,7 @@ from typing import Any
 
 from bunshinfork import AsyncWorkspace, Workspace
 
-from ._async import call_sync_or_async
+from .._async import call_sync_or_async
 
 Execute = Callable[[Workspace, dict[str, Any]], "str | Awaitable[str]"]
 

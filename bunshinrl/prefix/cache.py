@@ -20,12 +20,12 @@ from typing import Any, Literal
 
 from bunshinfork import AsyncWorkspace, Workspace
 
-from ._async import call_sync_or_async, run_blocking
-from .backend import StateBackend
-from .guard import DeterminismGuard
+from .._async import call_sync_or_async, run_blocking
+from ..calls.guard import DeterminismGuard
+from ..calls.signature import ToolCall
+from ..calls.tools import Tool
+from ..states.backend import StateBackend
 from .lru import AncestorLRU
-from .signature import ToolCall
-from .tools import Tool
 from .tree import Node, PrefixTree
 
 SnapshotPolicy = Literal["depth", "cost"]

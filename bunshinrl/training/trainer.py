@@ -31,14 +31,14 @@ from typing import Any
 
 import torch
 
-from ..policy import Policy
-from ..task import Task
-from ..timeline import EpochResult
-from .hf_policy import HFPolicy
+from ..calls.policy import Policy
+from ..calls.task import Task
+from ..policies.hf_policy import HFPolicy
+from ..policies.turns import TokenSequence, Turn, TurnKey, stitch
+from ..rollout.timeline import EpochResult
+from .episodes import Config, EngineBundle, Episode, episodes, make_engine, trajectory_digest
 from .objective import LOSS_AGG_MODES, group_advantages, grpo_loss
-from .rollout import Config, EngineBundle, Episode, episodes, make_engine, trajectory_digest
 from .sync import InProcessSync, WeightSync, WeightSyncError
-from .turns import TokenSequence, Turn, TurnKey, stitch
 
 CHECKPOINT = "checkpoint.pt"
 

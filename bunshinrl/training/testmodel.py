@@ -1,4 +1,4 @@
-"""A real Hugging Face model directory that needs no download: bunshinrl.grpo.testmodel.make(dir).
+"""A real Hugging Face model directory that needs no download: bunshinrl.training.testmodel.make(dir).
 
 It writes what a user's Qwen2 checkpoint holds (config.json, model.safetensors,
 generation_config.json, tokenizer.json, tokenizer_config.json with a ChatML chat template that
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..task import Task
-from .chat import SYSTEM_PROMPT, render_action
+from ..calls.task import Task
+from ..policies.chat import SYSTEM_PROMPT, render_action
 from .tasks import suite
 
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"

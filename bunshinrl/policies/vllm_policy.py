@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from .._async import run_blocking
-from ..policy import Action, SampleContext, Step
-from ..replies import parse_reply
-from ..task import Task
+from ..calls.policy import Action, SampleContext, Step
+from ..calls.replies import parse_reply
+from ..calls.task import Task
 from .chat import SYSTEM_PROMPT, candidate_replies, messages
-from .rollout import sample_seed
+from .seeds import sample_seed
 from .turns import Turn, TurnKey, TurnLog
 
 

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 
 from bunshinfork import BunshinError, Workspace
 
-from ._async import run_blocking
+from .._async import run_blocking
 
 
 class WorkspaceRegistry:

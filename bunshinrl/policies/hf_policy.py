@@ -7,7 +7,7 @@ The prompt is the task and the history rendered by the tokenizer's own chat temp
 task's tools passed as OpenAI function schemas (`apply_chat_template(..., tools=...)`). The
 reply is parsed in the model family's tool-call format (see chat.py); a malformed call becomes
 an "invalid tool call: ..." observation. Every decision is sampled with its own seed
-(rollout.sample_seed) on a batch of one, so the same weights and history give the same reply
+(seeds.sample_seed) on a batch of one, so the same weights and history give the same reply
 however the engine interleaves rollouts. With `constrain`, decoding is limited to the task's
 candidate calls exactly as vLLM's `structured_outputs` choice limits it (constrain.py); by
 default that is on only for the project's test model, which is far too small to call tools
@@ -35,12 +35,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch
 
 from .._async import run_blocking
-from ..policy import Action, SampleContext, Step
-from ..replies import parse_reply
-from ..task import Task
+from ..calls.policy import Action, SampleContext, Step
+from ..calls.replies import parse_reply
+from ..calls.task import Task
 from .chat import SYSTEM_PROMPT, candidate_replies, messages, template_messages
 from .constrain import ChoiceConstraint, Vocabulary
-from .rollout import sample_seed
+from .seeds import sample_seed
 from .turns import Turn, TurnKey, TurnLog
 
 

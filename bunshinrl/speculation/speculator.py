@@ -28,13 +28,13 @@ from typing import Any, Literal
 from bunshinfork import AsyncWorkspace, Workspace
 from bunshinfork.network import egress as ws_egress
 
-from .backend import SharedSnapshot
-from .guard import DeterminismGuard
-from .metrics import WorkspaceRegistry
+from ..calls.guard import DeterminismGuard
+from ..calls.signature import ToolCall
+from ..calls.tools import Tool
+from ..states.backend import SharedSnapshot
+from ..states.metrics import WorkspaceRegistry
 from .selector import SelectorContext, ToolSelector
-from .signature import ToolCall
 from .tail import TailPolicy
-from .tools import Tool
 
 
 class SpeculationError(RuntimeError):

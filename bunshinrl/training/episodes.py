@@ -19,25 +19,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from ..cache import SnapshotPolicy, ToolPrefixCache
-from ..engine import RolloutEngine
-from ..policy import Action, Policy, SampleContext, Step
-from ..task import REWARD_TOOL, Task
-from ..timeline import EpochResult, SampleTimeline
-from ..wiring import CoreConfig, build_core
-from .actions import FINAL, action_text, from_text
+from ..calls.policy import Action, Policy, SampleContext, Step
+from ..calls.task import REWARD_TOOL, Task
+from ..policies.actions import FINAL, action_text, from_text
+from ..policies.seeds import sample_seed
+from ..prefix.cache import SnapshotPolicy, ToolPrefixCache
+from ..rollout.engine import RolloutEngine
+from ..rollout.timeline import EpochResult, SampleTimeline
+from ..rollout.wiring import CoreConfig, build_core
 
 Config = Literal["Base", "Spec", "Full"]
 CONFIGS: tuple[Config, ...] = ("Base", "Spec", "Full")
-
-
-def sample_seed(seed: int, epoch: int, task_id: str, sample: int, step: int) -> int:
-    """The sampling seed of one decision. Keyed by what the decision is, never by when it is
-    made, so Base, Spec and Full sample identically however the engine interleaves rollouts.
-    31 bits: what every backend's seed parameter accepts (OpenAI's API, vLLM, torch), so all
-    backends draw with the very same seed."""
-    h = hashlib.sha256(f"{seed}/{epoch}/{task_id}/{sample}/{step}".encode()).digest()
-    return int.from_bytes(h[:4], "little") & 0x7FFF_FFFF
 
 
 @dataclass(frozen=True)
@@ -148,7 +140,7 @@ def make_engine(config: Config, policy: Policy, tasks: Sequence[Task], *, store:
     exercise speculation on every call (and show it changes nothing about the rewards).
     The cache captures by cost (snapshot_policy="cost"): a state is captured when the replay it
     saves takes as long as a capture, and only beside a reasoning step predicted to outlast it
-    (bunshinrl.wiring.build_core, shared with every other driver); "depth" captures every
+    (bunshinrl.rollout.wiring.build_core, shared with every other driver); "depth" captures every
     snapshot_every-th depth and calls slower than snapshot_slower_than.
     """
     if config not in CONFIGS:

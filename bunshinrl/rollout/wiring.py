@@ -10,13 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .backend import SnapshotBackend
-from .cache import SnapshotPolicy, ToolPrefixCache
+from ..calls.guard import DeterminismGuard
+from ..prefix.cache import SnapshotPolicy, ToolPrefixCache
+from ..speculation.speculator import Placement, Speculator
+from ..speculation.tail import TailPolicy
+from ..states.backend import SnapshotBackend
 from .core import RolloutCore
-from .guard import DeterminismGuard
 from .reasoning import ReasoningClock
-from .speculator import Placement, Speculator
-from .tail import TailPolicy
 
 
 @dataclass(frozen=True)

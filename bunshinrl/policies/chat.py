@@ -2,7 +2,7 @@
 
 Every backend (HF in process, a vLLM server, in-process vLLM) renders the same messages, so the
 model's own chat template, applied by transformers here or by the server there, turns them into
-the prompt. Replies are parsed by bunshinrl.replies (Hermes/Qwen `<tool_call>` blocks or bare
+the prompt. Replies are parsed by bunshinrl.calls.replies (Hermes/Qwen `<tool_call>` blocks or bare
 JSON; a malformed call becomes the hidden INVALID_TOOL, whose observation tells the model what
 was wrong). The calls of one decision (parallel tool calls) are one assistant message with
 several tool_calls, followed by one tool message each.
@@ -15,10 +15,10 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..policy import Step
-from ..replies import render_call
-from ..signature import ToolCall
-from ..task import INVALID_TOOL, Task
+from ..calls.policy import Step
+from ..calls.replies import render_call
+from ..calls.signature import ToolCall
+from ..calls.task import INVALID_TOOL, Task
 from .actions import FINAL, from_text
 
 SYSTEM_PROMPT = ("You operate a Linux workspace through tools. Call one tool at a time. When the task is "

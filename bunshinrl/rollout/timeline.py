@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .policy import Step
-from .selector import Trajectory
-from .signature import ToolCall
-from .task import REWARD_TOOL
+from ..calls.policy import Step
+from ..calls.signature import ToolCall
+from ..calls.task import REWARD_TOOL
+from ..speculation.selector import Trajectory
 
 # reason: the policy generating; tool: a real call on the critical path; cache_hit / spec_hit:
 # a call served without running it then (the span is any wait for a call still in flight);

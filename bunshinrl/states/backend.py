@@ -14,7 +14,7 @@ from typing import Generic, Protocol, TypeVar
 
 from bunshinfork import AsyncSnapshot, AsyncWorkspace, Snapshot, Workspace
 
-from ._async import run_blocking
+from .._async import run_blocking
 from .delta import DeltaStore
 from .store import BlobStore
 

@@ -7,7 +7,7 @@ have requests in flight at once and the server batches them. A request carries:
   with `tool_choice="auto"` (vLLM needs --enable-auto-tool-choice and a --tool-call-parser,
   which VLLMServer passes) and `parallel_tool_calls` (on by default: the calls of one reply run
   in order, each answered by its own tool message);
-- the decision's own seed (rollout.sample_seed), so the same weights and history sample the
+- the decision's own seed (seeds.sample_seed), so the same weights and history sample the
   same reply however the engine schedules rollouts (on vLLM, bit-identical only with one
   sequence at a time: batch composition changes CPU numerics);
 - `max_completion_tokens`, plain sampling (top_p=1, top_k=0: a server's defaults from the
@@ -27,11 +27,11 @@ from typing import Any
 
 from openai import AsyncOpenAI
 
-from ..policy import Action, SampleContext, Step
-from ..replies import parse_message
-from ..task import Task
+from ..calls.policy import Action, SampleContext, Step
+from ..calls.replies import parse_message
+from ..calls.task import Task
 from .chat import SYSTEM_PROMPT, candidate_replies, messages
-from .rollout import sample_seed
+from .seeds import sample_seed
 from .turns import Turn, TurnKey, TurnLog
 
 

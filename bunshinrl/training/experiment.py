@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..task import Task
+from ..calls.task import Task
 
 MiB = 1 << 20
 CONFIG_NAMES = ("Base", "Spec", "Full")
@@ -73,7 +73,7 @@ class Lab:
     def start(self) -> None:
         if self.backend != "vllm" or self.server is not None:
             return
-        from .vllm_server import VLLMServer
+        from ..policies.vllm_server import VLLMServer
 
         t = time.monotonic()
         log = (self.log_dir / "vllm-server.log") if self.log_dir is not None else None
@@ -97,7 +97,7 @@ class Lab:
                 policy: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
         """policy: HFPolicy's options for the learner (which is also the in-process rollout),
         e.g. max_new_tokens."""
-        from .hf_policy import HFPolicy
+        from ..policies.hf_policy import HFPolicy
         from .trainer import GRPOTrainer
 
         learner = HFPolicy.from_pretrained(self.model(seed), tasks, seed=seed, **(policy or {}))
@@ -106,7 +106,7 @@ class Lab:
                                   **kwargs}
         if self.backend == "hf":
             return GRPOTrainer(learner, tasks, **common)
-        from .openai_policy import OpenAIPolicy
+        from ..policies.openai_policy import OpenAIPolicy
         from .sync import VLLMServerSync
 
         self.start()

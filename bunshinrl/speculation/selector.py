@@ -17,7 +17,7 @@ from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.feature_extraction import FeatureHasher
 from sklearn.linear_model import LogisticRegression
 
-from .signature import ToolCall
+from ..calls.signature import ToolCall
 
 FINAL = "<final>"
 
