@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bunshinrl import ToolCall, prefix_signature, template_digest
-from bunshinrl.signature import canonical_json, extend_signature, root_signature
+from bunshinrl.calls.signature import canonical_json, extend_signature, root_signature
 
 
 def test_canonical_arguments_ignore_key_order_and_whitespace() -> None:
