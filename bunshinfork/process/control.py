@@ -1,9 +1,10 @@
 """The blocking client of the workspace init's control protocol (wire format: protocol.py).
 
 The socket lives inside the workspace's own file system and is reached through
-/proc/<init>/root, so no descriptor of the host stays inside the workspace
-between calls. A call returns only once the init's shim has closed its end (EOF), so
-a snapshot taken right after any call never finds a connection to the host.
+inroot.bunshin_socket (resolved under the workspace's root, no symlink followed), so no
+descriptor of the host stays inside the workspace between calls. A call returns only once the
+init's shim has closed its end (EOF), so a snapshot taken right after any call never finds a
+connection to the host.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import socket
 from collections.abc import Iterator
 from typing import Unpack
 
+from .. import inroot
 from ..errors import CommandError, WorkspaceStateError
 from . import protocol
 from .protocol import REPLY_TIMEOUT, Fields
@@ -24,10 +26,14 @@ class Connection:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self.sock.settimeout(REPLY_TIMEOUT if timeout is None else timeout)
         try:
-            self.sock.connect(protocol.control_path(init_pid))
+            with inroot.bunshin_socket(init_pid, protocol.CTL_SOCK) as address:
+                self.sock.connect(address)
         except OSError as e:
             self.sock.close()
             raise protocol.not_answering(init_pid, e) from e
+        except BaseException:
+            self.sock.close()
+            raise
         self._buf = b""
         self._answered = False  # a shim serves this request: it will close its end
         self._eof = False
@@ -116,7 +122,8 @@ def send_input(init_pid: int, pid: int, kind: str, data: bytes = b"", timeout: f
     sock.settimeout(REPLY_TIMEOUT if timeout is None else timeout)
     try:
         try:
-            sock.connect(protocol.input_path(init_pid, pid))
+            with inroot.bunshin_socket(init_pid, protocol.input_path(pid)) as address:
+                sock.connect(address)
         except (FileNotFoundError, ConnectionRefusedError):
             raise protocol.no_input(pid) from None
         sock.sendall(protocol.frame(kind, data))

@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Unpack
 
+from .. import inroot
 from . import protocol
 from .protocol import REPLY_TIMEOUT, Fields
 
@@ -28,8 +29,10 @@ class AsyncConnection:
     @classmethod
     async def open(cls, init_pid: int, timeout: float | None = None) -> AsyncConnection:
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(protocol.control_path(init_pid)),
-                                                    REPLY_TIMEOUT if timeout is None else timeout)
+            # The address holds an fd of the socket checked: it must outlive the connect.
+            with inroot.bunshin_socket(init_pid, protocol.CTL_SOCK) as address:
+                reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(address),
+                                                        REPLY_TIMEOUT if timeout is None else timeout)
         except (OSError, TimeoutError) as e:
             raise protocol.not_answering(init_pid, e) from e
         return cls(reader, writer)
@@ -105,8 +108,9 @@ class InputStream:
     @classmethod
     async def open(cls, init_pid: int, pid: int, timeout: float | None = None) -> InputStream:
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(protocol.input_path(init_pid, pid)),
-                                                    timeout or REPLY_TIMEOUT)
+            with inroot.bunshin_socket(init_pid, protocol.input_path(pid)) as address:
+                reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(address),
+                                                        timeout or REPLY_TIMEOUT)
         except (FileNotFoundError, ConnectionRefusedError):
             raise protocol.no_input(pid) from None
         return cls(pid, reader, writer)

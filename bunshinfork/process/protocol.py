@@ -97,18 +97,10 @@ def header(hdr: bytes) -> tuple[str, int]:
     return chr(kind), length
 
 
-def socket_path(init_pid: int, inside: str) -> str:
-    return f"/proc/{init_pid}/root{inside}"
-
-
-def control_path(init_pid: int) -> str:
-    """Where the host reaches the init's control socket."""
-    return socket_path(init_pid, CTL_SOCK)
-
-
-def input_path(init_pid: int, pid: int) -> str:
-    """Where the host reaches the input socket of command `pid`'s shim."""
-    return socket_path(init_pid, f"{IO_DIR}/{pid}")
+def input_path(pid: int) -> str:
+    """Where, inside the workspace, command `pid`'s shim takes its input (the host reaches it
+    through inroot.bunshin_socket, never by a host path)."""
+    return f"{IO_DIR}/{pid}"
 
 
 class SimpleReply:
@@ -166,7 +158,7 @@ class RunReply:
 
 
 def not_answering(init_pid: int, error: BaseException) -> WorkspaceStateError:
-    return WorkspaceStateError(f"workspace init (pid {init_pid}) is not answering at {control_path(init_pid)}: "
+    return WorkspaceStateError(f"workspace init (pid {init_pid}) is not answering at {CTL_SOCK}: "
                                f"{error}")
 
 
