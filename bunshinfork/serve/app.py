@@ -21,7 +21,7 @@ from .. import Workspace
 from ..aio import AsyncSandbox
 from ..e2b import lifecycle
 from ..errors import BunshinError
-from . import envd, ports
+from . import authority, envd, ports
 from .rest import ApiError, Rest, error_response, status_of
 from .store import Entry, Store
 
@@ -140,30 +140,64 @@ class Server:
         if scope["type"] == "lifespan":
             await self.rest_app(scope, receive, send)
             return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        target = ports.parse_host(headers.get("host", ""), self.domain)
-        if target is not None and target[0] == ports.ENVD_PORT:
-            # E2B_DOMAIN clients reach envd at `49983-<id>.<domain>`: the name gives the sandbox.
-            await self._envd(target[1], scope, receive, send, headers)
+        if scope["type"] not in ("http", "websocket"):
             return
-        if target is not None:
+        headers = authority.RequestHeaders(scope.get("headers", []))
+        try:
+            sandbox_id, target = self._route(scope, headers)
+        except authority.Refused as err:
+            await self._refuse(scope, receive, send, authority.refusal(scope, str(err)))
+            return
+        if target is not None and target[0] != ports.ENVD_PORT:
             await ports.serve(self.store, target, scope, receive, send, headers)
             return
-        sandbox_id = headers.get("e2b-sandbox-id")
         if sandbox_id is None and scope.get("path") == "/files" and scope["type"] == "http":
             # download_url/upload_url: a plain client sends no header; the signature names the sandbox.
-            signed = ports.signed_entry(self.store, Request(scope).query_params, scope.get("method", "GET"))
-            if signed is None and "signature" in Request(scope).query_params:
+            query = Request(scope).query_params
+            signed = ports.signed_entry(self.store, query, scope.get("method", "GET"))
+            if signed is None and "signature" in query:
                 await envd.http_error(401, "invalid or expired signature")(scope, receive, send)
                 return
             sandbox_id = signed.sandbox_id if signed is not None else None
         if sandbox_id is None:
             if scope["type"] == "http":
                 await self.rest_app(scope, receive, send)
+            else:
+                await send({"type": "websocket.close", "code": 1008})
             return
         await self._envd(sandbox_id, scope, receive, send, headers)
 
-    async def _envd(self, sandbox_id: str, scope: Scope, receive: Any, send: Any, headers: dict[str, str]) -> None:
+    def _route(self, scope: Scope, headers: authority.RequestHeaders) -> tuple[str | None, tuple[int, str] | None]:
+        """(the sandbox whose envd the request is for, the `<port>-<id>` its Host names), both
+        None for the control plane. Refused: a target that is not origin-form, a repeated
+        authority header, a Host and an E2b-Sandbox-Id that name two sandboxes, a /files query
+        that repeats what a signature covers."""
+        headers.check()
+        target = ports.parse_host(headers.one("host") or "", self.domain)
+        sandbox_id = headers.one("e2b-sandbox-id")
+        if target is not None and sandbox_id is not None and sandbox_id != target[1]:
+            raise authority.Refused("E2b-Sandbox-Id names another sandbox than the Host")
+        if target is not None and target[0] == ports.ENVD_PORT:
+            # E2B_DOMAIN clients reach envd at `49983-<id>.<domain>`: the name gives the sandbox.
+            sandbox_id = target[1]
+        if scope.get("path") == "/files":
+            query = Request(scope).query_params
+            if any(len(query.getlist(k)) > 1 for k in ports.SIGNED_QUERY):
+                raise authority.Refused(f"/files takes each of {', '.join(ports.SIGNED_QUERY)} once")
+        return sandbox_id, target
+
+    @staticmethod
+    async def _refuse(scope: Scope, receive: Any, send: Any, response: Response) -> None:
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})  # before accept: uvicorn answers 403
+            return
+        await response(scope, receive, send)
+
+    async def _envd(self, sandbox_id: str, scope: Scope, receive: Any, send: Any,
+                    headers: authority.RequestHeaders) -> None:
+        if scope["type"] != "http":
+            await send({"type": "websocket.close", "code": 1008})  # envd has no WebSocket
+            return
         path: str = scope.get("path", "")
         e = self.store.entries.get(sandbox_id)
         if e is not None and e.paused and e.lifecycle.auto_resume:
@@ -184,6 +218,8 @@ class Server:
             body = {"code": "unauthenticated" if rpc else 401, "message": "Invalid access token"}
             await JSONResponse(body, status_code=401)(scope, receive, send)
             return
+        # From here on the request acts on this sandbox, and on no other: handlers read it from here.
+        authority.authorize(scope, sandbox_id)
         if path.startswith("/process.Process/"):
             await self.process_app(scope, receive, send)
         elif path.startswith("/filesystem.Filesystem/"):
@@ -219,9 +255,9 @@ def _paused_to_disk(workspace_id: str) -> bool:
         return False
 
 
-def signed_ok(e: Entry, scope: Scope, headers: dict[str, str]) -> bool:
+def signed_ok(e: Entry, scope: Scope, headers: authority.RequestHeaders) -> bool:
     """envd's access token, or (for /files) a signature download_url/upload_url made."""
-    if _same(headers.get("x-access-token"), e.envd_token):
+    if _same(headers.one("x-access-token"), e.envd_token):
         return True
     if scope.get("path") == "/files":
         return ports.signature_ok(e, Request(scope).query_params, scope.get("method", "GET"))

@@ -38,6 +38,7 @@ from ..errors import (
     WorkspaceStateError,
 )
 from ..watch import FilesystemEvent, WatchHandle
+from . import authority
 
 DEFAULT_USER = "user"  # envd's default user (e2b >= envd 0.4.0 sends none)
 NOT_FOUND = "was not found"  # what the SDKs read as a sandbox that is gone
@@ -125,7 +126,9 @@ class Base:
         self._lookup = lookup
 
     def sandbox(self, ctx: RequestContext[Any, Any]) -> AsyncSandbox:
-        sbx = self._lookup(ctx.request_headers.get("e2b-sandbox-id") or "")
+        """The sandbox the router authenticated this request for (never a header's)."""
+        sandbox_id = authority.authorized()
+        sbx = self._lookup(sandbox_id) if sandbox_id is not None else None
         if sbx is None:
             raise ConnectError(Code.UNAVAILABLE, f"The sandbox {NOT_FOUND}")
         return sbx
@@ -336,12 +339,12 @@ class FilesystemService(Base):
             handle = await asyncio.to_thread(sbx.workspace.files.watch_dir, request.path, self.user(ctx),
                                              recursive=request.recursive, include_entry=request.include_entry)
         watcher_id = secrets.token_hex(8)
-        self._watchers[watcher_id] = (ctx.request_headers.get("e2b-sandbox-id") or "", handle)
+        self._watchers[watcher_id] = (authority.authorized() or "", handle)
         return filesystem_pb.CreateWatcherResponse(watcher_id=watcher_id)
 
     def _watcher(self, ctx: RequestContext[Any, Any], watcher_id: str) -> WatchHandle:
         sandbox_id, handle = self._watchers.get(watcher_id, ("", None))  # type: ignore[arg-type]
-        if handle is None or sandbox_id != ctx.request_headers.get("e2b-sandbox-id"):
+        if handle is None or sandbox_id != authority.authorized():
             raise ConnectError(Code.NOT_FOUND, f"watcher {watcher_id!r} not found")
         return handle
 

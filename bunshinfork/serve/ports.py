@@ -20,11 +20,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from ..errors import BunshinError
+from .authority import RequestHeaders
 from .store import Entry, Store
 
 TRAFFIC_HEADER = "e2b-traffic-access-token"
 # envd's port: e2b's ConnectionConfig.envd_port, the `49983-<id>.<domain>` of E2B_DOMAIN clients.
 ENVD_PORT = 49983
+# What a file URL's signature covers: a signed URL names each once.
+SIGNED_QUERY = ("path", "username", "signature", "signature_expiration")
 PROXY_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
 _HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
         "transfer-encoding", "upgrade", "host", "content-length"}
@@ -70,7 +73,7 @@ def signed_entry(store: Store, query: Mapping[str, str], method: str) -> Entry |
 
 
 async def serve(store: Store, target: tuple[int, str], scope: dict[str, Any], receive: Any, send: Any,
-                headers: dict[str, str]) -> None:
+                headers: RequestHeaders) -> None:
     port, sandbox_id = target
     e = store.entries.get(sandbox_id)
     if scope["type"] == "websocket":
@@ -83,7 +86,7 @@ async def serve(store: Store, target: tuple[int, str], scope: dict[str, Any], re
                             "sandboxId": sandbox_id}, status_code=502)(scope, receive, send)
         return
     if e.traffic_token is not None and not hmac.compare_digest(
-            headers.get(TRAFFIC_HEADER, "").encode(), e.traffic_token.encode()):
+            (headers.one(TRAFFIC_HEADER) or "").encode(), e.traffic_token.encode()):
         await JSONResponse({"code": 403, "message": "a traffic access token is required"},
                            status_code=403)(scope, receive, send)
         return
@@ -99,7 +102,7 @@ async def serve(store: Store, target: tuple[int, str], scope: dict[str, Any], re
         upstream = await client.send(client.build_request(
             request.method, f"http://{addr}{scope.get('raw_path', b'/').decode('latin-1')}"
             + (f"?{scope['query_string'].decode('latin-1')}" if scope.get("query_string") else ""),
-            headers=[(k, v) for k, v in headers.items() if k not in _HOP], content=await request.body()),
+            headers=[(k, v) for k, v in headers.items if k not in _HOP], content=await request.body()),
             stream=True)
     except httpx.HTTPError as err:
         await client.aclose()
@@ -121,13 +124,13 @@ async def serve(store: Store, target: tuple[int, str], scope: dict[str, Any], re
 
 
 async def _websocket(e: Entry | None, port: int, scope: dict[str, Any], receive: Any, send: Any,
-                     headers: dict[str, str]) -> None:
+                     headers: RequestHeaders) -> None:
     """Relay a WebSocket to the sandbox's port, message by message, until either side closes."""
     import websockets
 
     await receive()  # websocket.connect
     token_ok = e is not None and (e.traffic_token is None or hmac.compare_digest(
-        headers.get(TRAFFIC_HEADER, "").encode(), e.traffic_token.encode()))
+        (headers.one(TRAFFIC_HEADER) or "").encode(), e.traffic_token.encode()))
     try:
         addr = e.sbx.get_host(port) if token_ok and e is not None and e.sbx is not None and not e.paused else None
     except BunshinError:
