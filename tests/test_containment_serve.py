@@ -1,0 +1,199 @@
+"""Attacks on `bunshin serve` by its clients (issue 36): with a key, without one, and with a
+sandbox's own tokens. Each drives the real server (a child process on loopback) with the real
+`e2b` SDK, httpx or raw sockets, and each attack runs from a created sandbox, a fork and a
+resumed (paused, then connected) one. Listeners the test starts on 127.0.0.1 stand for the
+host's loopback-only services: they must see zero connections.
+
+- authority: a sandbox's token acts on that sandbox only, whatever Host and E2b-Sandbox-Id say;
+- the port proxy: only origin-form request-targets, upstream URLs built from parts, E2B's own
+  headers (tokens, the API key) never reach the sandbox;
+- snapshots and templates: an allowlist, scoped to the server, with generic errors;
+- signed upload URLs write the signed path only; the server's secrets on disk are private.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import e2b
+import e2b_server_support as support
+import httpx
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+KINDS = ["created", "fork", "resumed"]
+E2B_HEADERS = {"e2b-traffic-access-token", "x-api-key", "x-access-token", "e2b-sandbox-id"}
+ECHO = r"""
+import http.server, json
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps(sorted(k.lower() for k in self.headers.keys())).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+http.server.ThreadingHTTPServer(("0.0.0.0", 8000), H).serve_forever()
+"""
+
+
+class Listener:
+    """A TCP listener on the host's 127.0.0.1 that counts the connections it accepts: a
+    loopback-only host service that no client of the server may reach through it."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            ready, _, _ = select.select([self.sock], [], [], 0.05)
+            if ready:
+                conn, _ = self.sock.accept()
+                self.accepted += 1
+                conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def listener() -> Iterator[Listener]:
+    li = Listener()
+    try:
+        yield li
+    finally:
+        li.close()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[support.Served]:
+    key_file = tmp_path_factory.mktemp("serve") / "key"
+    key_file.write_text("test-key-" + os.urandom(8).hex() + "\n")
+    s = support.start(tmp_path_factory.mktemp("serve-state"), key_file)
+    try:
+        with support.env(s):
+            yield s
+    finally:
+        assert s.stop() == 0, "".join(s.log)
+
+
+@pytest.fixture(scope="module")
+def sandboxes(served: support.Served) -> Iterator[dict[str, e2b.Sandbox]]:
+    """The attackers (a created sandbox, its fork, a resumed one) and their victim, closed to
+    public traffic and serving its request headers back on port 8000."""
+    made: list[e2b.Sandbox] = []
+    try:
+        created = e2b.Sandbox.create(timeout=600)
+        made.append(created)
+        (fork,) = created.fork(count=1)
+        assert not isinstance(fork, Exception), fork
+        made.append(fork)
+        paused = e2b.Sandbox.create(timeout=600)
+        made.append(paused)
+        assert paused.pause()
+        resumed = e2b.Sandbox.connect(paused.sandbox_id, timeout=600)
+        victim = e2b.Sandbox.create(timeout=600, network={"allow_public_traffic": False})
+        made.append(victim)
+        victim.files.write("/tmp/echo.py", ECHO)
+        victim.commands.run("python3 /tmp/echo.py", background=True)
+        victim.commands.run("for i in $(seq 200); do python3 -c 'import socket; socket.create_connection("
+                            "(\"127.0.0.1\", 8000), 1)' 2>/dev/null && exit 0; sleep 0.05; done; exit 1")
+        yield {"created": created, "fork": fork, "resumed": resumed, "victim": victim}
+    finally:
+        for s in made:
+            with contextlib.suppress(Exception):
+                s.kill()
+
+
+def _token(sbx: e2b.Sandbox) -> str:
+    token = sbx._envd_access_token  # the SDK keeps it there
+    assert token
+    return token
+
+
+def _api(served: support.Served, method: str, path: str, **kw: Any) -> httpx.Response:
+    return httpx.request(method, served.url + path, headers={"X-API-KEY": served.key, **kw.pop("headers", {})},
+                         timeout=60, **kw)
+
+
+def _raw(served: support.Served, head: str, body: bytes = b"", timeout: float = 15) -> tuple[int, bytes]:
+    """Send `head` (request line and headers, CRLF-joined, without the blank line) as is,
+    so that targets and repeated headers reach the server unnormalised; (status, body)."""
+    host, port = served.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout) as s:
+        s.settimeout(timeout)
+        extra = f"\r\nContent-Length: {len(body)}" if body else ""
+        s.sendall(f"{head}{extra}\r\nConnection: close\r\n\r\n".encode("latin-1") + body)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    if not data.startswith(b"HTTP/1.1 "):
+        return 0, data
+    return int(data.split(b" ", 2)[1]), data.partition(b"\r\n\r\n")[2]
+
+
+def _make_dir(served: support.Served, path: str, token: str, headers: list[tuple[str, str]]) -> httpx.Response:
+    """envd's Filesystem.MakeDir as a Connect JSON call, with the headers given as they are."""
+    return httpx.post(served.url + "/filesystem.Filesystem/MakeDir", content=json.dumps({"path": path}),
+                      headers=[("Content-Type", "application/json"), ("Connect-Protocol-Version", "1"),
+                               ("X-Access-Token", token), *headers], timeout=30)
+
+
+# ---- #3: a sandbox's token acts on that sandbox only ----
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_token_acts_on_its_own_sandbox_only(served: support.Served, sandboxes: dict[str, e2b.Sandbox],
+                                              kind: str) -> None:
+    attacker, victim = sandboxes[kind], sandboxes["victim"]
+    a, b = attacker.sandbox_id, victim.sandbox_id
+    tried = {
+        # the token checked against Host's sandbox, the handler acting on the header's
+        "host-vs-header": [("Host", f"49983-{a}.localhost"), ("E2b-Sandbox-Id", b)],
+        # two headers: auth read the last, the handler the first
+        "two-headers": [("E2b-Sandbox-Id", b), ("E2b-Sandbox-Id", a)],
+        "two-headers-same": [("E2b-Sandbox-Id", a), ("E2b-Sandbox-Id", a)],
+    }
+    for name, headers in tried.items():
+        path = f"/tmp/pwned-{kind}-{name}"
+        r = _make_dir(served, path, _token(attacker), headers)
+        assert not victim.files.exists(path), f"{name}: {a}'s token acted on {b}"
+        assert r.status_code == 400 and r.json()["code"] == "invalid_argument", (name, r.status_code, r.text)
+    # What the attacker is entitled to still works: its own sandbox, by header or by Host.
+    for name, headers in {"header": [("E2b-Sandbox-Id", a)],
+                          "host": [("Host", f"49983-{a}.localhost")],
+                          "both": [("Host", f"49983-{a}.localhost"), ("E2b-Sandbox-Id", a)]}.items():
+        r = _make_dir(served, f"/tmp/mine-{kind}-{name}", _token(attacker), headers)
+        assert r.status_code == 200, (name, r.text)
+        assert attacker.files.exists(f"/tmp/mine-{kind}-{name}")
+
+
+def test_plain_http_envd_routes_refuse_a_second_id(served: support.Served,
+                                                   sandboxes: dict[str, e2b.Sandbox]) -> None:
+    a, b = sandboxes["created"], sandboxes["victim"]
+    r = httpx.get(served.url + "/files", params={"path": "/tmp/echo.py"}, timeout=30,
+                  headers=[("X-Access-Token", _token(a)), ("E2b-Sandbox-Id", b.sandbox_id),
+                           ("E2b-Sandbox-Id", a.sandbox_id)])
+    assert r.status_code == 400 and "echo" not in r.text
+    gone = httpx.get(served.url + "/health", headers={"E2b-Sandbox-Id": "inope", "X-Access-Token": "x"}, timeout=30)
+    assert gone.status_code == 502  # unknown ids keep E2B's answer: the SDK's is_running() reads it
+
+
