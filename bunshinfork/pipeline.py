@@ -81,8 +81,11 @@ def fork(snap: Captured, count: int, memory: str, life: Lifetime | None = None) 
     def one(_: int) -> Build | Exception:
         ws_id = state.new_id()
         meta = snap.meta
+        # The identity rule: a clone restores its source's memory, so it keeps its source's
+        # hostname (and boot id, in its layer): a tool whose output names the host says the same
+        # in every clone. Only a cold boot (create) gets new ones.
         rec = Record(id=ws_id, status=Status.CREATING, creator_pid=os.getpid(), created_at=time.time(),
-                     hostname=ws_id, spec=meta.spec, parent=meta.source, lifetime=life or Lifetime())
+                     hostname=meta.hostname, spec=meta.spec, parent=meta.source, lifetime=life or Lifetime())
         # The fork profile starts with what the snapshot cost its source.
         if meta.timing is not None:
             rec.timings.update({f"snapshot.{k}": v for k, v in meta.timing.stages.items()})

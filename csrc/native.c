@@ -270,6 +270,23 @@ static void child_mask_proc(int efd, const char *root)
 	}
 }
 
+/* The workspace's own boot id (process/init.py writes a new one into each created workspace's
+ * /.bunshin/boot_id), read-only over the host's /proc/sys/kernel/random/boot_id: a cold boot
+ * gets a new one, and a clone keeps its source's, since CRIU restores this bind of a file of
+ * the clone's root, whose layers carry the source's. Absent in a layer made before it: the
+ * host's shows through. */
+static void child_bind_boot_id(int efd, const char *root)
+{
+	char src[4096], dst[4096];
+	path_in(src, sizeof(src), root, ".bunshin/boot_id");
+	path_in(dst, sizeof(dst), root, "proc/sys/kernel/random/boot_id");
+	if (access(src, F_OK) < 0)
+		return;
+	if (mount(src, dst, NULL, MS_BIND, NULL) < 0 ||
+	    mount(NULL, dst, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
+		report(efd, "bind the boot id");
+}
+
 /* Docker's default capability set. Root inside a workspace keeps what package managers,
  * servers and test suites need, and loses what reaches the host: mounts, modules, raw I/O,
  * devices, the clock, reboot, and network administration. */
@@ -354,6 +371,7 @@ static void child_main(const struct bn_spawn_cfg *cfg, int sync_rd, int efd)
 	child_setup_dev(efd, cfg, root);
 	if (!cfg->privileged)
 		child_mask_proc(efd, root);
+	child_bind_boot_id(efd, root);
 	tmpfs_opts(opts, sizeof(opts), cfg, "");
 	child_mount(efd, root, "tmp", "tmpfs", MS_NOSUID | MS_NODEV, opts);
 	if (cfg->mount_sysfs)

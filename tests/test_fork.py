@@ -264,9 +264,10 @@ def test_fork_never_forks_the_host_process(memory: str) -> None:
         with fork_of(ws, 2, memory) as clones:
             assert _libc.rand() == first, "a fork() ran atfork handlers in the host process"
             for c in clones:
-                # The hostname is set from a child the host makes without fork().
-                assert run_ok(c, "hostname").stdout.strip() == c.id
-                assert c.files.read("/etc/hostname") == c.id + "\n"
+                # A clone keeps its source's hostname (CRIU restores the UTS namespace), set
+                # without a fork() of the host.
+                assert run_ok(c, "hostname").stdout.strip() == ws.id
+                assert c.files.read("/etc/hostname") == ws.id + "\n"
 
 
 # ---- 4: repeatability ----
@@ -289,6 +290,55 @@ def test_fork_of_a_fork(small: Workspace, memory: str) -> None:
             assert agent(child, "state")["kv"] == {"generation": "1"}
     assert agent(small, "state")["kv"] == {}
     assert not small.files.exists("/root/generation")
+
+
+# ---- identity: one rule for every engine and entrance ----
+
+IDENTITY = "hostname; cat /etc/hostname /proc/sys/kernel/random/boot_id; uname -n; grep -c . /etc/hosts"
+
+
+def test_clones_and_resumes_keep_their_sources_identity_and_a_create_gets_a_new_one() -> None:
+    """A clone, a clone of that clone, and a workspace resumed from disk restore their source's
+    memory, so each keeps its hostname and boot id: a tool whose output names the host says
+    the same in a recording and its replay. A create (a cold boot) gets new ones. The id stays
+    each workspace's own, in info()."""
+    with Workspace.create() as src, Workspace.create() as other:
+        seen = run_ok(src, IDENTITY).stdout
+        host_boot_id = Path("/proc/sys/kernel/random/boot_id").read_text()
+        name, _, boot_id, *_ = seen.splitlines()
+        assert name == src.id and boot_id + "\n" != host_boot_id
+        fresh = run_ok(other, IDENTITY).stdout.splitlines()
+        assert fresh[:2] == [other.id, other.id] and fresh[2] not in (boot_id, host_boot_id.strip())
+        # Read-only, as the kernel's is.
+        assert src.commands.run("echo x > /proc/sys/kernel/random/boot_id").exit_code != 0
+        with fork_of(src, 1, "copy") as (child,), fork_of(child, 1, "copy") as (grandchild,):
+            for clone in (child, grandchild):
+                assert run_ok(clone, IDENTITY).stdout == seen
+                info = clone.info()
+                assert (info.id, info.hostname) == (clone.id, src.id) and clone.id != src.id
+            assert grandchild.info().parent == child.id
+        src.pause_to_disk()
+        src.resume_from_disk()
+        assert run_ok(src, IDENTITY).stdout == seen
+        assert src.info().id == src.id
+
+
+def test_userns_and_sandbox_clones_keep_their_sources_identity() -> None:
+    """The same rule through the other entrances: a user-namespace workspace's clone (its
+    boot id a bind CRIU restores inside a user namespace) and an E2B Sandbox's fork."""
+    from bunshinfork import Sandbox
+
+    with Workspace.create(rootfs="debian", userns=True) as src:
+        seen = run_ok(src, IDENTITY).stdout
+        with fork_of(src, 1, "copy") as (clone,):
+            assert run_ok(clone, IDENTITY).stdout == seen
+    with Sandbox.create(timeout=60) as sbx:
+        seen = sbx.commands.run(IDENTITY).stdout
+        (child,) = sbx.fork(timeout=60)
+        assert not isinstance(child, Exception), child
+        with child:
+            assert child.commands.run(IDENTITY).stdout == seen
+            assert child.sandbox_id != sbx.sandbox_id
 
 
 @pytest.mark.parametrize("memory", ["ksm", COW])

@@ -127,7 +127,8 @@ class FsPart(Part):
             layer = layers.create_layer(rec.id, rec.spec.storage_dir, rec.spec.disk_limit)
             rec.fs = FsState(src.rootfs, layer, (src.layer, *src.lowers))
             rec.save()
-            identity.write_identity(Path(layer.upper), rec.hostname)
+            # No identity of its own: a clone keeps its source's /etc/hostname, /etc/hosts and
+            # boot id, as it keeps its hostname (pipeline.fork).
             if rec.spec.userns:
                 idmap.shift_tree(Path(layer.upper))
         # CRIU restores into it (--root), so it is mounted here; the clone's mount namespace

@@ -92,8 +92,6 @@ class ProcessPart(Part):
         rec.save()
         b.pidfd = os.pidfd_open(pid)
         reaper.watch(pid, b.pidfd)
-        with b.stage("process.hostname"):
-            native.set_hostname_in(pid, rec.hostname)
         with b.stage("process.ready"):
             if not control.ping(pid):
                 raise ForkError(f"clone {rec.id} was restored but its init does not answer")

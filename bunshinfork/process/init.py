@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import time
+import uuid
 from pathlib import Path
 
 from .. import idmap, native
@@ -19,6 +20,7 @@ from .reaper import reaper
 
 INIT_BINARY = Path(__file__).resolve().parent.parent / "_bin" / "bunshin-init"
 IN_WORKSPACE = "/.bunshin/init"
+BOOT_ID = "/.bunshin/boot_id"
 NS_FLAGS = (
     native.CLONE_NEWPID | native.CLONE_NEWNS | native.CLONE_NEWNET | native.CLONE_NEWIPC | native.CLONE_NEWUTS
     | native.CLONE_NEWCGROUP
@@ -32,10 +34,20 @@ def require_binary() -> None:
 
 
 def install(upper: Path) -> None:
-    """Put the init into a new workspace's own layer, where it execs it from."""
+    """Put the init into a new workspace's own layer, where it execs it from, beside a new boot id."""
     bdir = upper / Path(IN_WORKSPACE).parent.name
     bdir.mkdir(mode=0o700)
     shutil.copy2(INIT_BINARY, upper / IN_WORKSPACE.lstrip("/"))
+    new_boot_id(upper)
+
+
+def new_boot_id(upper: Path) -> None:
+    """A cold boot's identity: the boot id its /proc/sys/kernel/random/boot_id shows (a bind of
+    this file, csrc/native.c), new for every created workspace, whatever its root file system
+    carries; a clone keeps its source's, in the layers it stacks on."""
+    path = upper / BOOT_ID.lstrip("/")
+    path.write_text(f"{uuid.uuid4()}\n")
+    path.chmod(0o444)
 
 
 def spawn(rec: Record, root: str, overlay_opts: str, cgroup: Cgroup, ksm_merge: bool) -> tuple[InitState, int]:
