@@ -114,12 +114,13 @@ def _echo(host: FakeHost, c: socket.socket, arrival: Arrival, tls: ssl.SSLContex
 
 @contextlib.contextmanager
 def fake_host(index: int = 0, port: int = PORT,
-              extra: dict[int, ssl.SSLContext | None] | None = None) -> Iterator[FakeHost]:
+              extra: dict[int, ssl.SSLContext | None] | None = None, prefix: str = "198.51.100") -> Iterator[FakeHost]:
     """Fake host number `index` (198.51.100.4i+2 behind router 198.51.100.4i+1), serving on `port`
-    and on each of `extra`'s ports (TLS where it gives a context)."""
+    and on each of `extra`'s ports (TLS where it gives a context). `prefix`: another /24 for it
+    (the containment tests' link-local and private destinations)."""
     name = f"bunshin-test-fake-{secrets.token_hex(3)}"
     base = 4 * index
-    host = FakeHost(name, f"198.51.100.{base + 2}", f"198.51.100.{base + 1}", f"bt{secrets.token_hex(4)}")
+    host = FakeHost(name, f"{prefix}.{base + 2}", f"{prefix}.{base + 1}", f"bt{secrets.token_hex(4)}")
     saved_forward = IP_FORWARD.read_text().strip()
     netns.create(name)
     stop = threading.Event()

@@ -47,6 +47,7 @@ from .bridge import (
     gc,
     host_ifname,
     leftover_interfaces,
+    ns_ipv6_off,
     set_egress,
     setup,
     setup_clone,
@@ -107,6 +108,9 @@ class NetworkPart(Part):
         def finish(pids: list[int]) -> None:
             # Every task is still stopped: the link goes up, and the inherited connections are
             # aborted inside the clone (their RSTs die in the host's raw table) before any runs.
+            # IPv6 stays off inside whatever the restored namespace says.
+            if pids:
+                ns_ipv6_off(pids[0])
             clone_link_up(b.rec.id, net)
             if flows and pids:
                 destroy_tcp(pids[0], flows)

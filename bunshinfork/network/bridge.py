@@ -34,7 +34,7 @@ from ..host import DEFAULT_SUBNET, HOST, SUBNET_ENV
 from ..state import NetworkState, Status
 from . import clones, egress, proxies
 from .nat import NAT_FAMILY, NAT_TABLE, ensure_nat, nft_available, remove_nat
-from .nsock import Flow
+from .nsock import Flow, sysctls_in
 
 BRIDGE = HOST.bridge
 WS_IFNAME = "eth0"
@@ -76,6 +76,24 @@ def subnet() -> ipaddress.IPv4Network:
 
 def _gateway(net: ipaddress.IPv4Network) -> ipaddress.IPv4Address:
     return net.network_address + 1
+
+
+# IPv6 is off on the workspace side of every link, and on `default` so that no interface made
+# later comes up with it; loopback keeps ::1. The host ends and the bridge have it off too: a
+# link-local address there is a host address that no IPv4 rule covers.
+NS_IPV6_OFF = {"ipv6/conf/default/disable_ipv6": "1", f"ipv6/conf/{WS_IFNAME}/disable_ipv6": "1"}
+
+
+def host_ipv6_off(ifname: str) -> None:
+    """Turn IPv6 off on a host interface (before it goes up: no link-local address is ever made).
+    Per interface, it goes with the interface; nothing to do in a kernel without IPv6."""
+    with contextlib.suppress(FileNotFoundError):
+        Path(f"/proc/sys/net/ipv6/conf/{ifname}/disable_ipv6").write_text("1")
+
+
+def ns_ipv6_off(init_pid: int) -> None:
+    """IPv6 off inside a workspace: `default`, and eth0 where it exists already (a clone's)."""
+    sysctls_in(init_pid, NS_IPV6_OFF)
 
 
 def _lock() -> contextlib.AbstractContextManager[None]:
@@ -241,6 +259,7 @@ def _ensure_bridge(ipr: IPRoute, net: ipaddress.IPv4Network, in_use: bool) -> in
         except NetlinkError as e:
             what = f"cannot give {BRIDGE} the gateway address {gateway}/{net.prefixlen}"
             raise _netlink_failure(what, e) from e
+    host_ipv6_off(BRIDGE)
     ipr.link("set", index=idx, state="up")
     return idx
 
@@ -328,6 +347,8 @@ def _setup_bridge(ws_id: str, init_pid: int, nat: bool, policy: egress.EgressPol
             if policy is not None:
                 # Before the link exists: nothing can leave ahead of the policy.
                 egress.install(ws_id, policy, host_if, str(ip), BRIDGE, _proxy(ws_id, policy, result.gateway))
+            # Before eth0 exists: it is born with IPv6 off.
+            ns_ipv6_off(init_pid)
             _plumb(ipr, nsfd, ws_id, result, br_idx)
             if nat:
                 ensure_nat(net)
@@ -359,6 +380,7 @@ def _plumb(ipr: IPRoute, nsfd: int, ws_id: str, net: NetworkState, br_idx: int) 
     if idx is None:
         raise NetworkError(f"veth {host_if} vanished right after creation; did the workspace die?")
     alias = f"{_ALIAS_TAG} ws={ws_id} ip={net.ip} nat={int(net.nat)}"
+    host_ipv6_off(host_if)
     try:
         ipr.link("set", index=idx, ifalias=alias)
         ipr.link("set", index=idx, master=br_idx, state="up")

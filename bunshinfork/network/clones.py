@@ -213,6 +213,9 @@ def link_up(host_if: str, alias: str, net: NetworkState) -> None:
             ipr.link("set", index=idx, ifalias=alias)
             _sysctl(host_if, "proxy_arp", "1")
             _sysctl(host_if, "rp_filter", "0")
+            # Before it goes up: no link-local address, a host address no IPv4 rule covers.
+            with contextlib.suppress(FileNotFoundError):
+                Path(f"/proc/sys/net/ipv6/conf/{host_if}/disable_ipv6").write_text("1")
             ipr.addr("add", index=idx, address=net.gateway, prefixlen=32)
             ipr.link("set", index=idx, state="up")
             ipr.route("add", dst="0.0.0.0/0", oif=idx, table=m)

@@ -4,7 +4,8 @@ A socket belongs to the network namespace its creator was in when it was made, a
 for life; setns() moves only the calling thread. So a short-lived thread enters the
 workspace's namespace, makes the socket and ends: the host holds a socket inside the
 workspace without running anything there (published ports' forwarders, the sock_diag
-socket that closes a clone's inherited connections).
+socket that closes a clone's inherited connections). The namespace's sysctls are written the
+same way (sysctls_in).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import os
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from .. import native
 from ..errors import NetworkError
@@ -28,11 +31,13 @@ NLM_F_REQUEST = 1
 NLM_F_ACK = 4
 _ALL_STATES = 0xFFFFFFFF
 _NO_COOKIE = 0xFFFFFFFF
+T = TypeVar("T")
 
 
-def socket_in(netns: int | str, family: int, kind: int, proto: int = 0) -> socket.socket:
-    """A new socket inside a network namespace: that of process `netns`, or the one bound at path `netns`."""
-    out: list[socket.socket | BaseException] = []
+def _in_netns(netns: int | str, work: Callable[[], T]) -> T:
+    """`work()` run by a short-lived thread inside a network namespace: that of process `netns`,
+    or the one bound at path `netns`."""
+    out: list[T | BaseException] = []
     path = f"/proc/{netns}/ns/net" if isinstance(netns, int) else netns
 
     def enter() -> None:
@@ -43,19 +48,41 @@ def socket_in(netns: int | str, family: int, kind: int, proto: int = 0) -> socke
             return
         try:
             native.setns(fd, CLONE_NEWNET)
-            out.append(socket.socket(family, kind, proto))
+            out.append(work())
         except BaseException as e:  # handed to the caller's thread
             out.append(e)
         finally:
             os.close(fd)
 
-    t = threading.Thread(target=enter, name="bunshin-netns-socket", daemon=True)
+    t = threading.Thread(target=enter, name="bunshin-netns", daemon=True)
     t.start()
     t.join()
     got = out[0]
     if isinstance(got, BaseException):
         raise got
     return got
+
+
+def socket_in(netns: int | str, family: int, kind: int, proto: int = 0) -> socket.socket:
+    """A new socket inside a network namespace: that of process `netns`, or the one bound at path `netns`."""
+    return _in_netns(netns, lambda: socket.socket(family, kind, proto))
+
+
+def sysctls_in(netns: int | str, values: dict[str, str]) -> None:
+    """Write net sysctls (paths under /proc/sys/net) of a network namespace from the host: /proc/sys/net
+    shows the namespace of the thread that opens a file, whatever /proc is mounted where, so
+    the workspace's own read-only /proc/sys is never involved. A key whose file is missing (no
+    IPv6 in this kernel) is skipped: there is nothing to turn off."""
+    def write() -> None:
+        for key, value in values.items():
+            try:
+                with open(f"/proc/sys/net/{key}", "w") as f:
+                    f.write(value)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise NetworkError(f"cannot set net.{key.replace('/', '.')}={value} in the workspace: {e}") from e
+    _in_netns(netns, write)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,186 @@
+"""Attack tests of a workspace's network containment (issue 36's #8 and #13): what root inside a
+bridged workspace, or a clone of one, tries in order to reach the host or another workspace.
+
+Each test reproduces one attack and fails on the code before its defence: IPv6 link-local to a
+host listener, a host service on the bridge address, 169.254/16 and private destinations, another
+workspace when ports are isolated (with the bridge-family rules alone, whatever br_netfilter
+does), forged ARP, IPv6, source addresses and MACs on the bridge, and raw sockets. Traffic goes
+only to listeners the test starts on the host's bunshin addresses, to namespaces it made
+(fake_internet.py) and to workspaces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fork_support import forked
+from helpers import run_ok
+
+from bunshinfork.workspace import Workspace
+
+KINDS = ["created", "clone"]
+
+# Run inside: connect to argv[1]:argv[2] (an IPv6 scope after %), say what happened.
+CONNECT = """
+import socket, sys
+try:
+    s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2)
+    s.sendall(b"hi")
+    print("connected")
+except OSError as e:
+    print(type(e).__name__)
+"""
+
+# Run inside: the gateway's link-local IPv6 address, from its MAC (ARP, then EUI-64), as an
+# attacker finds it; then connect there.
+LINK_LOCAL = """
+import socket, sys, time
+gw, port = sys.argv[1], int(sys.argv[2])
+socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"x", (gw, 9))  # any packet makes the ARP
+mac, deadline = None, time.monotonic() + 3
+while mac is None and time.monotonic() < deadline:
+    for line in open("/proc/net/arp").read().splitlines()[1:]:
+        f = line.split()
+        if f[0] == gw and f[3] != "00:00:00:00:00:00":
+            mac = f[3]
+    time.sleep(0.02)
+b = bytes.fromhex(mac.replace(":", ""))
+eui = bytes([b[0] ^ 2]) + b[1:3] + b"\\xff\\xfe" + b[3:]
+ll = "fe80::" + ":".join(eui[i:i + 2].hex() for i in range(0, 8, 2))
+# Both ends' link-local addresses are tentative for a second (duplicate detection): an attacker
+# waits, as long as eth0 has one at all.
+deadline = time.monotonic() + 4
+while True:
+    try:
+        s = socket.create_connection((ll + "%eth0", port), timeout=2)
+        s.sendall(b"hi")
+        print("connected")
+        break
+    except OSError as e:
+        has_v6 = any(line.split()[-1] == "eth0" for line in open("/proc/net/if_inet6"))
+        if not has_v6 or time.monotonic() > deadline:
+            print(type(e).__name__)
+            break
+        time.sleep(0.1)
+"""
+
+# Run inside: what raw sockets and ping sockets give root.
+RAW = """
+import socket
+for name, args in (("packet", (socket.AF_PACKET, socket.SOCK_RAW)),
+                   ("raw", (socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP))):
+    try:
+        socket.socket(*args).close()
+        print(name, "ok")
+    except OSError as e:
+        print(name, type(e).__name__)
+try:
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP)
+    s.settimeout(3)
+    s.sendto(b"\\x08\\x00\\x00\\x00\\x00\\x00\\x00\\x01ping", ("127.0.0.1", 0))
+    print("ping", "reply" if s.recv(64)[0] == 0 else "other")
+except OSError as e:
+    print("ping", type(e).__name__)
+"""
+
+# Run inside a privileged workspace (raw sockets): forged frames to the bridge's broadcast,
+# each carrying its marker in the payload or the Ethernet padding.
+FORGE = """
+import socket, struct, sys
+ip, gw, mac = sys.argv[1], sys.argv[2], bytes.fromhex(sys.argv[3].replace(":", ""))
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+s.bind(("eth0", 0))
+bcast = b"\\xff" * 6
+
+def csum(b):
+    b += b"\\0" * (len(b) % 2)
+    n = sum(struct.unpack(f"!{len(b) // 2}H", b))
+    while n >> 16:
+        n = (n & 0xffff) + (n >> 16)
+    return ~n & 0xffff
+
+def ipv4(src, marker):
+    body = struct.pack("!HHHH", 9999, 9999, 8 + len(marker), 0) + marker
+    hdr = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(body), 1, 0, 64, 17, 0,
+                      socket.inet_aton(src), socket.inet_aton("255.255.255.255"))
+    return hdr[:10] + struct.pack("!H", csum(hdr)) + hdr[12:] + body
+
+def arp(sender_ip, marker):
+    # A gratuitous reply: "sender_ip is at my MAC".
+    return struct.pack("!HHBBH6s4s6s4s", 1, 0x0800, 6, 4, 2, mac, socket.inet_aton(sender_ip),
+                       bcast, socket.inet_aton(sender_ip)) + marker
+
+frames = {
+    "legit": bcast + mac + b"\\x08\\x00" + ipv4(ip, b"bunshin-legit"),
+    "ip-spoof": bcast + mac + b"\\x08\\x00" + ipv4(gw, b"bunshin-ip-spoof"),
+    "mac-spoof": bcast + b"\\x02\\xba\\xd0\\x00\\x00\\x01" + b"\\x08\\x00" + ipv4(ip, b"bunshin-mac-spoof"),
+    "arp-spoof": bcast + mac + b"\\x08\\x06" + arp(gw, b"bunshin-arp-spoof"),
+    "ipv6": bcast + mac + b"\\x86\\xdd" + bytes([0x60, 0, 0, 0, 0, 16, 17, 64]) + b"\\xfe\\x80" + b"\\0" * 30
+            + b"bunshin-ipv6",
+}
+for _ in range(3):
+    for f in frames.values():
+        s.send(f)
+print("sent")
+"""
+
+
+def _out(ws: Workspace, script: str, *args: str) -> str:
+    return run_ok(ws, ["python3", "-c", script, *args], timeout=20).stdout.strip()
+
+
+@contextlib.contextmanager
+def _sandbox(kind: str, **spec: Any) -> Iterator[Workspace]:
+    """A bridged workspace with `spec`: created, or a clone of one (its source alive beside it)."""
+    with Workspace.create(network="bridge", **spec) as src:
+        if kind == "created":
+            yield src
+            return
+        kid = forked(src.fork(1, "copy"))[0]
+        try:
+            yield kid
+        finally:
+            kid.destroy()
+
+
+@contextlib.contextmanager
+def _listener(family: int, addr: str) -> Iterator[tuple[socket.socket, int]]:
+    s = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        s.bind((addr, 0))
+        s.listen(4)
+        s.setblocking(False)
+        yield s, s.getsockname()[1]
+    finally:
+        s.close()
+
+
+def _accepted(s: socket.socket) -> bool:
+    return bool(select.select([s], [], [], 0)[0])
+
+
+def _serve(ws: Workspace) -> Any:
+    ip = ws.info().network["ip"]
+    return ws.commands.run(f"exec python3 -m http.server 8000 --bind {ip}", background=True)
+
+
+def _reach(attacker: Workspace, victim: Workspace) -> str:
+    return _out(attacker, CONNECT, victim.info().network["ip"], "8000")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_no_ipv6_to_the_host_link_local(kind: str) -> None:
+    with _sandbox(kind) as ws, _listener(socket.AF_INET6, "::") as (srv, port):
+        gw = ws.info().network["gateway"]
+        assert _out(ws, LINK_LOCAL, gw, str(port)) != "connected"
+        assert not _accepted(srv)
+        # IPv6 is off on eth0 and for any interface to come; loopback keeps ::1.
+        addrs = run_ok(ws, "ip -6 -o addr").stdout
+        assert "eth0" not in addrs and "::1/128" in addrs, addrs
+        assert run_ok(ws, "cat /proc/sys/net/ipv6/conf/eth0/disable_ipv6 "
+                          "/proc/sys/net/ipv6/conf/default/disable_ipv6").stdout.split() == ["1", "1"]
