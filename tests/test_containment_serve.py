@@ -19,6 +19,7 @@ import os
 import select
 import socket
 import threading
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +27,8 @@ import e2b
 import e2b_server_support as support
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -195,5 +198,81 @@ def test_plain_http_envd_routes_refuse_a_second_id(served: support.Served,
     assert r.status_code == 400 and "echo" not in r.text
     gone = httpx.get(served.url + "/health", headers={"E2b-Sandbox-Id": "inope", "X-Access-Token": "x"}, timeout=30)
     assert gone.status_code == 502  # unknown ids keep E2B's answer: the SDK's is_running() reads it
+
+
+# ---- #2 and #13: the port proxy ----
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("target", ["@127.0.0.1:{P}/", "http://127.0.0.1:{P}/", "127.0.0.1:{P}", "*",
+                                    "\\@127.0.0.1:{P}/", "/x\\@127.0.0.1:{P}/"])
+def test_proxy_targets_stay_in_the_sandbox(served: support.Served, sandboxes: dict[str, e2b.Sandbox],
+                                           listener: Listener, kind: str, target: str) -> None:
+    host, before = sandboxes[kind].get_host(8000), listener.accepted
+    t = target.replace("{P}", str(listener.port))
+    status, _ = _raw(served, f"GET {t} HTTP/1.1\r\nHost: {host}")
+    ws, _ = _raw(served, f"GET {t} HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                         "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13")
+    assert listener.accepted == before, f"{t!r} through {kind}'s port reached the host's loopback"
+    assert status == 400, status
+    assert ws in (400, 403), ws
+
+
+def test_proxy_strips_e2bs_headers(served: support.Served, sandboxes: dict[str, e2b.Sandbox]) -> None:
+    victim = sandboxes["victim"]
+    token = victim.traffic_access_token
+    assert token
+    r = httpx.get(served.url + "/", timeout=30, headers={
+        "Host": victim.get_host(8000), "e2b-traffic-access-token": token, "X-API-KEY": served.key,
+        "X-Access-Token": _token(victim), "E2b-Sandbox-Id": victim.sandbox_id, "X-Kept": "1"})
+    assert r.status_code == 200, r.text
+    seen = set(r.json())
+    assert "x-kept" in seen and not seen & E2B_HEADERS, seen
+
+
+# ---- the Hypothesis test: random targets, Host names and repeated headers ----
+
+_TARGETS = ["@127.0.0.1:{P}/", "http://127.0.0.1:{P}/", "127.0.0.1:{P}", "*", "\\\\127.0.0.1:{P}\\x",
+            "/%40127.0.0.1:{P}/", "//127.0.0.1:{P}/", "[::1]:{P}", "[fe80::1%25lo]:{P}", "@[::1%lo]:{P}/",
+            "http://[::ffff:127.0.0.1]:{P}/", "/a@127.0.0.1:{P}", "@localhost:{P}/x", "ws://127.0.0.1:{P}/",
+            "/filesystem.Filesystem/MakeDir", "http://49983-{B}.localhost/filesystem.Filesystem/MakeDir",
+            "/filesystem.Filesystem/MakeDir?x=@127.0.0.1:{P}", "/files?path=/tmp/x&path=/etc/y"]
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@given(target=st.one_of(st.sampled_from(_TARGETS),
+                        st.text(st.sampled_from("/@\\%:.?#[]*abclo019-"), min_size=1, max_size=24)),
+       host=st.sampled_from(["8000-{A}.localhost", "49983-{A}.localhost", "8000-{B}.localhost",
+                             "49983-{B}.localhost", "localhost", "8000-{A}.localhost:1", "127.0.0.1:{P}",
+                             "8000-{A}.localhost@127.0.0.1:{P}", "49983-{A}.localhost.", "[::1]"]),
+       ids=st.lists(st.sampled_from(["{A}", "{B}", "inope"]), max_size=3),
+       extra=st.lists(st.sampled_from([("Host", "49983-{B}.localhost"), ("X-Access-Token", "{TB}"),
+                                       ("e2b-traffic-access-token", "{TT}"), ("Upgrade", "websocket")]),
+                      max_size=2),
+       method=st.sampled_from(["GET", "POST"]))
+def test_fuzzed_targets_hosts_and_headers(served: support.Served, sandboxes: dict[str, e2b.Sandbox],
+                                          listener: Listener, target: str, host: str, ids: list[str],
+                                          extra: list[tuple[str, str]], method: str) -> None:
+    """Whatever the target, Host and repeated headers, with the created sandbox's token: the
+    host's listener sees nothing, and nothing happens in the victim."""
+    attacker, victim = sandboxes["created"], sandboxes["victim"]
+    names = {"{A}": attacker.sandbox_id, "{B}": victim.sandbox_id, "{P}": str(listener.port),
+             "{TB}": _token(victim), "{TT}": victim.traffic_access_token or ""}
+
+    def fill(text: str) -> str:
+        for k, v in names.items():
+            text = text.replace(k, v)
+        return text
+
+    mark = f"/tmp/hyp-{uuid.uuid4().hex[:8]}"
+    headers = [("Host", fill(host)), ("X-Access-Token", _token(attacker))]
+    headers += [("E2b-Sandbox-Id", fill(i)) for i in ids] + [(k, fill(v)) for k, v in extra]
+    head = f"{method} {fill(target)} HTTP/1.1\r\n" + "\r\n".join(f"{k}: {v}" for k, v in headers)
+    if method == "POST":
+        head += "\r\nContent-Type: application/json\r\nConnect-Protocol-Version: 1"
+    status, body = _raw(served, head, json.dumps({"path": mark}).encode() if method == "POST" else b"")
+    assert listener.accepted == 0, head
+    assert status != 500, (head, body)
+    assert not victim.files.exists(mark), head
 
 

@@ -90,7 +90,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{where}\nexport E2B_API_KEY={key}", flush=True)
 
     app = make_app(key, args.state_dir, args.domain, on_ready=ready, public_domain=public_domain)
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=10,
+    # h11, whatever else is installed: it hands the request-target over as sent (httptools would
+    # turn an absolute-form target into its path), so the router can refuse what is not a path.
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=10, http="h11",
                             ssl_certfile=tls[0] if tls else None, ssl_keyfile=tls[1] if tls else None)
     _server(config).run(sockets=[sock])
     sys.stdout.flush()

@@ -172,6 +172,7 @@ class Server:
         None for the control plane. Refused: a target that is not origin-form, a repeated
         authority header, a Host and an E2b-Sandbox-Id that name two sandboxes, a /files query
         that repeats what a signature covers."""
+        authority.check_target(scope)
         headers.check()
         target = ports.parse_host(headers.one("host") or "", self.domain)
         sandbox_id = headers.one("e2b-sandbox-id")

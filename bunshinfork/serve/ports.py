@@ -10,6 +10,8 @@ import base64
 import contextlib
 import hashlib
 import hmac
+import ipaddress
+import logging
 import re
 import time
 from collections.abc import Mapping
@@ -29,8 +31,11 @@ ENVD_PORT = 49983
 # What a file URL's signature covers: a signed URL names each once.
 SIGNED_QUERY = ("path", "username", "signature", "signature_expiration")
 PROXY_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
+log = logging.getLogger("bunshin.serve")
+# E2B's own headers (and the `e2b-` prefix), which stop at the proxy.
+_E2B = {TRAFFIC_HEADER, "e2b-sandbox-id", "x-access-token", "x-api-key"}
 _HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
-        "transfer-encoding", "upgrade", "host", "content-length"}
+        "transfer-encoding", "upgrade", "host", "content-length", "proxy-connection"}
 
 
 def parse_host(host: str, domain: str) -> tuple[int, str] | None:
@@ -72,6 +77,43 @@ def signed_entry(store: Store, query: Mapping[str, str], method: str) -> Entry |
     return None
 
 
+class PeerRefused(Exception):
+    """The address a port resolved to is not the sandbox's own."""
+
+
+def peer(e: Entry, port: int) -> tuple[str, int]:
+    """(address, port) at which the host reaches the sandbox's `port`, checked to be the
+    sandbox's: its own address on the bridge at `port`, or a forwarder this server runs into its
+    network namespace for `port`. An address literal, never a name (nothing to resolve)."""
+    assert e.sbx is not None
+    host, _, text = e.sbx.get_host(port).rpartition(":")
+    try:
+        ip, at = ipaddress.ip_address(host.strip("[]")), int(text)
+    except ValueError:
+        raise PeerRefused(f"port {port}: not an address") from None
+    ws = e.sbx.workspace
+    own = str(ws.info().network.get("ip") or "").split("/")[0]
+    if ip.is_unspecified or not ((str(ip) == own and at == port) or ws.ports.list().get(port) == (str(ip), at)):
+        raise PeerRefused(f"port {port}: {ip} is not the sandbox's")
+    return str(ip), at
+
+
+def forwarded(headers: RequestHeaders) -> list[tuple[str, str]]:
+    """The request's headers as the sandbox gets them: without hop-by-hop ones (and those
+    Connection names), and without E2B's own (tokens, the API key, the sandbox id), which are
+    the server's business and credentials code in the sandbox must not see."""
+    named = {t.strip().lower() for v in headers.all("connection") for t in v.split(",")}
+    return [(k, v) for k, v in headers.items
+            if k not in _HOP and k not in named and k not in _E2B and not k.startswith("e2b-")]
+
+
+def _upstream_target(scope: dict[str, Any]) -> bytes:
+    """The origin-form target as sent (the router refused any other form)."""
+    raw: bytes = scope.get("raw_path") or b"/"
+    query: bytes = scope.get("query_string") or b""
+    return raw + (b"?" + query if query else b"")
+
+
 async def serve(store: Store, target: tuple[int, str], scope: dict[str, Any], receive: Any, send: Any,
                 headers: RequestHeaders) -> None:
     port, sandbox_id = target
@@ -85,29 +127,29 @@ async def serve(store: Store, target: tuple[int, str], scope: dict[str, Any], re
         await JSONResponse({"code": 502, "message": f"The sandbox {sandbox_id} was not found",
                             "sandboxId": sandbox_id}, status_code=502)(scope, receive, send)
         return
-    if e.traffic_token is not None and not hmac.compare_digest(
-            (headers.one(TRAFFIC_HEADER) or "").encode(), e.traffic_token.encode()):
+    if not _token_ok(e, headers):
         await JSONResponse({"code": 403, "message": "a traffic access token is required"},
                            status_code=403)(scope, receive, send)
         return
+    closed = JSONResponse({"code": 502, "message": f"port {port} is not open", "sandboxId": sandbox_id,
+                           "port": port}, status_code=502)
     try:
-        addr = e.sbx.get_host(port)
-    except BunshinError as err:
-        await JSONResponse({"code": 502, "message": f"port is not open: {err}", "sandboxId": sandbox_id,
-                            "port": port}, status_code=502)(scope, receive, send)
+        ip, at = peer(e, port)
+    except (BunshinError, PeerRefused) as err:
+        log.warning("sandbox %s port %d: %s", sandbox_id, port, err)
+        await closed(scope, receive, send)
         return
     request = Request(scope, receive)
     client = httpx.AsyncClient(timeout=PROXY_TIMEOUT)
+    # The URL from its parts: the target is a path, so nothing in it can become an authority.
+    url = httpx.URL(scheme="http", host=ip, port=at, raw_path=_upstream_target(scope))
     try:
         upstream = await client.send(client.build_request(
-            request.method, f"http://{addr}{scope.get('raw_path', b'/').decode('latin-1')}"
-            + (f"?{scope['query_string'].decode('latin-1')}" if scope.get("query_string") else ""),
-            headers=[(k, v) for k, v in headers.items if k not in _HOP], content=await request.body()),
-            stream=True)
+            request.method, url, headers=forwarded(headers), content=await request.body()), stream=True)
     except httpx.HTTPError as err:
         await client.aclose()
-        await JSONResponse({"code": 502, "message": f"port is not open: {err}", "sandboxId": sandbox_id,
-                            "port": port}, status_code=502)(scope, receive, send)
+        log.info("sandbox %s port %d: %s", sandbox_id, port, err)
+        await closed(scope, receive, send)
         return
 
     async def body() -> Any:
@@ -123,25 +165,32 @@ async def serve(store: Store, target: tuple[int, str], scope: dict[str, Any], re
     await resp(scope, receive, send)
 
 
+def _token_ok(e: Entry, headers: RequestHeaders) -> bool:
+    return e.traffic_token is None or hmac.compare_digest(
+        (headers.one(TRAFFIC_HEADER) or "").encode(), e.traffic_token.encode())
+
+
 async def _websocket(e: Entry | None, port: int, scope: dict[str, Any], receive: Any, send: Any,
                      headers: RequestHeaders) -> None:
     """Relay a WebSocket to the sandbox's port, message by message, until either side closes."""
     import websockets
 
     await receive()  # websocket.connect
-    token_ok = e is not None and (e.traffic_token is None or hmac.compare_digest(
-        (headers.one(TRAFFIC_HEADER) or "").encode(), e.traffic_token.encode()))
-    try:
-        addr = e.sbx.get_host(port) if token_ok and e is not None and e.sbx is not None and not e.paused else None
-    except BunshinError:
-        addr = None
+    token_ok = e is not None and _token_ok(e, headers)
+    addr: tuple[str, int] | None = None
+    if token_ok and e is not None and e.sbx is not None and not e.paused:
+        try:
+            addr = peer(e, port)
+        except (BunshinError, PeerRefused) as err:
+            log.warning("sandbox %s port %d: %s", e.sandbox_id, port, err)
     if addr is None:
         await send({"type": "websocket.close", "code": 1008 if e is not None and not token_ok else 1011})
         return
-    path = scope.get("raw_path", b"/").decode("latin-1") + (
-        f"?{scope['query_string'].decode('latin-1')}" if scope.get("query_string") else "")
+    ip, at = addr
+    # From parts: an address literal, its port, and the origin-form target the router checked.
+    uri = f"ws://{ip if ':' not in ip else f'[{ip}]'}:{at}{_upstream_target(scope).decode('ascii')}"
     try:
-        upstream = await asyncio.wait_for(websockets.connect(f"ws://{addr}{path}", open_timeout=5,
+        upstream = await asyncio.wait_for(websockets.connect(uri, open_timeout=5,
                                                              subprotocols=scope.get("subprotocols") or None), 10)
     except (OSError, TimeoutError, websockets.WebSocketException):
         await send({"type": "websocket.close", "code": 1011})
