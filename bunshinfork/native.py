@@ -101,6 +101,17 @@ def loopback_up_in(pid: int) -> None:
     _check(lib.bn_loopback_up_in(pid), f"bring up lo of {pid}")
 
 
+def attach_device_filter(cgroup_dir: str, rules: list[tuple[int, int, int]]) -> None:
+    """Allow only `rules` ((type, major, minor): type 1 block, 2 char; minor -1 any) to the tasks
+    of the cgroup2 directory `cgroup_dir` (a BPF device program, csrc/native.c)."""
+    flat = ffi.new("int[]", [v for rule in rules for v in rule])
+    fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        _check(lib.bn_attach_device_filter(fd, flat, len(rules)), f"attach the device allowlist to {cgroup_dir}")
+    finally:
+        os.close(fd)
+
+
 def _neg_errno(rc: int, what: str) -> int:
     if rc < 0:
         raise OSError(-rc, f"{what}: {os.strerror(-rc)}")

@@ -6,6 +6,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/bpf.h>
 #include <linux/filter.h>
 #include <linux/openat2.h>
 #include <linux/sched.h>
@@ -116,6 +117,63 @@ static int in_ns_of(int pid, int nstype, const char *ns, const char *hostname)
 
 int bn_set_hostname_in(int pid, const char *name) { return in_ns_of(pid, CLONE_NEWUTS, "uts", name); }
 int bn_loopback_up_in(int pid) { return in_ns_of(pid, CLONE_NEWNET, "net", NULL); }
+
+/* A cgroup's device allowlist: a BPF_PROG_TYPE_CGROUP_DEVICE program attached to the cgroup2
+ * directory `cgroup_fd` (with BPF_F_ALLOW_MULTI, so that a program of a parent still runs and
+ * must also agree). rules holds n (type, major, minor) triples: type BPF_DEVCG_DEV_CHAR or
+ * _BLOCK, minor -1 for any. Every access (read, write, mknod) to a listed node is allowed,
+ * everything else refused: the program returns 1 on the first match, 0 at its end. The kernel
+ * keeps the program as long as the cgroup exists; the fds are closed here. */
+#define INSN(c, d, s, o, i) ((struct bpf_insn){.code = (c), .dst_reg = (d), .src_reg = (s), .off = (o), .imm = (i)})
+
+int bn_attach_device_filter(int cgroup_fd, const int *rules, int n)
+{
+	struct bpf_insn prog[8 + 6 * 64];
+	int len = 0;
+	if (n < 0 || n > 64) {
+		errno = EINVAL;
+		return -1;
+	}
+	/* struct bpf_cgroup_dev_ctx: u32 access_type (access << 16 | type), u32 major, u32 minor */
+	prog[len++] = INSN(BPF_LDX | BPF_MEM | BPF_W, BPF_REG_2, BPF_REG_1, 0, 0);
+	prog[len++] = INSN(BPF_ALU | BPF_AND | BPF_K, BPF_REG_2, 0, 0, 0xffff);
+	prog[len++] = INSN(BPF_LDX | BPF_MEM | BPF_W, BPF_REG_4, BPF_REG_1, 4, 0);
+	prog[len++] = INSN(BPF_LDX | BPF_MEM | BPF_W, BPF_REG_5, BPF_REG_1, 8, 0);
+	for (int i = 0; i < n; i++) {
+		int type = rules[3 * i], major = rules[3 * i + 1], minor = rules[3 * i + 2];
+		int any = minor < 0;
+		/* Each failed test jumps past the rest of this rule: to the next rule's first insn. */
+		int rest = any ? 4 : 5;
+		prog[len++] = INSN(BPF_JMP | BPF_JNE | BPF_K, BPF_REG_2, 0, (short)(rest - 1), type);
+		prog[len++] = INSN(BPF_JMP | BPF_JNE | BPF_K, BPF_REG_4, 0, (short)(rest - 2), major);
+		if (!any)
+			prog[len++] = INSN(BPF_JMP | BPF_JNE | BPF_K, BPF_REG_5, 0, 2, minor);
+		prog[len++] = INSN(BPF_ALU64 | BPF_MOV | BPF_K, BPF_REG_0, 0, 0, 1);
+		prog[len++] = INSN(BPF_JMP | BPF_EXIT, 0, 0, 0, 0);
+	}
+	prog[len++] = INSN(BPF_ALU64 | BPF_MOV | BPF_K, BPF_REG_0, 0, 0, 0);
+	prog[len++] = INSN(BPF_JMP | BPF_EXIT, 0, 0, 0, 0);
+
+	union bpf_attr attr;
+	memset(&attr, 0, sizeof(attr));
+	attr.prog_type = BPF_PROG_TYPE_CGROUP_DEVICE;
+	attr.insns = (uint64_t)(uintptr_t)prog;
+	attr.insn_cnt = (uint32_t)len;
+	attr.license = (uint64_t)(uintptr_t) "GPL";
+	int prog_fd = (int)syscall(SYS_bpf, BPF_PROG_LOAD, &attr, sizeof(attr));
+	if (prog_fd < 0)
+		return -1;
+	memset(&attr, 0, sizeof(attr));
+	attr.target_fd = (uint32_t)cgroup_fd;
+	attr.attach_bpf_fd = (uint32_t)prog_fd;
+	attr.attach_type = BPF_CGROUP_DEVICE;
+	attr.attach_flags = BPF_F_ALLOW_MULTI;
+	int rc = (int)syscall(SYS_bpf, BPF_PROG_ATTACH, &attr, sizeof(attr));
+	int e = errno;
+	close(prog_fd);
+	errno = e;
+	return rc;
+}
 
 /* ---- child side of bn_spawn: raw syscalls and stack buffers only ---- */
 
@@ -341,13 +399,16 @@ static void child_main(const struct bn_spawn_cfg *cfg, int sync_rd, int efd)
 
 	if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
 		report(efd, "make / rprivate");
-	/* In a user namespace the host mounted the overlay before the clone (its root could only
-	 * mount it with user.* xattrs, unlike every other layer's trusted.* ones); a bind of it
-	 * makes a root of our own, free of the locks on mounts inherited from the host. */
+	/* The root is nodev: a device node that an image's layer or a snapshot carries, or that the
+	 * host wrote into a layer, is never opened through it (the standard nodes live on /dev's
+	 * own tmpfs). In a user namespace the host mounted the overlay before the clone, nodev (its
+	 * root could only mount it with user.* xattrs, unlike every other layer's trusted.* ones);
+	 * a bind of it, which keeps that flag, makes a root of our own, free of the locks on mounts
+	 * inherited from the host. */
 	if (cfg->ns_flags & CLONE_NEWUSER) {
 		if (mount(cfg->root, cfg->root, NULL, MS_BIND, NULL) < 0)
 			report(efd, "bind the overlay root");
-	} else if (mount("overlay", cfg->root, "overlay", 0, cfg->overlay_opts) < 0) {
+	} else if (mount("overlay", cfg->root, "overlay", MS_NODEV, cfg->overlay_opts) < 0) {
 		report(efd, "mount overlay root");
 	}
 	/* From here on every path is relative to the new root: the namespace's root (below) could

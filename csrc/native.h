@@ -35,6 +35,10 @@ int bn_set_hostname_in(int pid, const char *name);
 /* Bring up the loopback interface of `pid`'s network namespace. */
 int bn_loopback_up_in(int pid);
 
+/* Attach a device allowlist to the cgroup2 directory cgroup_fd: n (type, major, minor) triples,
+ * type 1 block or 2 char, minor -1 for any (native.c). 0, or -1 with errno. */
+int bn_attach_device_filter(int cgroup_fd, const int *rules, int n);
+
 /* ptrace syscall injection (csrc/inject.c). Negative returns are -errno. */
 int bn_ptrace_seize(int pid);
 /* timeout_ms: give up with -ETIMEDOUT past it (0: no deadline). */

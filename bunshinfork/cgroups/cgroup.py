@@ -25,6 +25,7 @@ from .. import native
 from ..errors import CgroupError
 from ..host import HOST
 from ..state import CgroupState
+from .devices import restrict as restrict_devices
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PARENT = HOST.cgroup_parent
@@ -91,7 +92,9 @@ class Cgroup:
         pids_limit: int | None = None,
         version: str = "auto",
         root: Path | None = None,
+        devices: bool = False,
     ) -> Cgroup:
+        """`devices`: admit only the standard nodes (devices.py) to its tasks."""
         # Looked up at call time, so a test or an embedding program can point CGROUP_ROOT elsewhere.
         root = CGROUP_ROOT if root is None else root
         version = detect(root) if version == "auto" else version
@@ -149,6 +152,9 @@ class Cgroup:
                     _write(d / "pids.max", str(pids_limit))
             else:
                 raise CgroupError(f"unknown cgroup version {version!r}; use 'auto', 'v1' or 'v2'")
+            if devices:
+                # Before any task is in it: a created init, or CRIU's restored tree.
+                restrict_devices(cg.paths[UNIFIED])
         except FileExistsError as e:
             cg.remove()
             raise CgroupError(f"cgroup {e.filename} already exists; run 'bunshin gc'") from e

@@ -132,11 +132,12 @@ class FsPart(Part):
             if rec.spec.userns:
                 idmap.shift_tree(Path(layer.upper))
         # CRIU restores into it (--root), so it is mounted here; the clone's mount namespace
-        # holds its own reference once restored, and the host needs none.
+        # holds its own reference once restored, and the host needs none. nodev, as a created
+        # workspace's root (csrc/native.c): a node in any layer opens nothing.
         point = self._mountpoint(b)
         opts = _overlay(rec.fs)
         with b.stage("fs.mount"):
-            native.mount("overlay", str(point), "overlay", 0, opts)
+            native.mount("overlay", str(point), "overlay", native.MS_NODEV, opts)
         b.deferred.append(lambda: _detach(point))
         b.root = Mount(point, opts)
 

@@ -44,7 +44,7 @@ _DIFF_ID = re.compile(r"^sha256:([0-9a-f]{64})$")
 
 
 class LayerWarning(UserWarning):
-    """Some entries of a layer could not be made (device nodes in a user namespace)."""
+    """Some entries of a layer are missing: device nodes, which layers may not carry (unpack.py)."""
 
 
 def hex_of(diff_id: str) -> str:

@@ -6,8 +6,11 @@ capabilities) and cannot make overlay whiteouts:
 - `.wh.NAME` becomes an overlay whiteout (a 0:0 character device) named NAME;
 - `.wh..wh..opq` marks its directory opaque (trusted.overlay.opaque=y);
 - owners, full modes (chmod after chown, which clears setuid bits), PAX `SCHILY.xattr.*` xattrs
-  (security.capability among them), hard links, symlinks, fifos and device nodes are kept;
-  a node the kernel refuses to make (a user namespace) is reported, not fatal.
+  (security.capability among them), hard links, symlinks, fifos and 0:0 character devices
+  (whiteouts in a layer exported from an overlay) are kept;
+- every other device node is dropped and reported (`skipped`), as rootless importers do: a node
+  in a layer would open the host's device of that number. FIFOs are kept: a pipe reaches nothing
+  of the host's, and images ship them (/run/initctl).
 Entries whose path is absolute or climbs with `..`, hard links to outside the layer, symlinks
 whose relative target climbs out of it, and paths through a symlink are refused
 (UnsafeLayerEntry): nothing is ever written outside `dest`.
@@ -177,12 +180,19 @@ class _Applier:
                 raise UnsafeLayerEntry(f"hard link {rel!r} -> {m.linkname!r} points at a directory")
             os.link(target, path, follow_symlinks=False)
             return  # the link shares its target's inode: owner, mode and xattrs are the target's
-        elif m.ischr() or m.isblk() or m.isfifo():
-            kind = stat.S_IFCHR if m.ischr() else stat.S_IFBLK if m.isblk() else stat.S_IFIFO
+        elif m.isfifo():
+            os.mkfifo(path, 0o600)
+        elif (m.ischr() or m.isblk()) and not (m.ischr() and m.devmajor == m.devminor == 0):
+            # A layer's device node would be the host's device, under the image's chosen owner
+            # and mode: dropped, as rootless importers drop them. The workspace's /dev is its own
+            # tmpfs with the standard nodes; a 0:0 character device is an overlay whiteout.
+            out.skipped.append(f"{rel}: a device node ({m.devmajor}:{m.devminor}); images carry none")
+            return
+        elif m.ischr():
             try:
-                os.mknod(path, 0o600 | kind, os.makedev(m.devmajor, m.devminor) if not m.isfifo() else 0)
+                os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(0, 0))
             except PermissionError as e:
-                out.skipped.append(f"{rel}: {e.strerror} (device nodes cannot be made here)")
+                out.skipped.append(f"{rel}: {e.strerror} (whiteouts cannot be made here)")
                 return
         else:
             raise UnsafeLayerEntry(f"layer entry {rel!r} has an unknown tar type {m.type!r}")

@@ -68,7 +68,8 @@ class ProcessPart(Part):
         assert b.root is not None
         idmap.shift_tree(upper)
         point = str(b.root.path)
-        native.mount("overlay", point, "overlay", 0, b.root.options)
+        # nodev, which the child's bind of it keeps (csrc/native.c).
+        native.mount("overlay", point, "overlay", native.MS_NODEV, b.root.options)
         b.deferred.append(lambda: native.umount2(point, native.MNT_DETACH))
 
     def before_freeze(self, c: Capture) -> None:

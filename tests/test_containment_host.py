@@ -1,0 +1,123 @@
+"""Containment against the host (issue 36): what a sandbox writes or an image ships never reaches
+the host's devices or gives a local user of the host root. Each attack runs against a created
+workspace, a clone and a resumed one: CRIU restores mounts, and a cgroup's device program is
+not CRIU's to restore.
+
+- Devices: a block node for a loop device the test made (over a file the test made), placed
+  where an image layer would put it (the root overlay's layer) and in the sandbox's own /dev
+  tmpfs (which is not nodev), opens for neither reading nor writing: the root overlay is nodev
+  and the workspace's cgroup admits only the standard nodes. Image unpacking drops the node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import stat
+import subprocess
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fork_support import fork_of
+from helpers import run_ok
+
+from bunshinfork.images import unpack
+from bunshinfork.workspace import Workspace
+
+SECRET = b"host-block-device-secret"
+# Opens a node for reading and for writing; prints what each got: the first bytes or the errno name.
+PROBE = """
+import errno, sys
+for path in sys.argv[1:]:
+    for mode in ("rb", "r+b"):
+        try:
+            with open(path, mode) as f:
+                print(path, mode, f.read(24).decode(errors="replace"))
+        except OSError as e:
+            print(path, mode, errno.errorcode[e.errno])
+"""
+
+
+@contextlib.contextmanager
+def _loop_device(tmp: Path) -> Iterator[tuple[str, int, int]]:
+    """A loop device over a file of this test's, holding SECRET: (device, major, minor)."""
+    backing = tmp / "disk.img"
+    backing.write_bytes(SECRET + bytes(1 << 20))
+    dev = subprocess.run(["losetup", "--find", "--show", str(backing)], capture_output=True, text=True,
+                         check=True, timeout=30).stdout.strip()
+    try:
+        rdev = os.stat(dev).st_rdev
+        yield dev, os.major(rdev), os.minor(rdev)
+    finally:
+        subprocess.run(["losetup", "-d", dev], check=True, timeout=30)
+
+
+def _in_ws_mntns(ws: Workspace, *cmd: str) -> None:
+    """Run a host-root command in the workspace's mount namespace (what only the host can do)."""
+    subprocess.run(["nsenter", "-t", str(ws.init_pid), "-m", *cmd], check=True, timeout=30)
+
+
+@contextlib.contextmanager
+def _subject(kind: str, major: int, minor: int) -> Iterator[Workspace]:
+    """A workspace of `kind` whose root layer and /dev hold a block node for major:minor."""
+    with Workspace.create() as src:
+        # Where an image's layer put it (the attack's path: a node in a lower or the upper
+        # layer, seen through the root overlay) ...
+        layer = src.layer_dir
+        assert layer is not None
+        os.mknod(layer / "upper" / "blk", stat.S_IFBLK | 0o666, os.makedev(major, minor))
+        with contextlib.ExitStack() as stack:
+            ws = src
+            if kind == "clone":
+                ws = stack.enter_context(fork_of(src, 1))[0]
+            elif kind == "resumed":
+                src.pause_to_disk()
+                src.resume_from_disk()
+            # ... and in the sandbox's /dev, a tmpfs that must allow nodes: only the device
+            # cgroup stands between it and the host's disk. (Made in the subject itself: CRIU
+            # could not make it again in a clone's /dev, under that cgroup.)
+            _in_ws_mntns(ws, "sh", "-c", f"umask 0 && mknod /dev/blk b {major} {minor}")
+            yield ws
+
+
+@pytest.mark.parametrize("kind", ["created", "clone", "resumed"])
+def test_a_block_node_does_not_reach_the_host_device(tmp_path: Path, kind: str) -> None:
+    with _loop_device(tmp_path) as (dev, major, minor), _subject(kind, major, minor) as ws:
+        # CRIU remounts a clone's and a resumed workspace's root: nodev must come back with it.
+        root = [ln.split() for ln in Path(f"/proc/{ws.init_pid}/mountinfo").read_text().splitlines()
+                if ln.split()[4] == "/"]
+        assert len(root) == 1 and "nodev" in root[0][5].split(","), root
+        ws.files.write("/root/probe.py", PROBE)
+        got = run_ok(ws, ["python3", "/root/probe.py", "/blk", "/dev/blk"]).stdout.split("\n")
+        # nodev on the root overlay: EACCES; the device cgroup: EPERM. Never the disk's bytes.
+        assert got[:4] == ["/blk rb EACCES", "/blk r+b EACCES", "/dev/blk rb EPERM", "/dev/blk r+b EPERM"], got
+        # Root inside cannot make a node of its own either (no CAP_MKNOD).
+        r = ws.commands.run(f"mknod /tmp/b2 b {major} {minor}")
+        assert r.exit_code != 0 and "Operation not permitted" in r.stderr
+        # The standard nodes keep working, a pty among them.
+        out = run_ok(ws, ["python3", "-c", "import os, pty; m, s = pty.openpty(); os.write(m, b'x\\n'); "
+                          "print(len(open('/dev/urandom','rb').read(4)), open('/dev/zero','rb').read(2), "
+                          "open('/dev/null','w').write('z'), os.read(s, 2))"]).stdout.strip()
+        assert out == "4 b'\\x00\\x00' 1 b'x\\n'"
+        assert Path(dev).read_bytes()[:len(SECRET)] == SECRET
+
+
+def test_image_layers_keep_no_device_nodes(tmp_path: Path) -> None:
+    """Unpacking keeps 0:0 character devices (overlay whiteouts) and FIFOs, and drops every
+    other device node, saying which: a layer's node would be the host's device."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for name, kind, major, minor in (("dev/sda", tarfile.BLKTYPE, 8, 0), ("dev/mem", tarfile.CHRTYPE, 1, 1),
+                                         ("etc/gone", tarfile.CHRTYPE, 0, 0), ("run/fifo", tarfile.FIFOTYPE, 0, 0)):
+            ti = tarfile.TarInfo(name)
+            ti.type, ti.devmajor, ti.devminor, ti.mode = kind, major, minor, 0o666
+            tf.addfile(ti)
+    out = unpack.unpack(io.BytesIO(buf.getvalue()), tmp_path)
+    assert [s.split(":")[0] for s in out.skipped] == ["dev/sda", "dev/mem"]
+    assert not os.path.lexists(tmp_path / "dev/sda") and not os.path.lexists(tmp_path / "dev/mem")
+    wh = os.lstat(tmp_path / "etc/gone")
+    assert stat.S_ISCHR(wh.st_mode) and wh.st_rdev == 0
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "run/fifo").st_mode)
