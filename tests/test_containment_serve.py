@@ -21,6 +21,7 @@ import socket
 import threading
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import e2b
@@ -29,6 +30,8 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from bunshinfork.images import templates as store
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -274,5 +277,71 @@ def test_fuzzed_targets_hosts_and_headers(served: support.Served, sandboxes: dic
     assert listener.accepted == 0, head
     assert status != 500, (head, body)
     assert not victim.files.exists(mark), head
+
+
+# ---- #15: snapshots are the server's, and cannot shadow a template ----
+
+
+@pytest.fixture
+def foreign(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """A warm template and a saved snapshot this server did not make, in the host's store."""
+    made = {}
+    store.ROOT.mkdir(parents=True, exist_ok=True)
+    tag = uuid.uuid4().hex[:10]
+    for kind in ("template", "snapshot"):
+        d = store.ROOT / f"foreign-{kind}-{tag}"
+        d.mkdir()
+        (d / store.SAVED).write_text(json.dumps({"source": "elsewhere"}))
+        (d / store.NAMES).write_text(json.dumps([f"ops-{kind}-{tag}"]))
+        if kind == "template":
+            (d / store.META).write_text(json.dumps({"from": "debian", "created_at": 0.0}))
+        made[kind] = d.name
+        made[f"{kind}-name"] = f"ops-{kind}-{tag}"
+    try:
+        yield made
+    finally:
+        for kind in ("template", "snapshot"):
+            import shutil
+
+            shutil.rmtree(store.ROOT / made[kind], ignore_errors=True)
+
+
+def test_snapshot_names_cannot_shadow_templates(served: support.Served, sandboxes: dict[str, e2b.Sandbox],
+                                                foreign: dict[str, str]) -> None:
+    sid = sandboxes["created"].sandbox_id
+    for name in ("debian", "base", "host", "docker:python:3.12", "registry:ghcr.io/x/y", "oci:x",
+                 foreign["template-name"], foreign["snapshot-name"], foreign["template"]):
+        r = _api(served, "POST", f"/sandboxes/{sid}/snapshots", json={"name": name})
+        if r.status_code == 201:  # the finding: clean up what it made
+            _api(served, "DELETE", f"/templates/{r.json()['snapshotID']}")
+        assert r.status_code == 400 and r.json()["code"] == 400, (name, r.text)
+    assert store.names(store.ROOT / foreign["template"]) == [foreign["template-name"]]
+
+
+def test_snapshots_are_scoped_to_the_server(served: support.Served, foreign: dict[str, str]) -> None:
+    listed = {s["snapshotID"] for s in _api(served, "GET", "/snapshots").json()}
+    assert not listed & {foreign["template"], foreign["snapshot"]}, listed
+    for sid in (foreign["template"], foreign["snapshot"]):
+        assert _api(served, "DELETE", f"/templates/{sid}").status_code == 404
+        assert (store.ROOT / sid).is_dir()
+    for name in (foreign["snapshot"], foreign["snapshot-name"]):
+        r = _api(served, "POST", "/v2/sandboxes", json={"templateID": name})
+        assert r.status_code == 404 and r.json()["message"] == f"template {name!r} not found", r.text
+
+
+def test_a_500_carries_no_host_path(served: support.Served, sandboxes: dict[str, e2b.Sandbox]) -> None:
+    """The registry's directory replaced by a file: saving a record fails with an OSError that
+    names the host path; the client gets a generic 500, the log the details."""
+    records = served.state_dir / "sandboxes"
+    aside = served.state_dir / "sandboxes.aside"
+    records.rename(aside)
+    try:
+        records.write_text("")
+        r = _api(served, "POST", f"/sandboxes/{sandboxes['created'].sandbox_id}/timeout", json={"timeout": 600})
+    finally:
+        records.unlink()
+        aside.rename(records)
+    assert r.status_code == 500, r.text
+    assert str(served.state_dir) not in r.text and "/" not in r.json()["message"], r.text
 
 

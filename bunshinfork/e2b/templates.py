@@ -7,12 +7,29 @@ from __future__ import annotations
 import shutil
 from typing import Any
 
-from ..errors import NotFoundException
+from ..errors import InvalidArgumentException, NotFoundException
 from ..images import templates, warm
 from ..workspace import Workspace
 from .types import SnapshotInfo
 
 DEFAULT = "base"
+# The names a template is given by what it is, not by the store: a snapshot never takes one.
+BUILTIN = (DEFAULT, "debian", "host")
+PREFIXES = ("docker:", "oci:", "registry:", "/")
+
+
+def is_builtin(template: str | None) -> bool:
+    """A template named by what it is (base, debian, an image, a directory), not a stored one."""
+    return template is None or template in BUILTIN or template.startswith(PREFIXES)
+
+
+def check_snapshot_name(name: str) -> str:
+    """A snapshot's name: a store name (templates.NAME), none a template has by what it is."""
+    if not isinstance(name, str) or not templates.NAME.fullmatch(name) or is_builtin(name):
+        raise InvalidArgumentException(
+            f"invalid snapshot name {name!r}: letters, digits, '_', '.', '-', at most 128, and not a "
+            f"template's ({', '.join(BUILTIN)}, {', '.join(p.rstrip('/') + '...' for p in PREFIXES)})")
+    return name
 
 
 def saved(source: str | None = None, name: str | None = None) -> list[SnapshotInfo]:
@@ -27,6 +44,8 @@ def saved(source: str | None = None, name: str | None = None) -> list[SnapshotIn
 
 def save(ws: Workspace, name: str | None) -> SnapshotInfo:
     """Snapshot `ws` into the store; a name names the newest snapshot given it, as E2B's do."""
+    if name is not None:
+        check_snapshot_name(name)
     dest = warm.save(ws, name)
     return SnapshotInfo(dest.name, [name] if name else [])
 
@@ -43,7 +62,8 @@ def start(template: str | None, lifetime: float, env: dict[str, str], network: d
     """A running workspace from `template`: a saved snapshot's clone (given `env` on top of
     its own, and the egress policy of `network`: its network is the snapshot's), or a new
     workspace on the rootfs the template names, with `network` (WorkspaceSpec fields)."""
-    if template and template != DEFAULT and templates.find(template) is not None:
+    # What a template is by its name comes first: no snapshot (whatever names it has) shadows it.
+    if not is_builtin(template) and templates.find(str(template)) is not None:
         clone = Workspace.from_template(template, timeout=lifetime)
         try:
             if env:

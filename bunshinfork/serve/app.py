@@ -26,6 +26,7 @@ from .rest import ApiError, Rest, error_response, status_of
 from .store import Entry, Store
 
 log = logging.getLogger("bunshin.serve")
+INTERNAL = envd.INTERNAL
 Scope = dict[str, Any]
 ASGI = Callable[[Scope, Any, Any], Awaitable[None]]
 
@@ -128,11 +129,13 @@ class Server:
                 return error_response(401, "Invalid API key")
             try:
                 return await fn(request)
-            except (ApiError, BunshinError) as e:
-                return error_response(status_of(e), str(e))
             except Exception as e:
+                status = status_of(e) if isinstance(e, (ApiError, BunshinError)) else 500
+                if status < 500:
+                    return error_response(status, str(e))
+                # The details (host paths among them) are for the server's log, not its clients.
                 log.exception("%s %s", request.method, request.url.path)
-                return error_response(500, f"{type(e).__name__}: {e}")
+                return error_response(500, INTERNAL)
 
         return handler
 

@@ -9,6 +9,7 @@ import base64
 import contextlib
 import datetime
 import errno
+import logging
 import secrets
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -29,7 +30,6 @@ from ..aio import AsyncCommandHandle, AsyncSandbox
 from ..commands import CommandExitException, CommandResult, PtySize
 from ..entries import EntryInfo, FileType
 from ..errors import (
-    BunshinError,
     CommandError,
     FileOperationError,
     InvalidArgumentException,
@@ -40,6 +40,8 @@ from ..errors import (
 from ..watch import FilesystemEvent, WatchHandle
 from . import authority
 
+log = logging.getLogger("bunshin.serve")
+INTERNAL = "internal error: the server's log has the details"
 DEFAULT_USER = "user"  # envd's default user (e2b >= envd 0.4.0 sends none)
 NOT_FOUND = "was not found"  # what the SDKs read as a sandbox that is gone
 KEEPALIVE_HEADER = "keepalive-ping-interval"
@@ -79,9 +81,11 @@ def rpc_error(e: Exception) -> ConnectError:
         return ConnectError(Code.PERMISSION_DENIED, str(e))
     if isinstance(e, WorkspaceStateError):
         return ConnectError(Code.UNAVAILABLE, f"The sandbox {NOT_FOUND} (it ended): {e}")
-    if isinstance(e, (CommandError, BunshinError, OSError)):
-        return ConnectError(Code.INVALID_ARGUMENT if isinstance(e, CommandError) else Code.INTERNAL, str(e))
-    return ConnectError(Code.INTERNAL, f"{type(e).__name__}: {e}")
+    if isinstance(e, CommandError):
+        return ConnectError(Code.INVALID_ARGUMENT, str(e))
+    # The details of anything else (host paths among them) are for the server's log.
+    log.error("envd: %s: %s", type(e).__name__, e)
+    return ConnectError(Code.INTERNAL, INTERNAL)
 
 
 @contextlib.contextmanager
@@ -385,6 +389,8 @@ def apps(lookup: Lookup) -> tuple[ProcessASGIApplication, FilesystemASGIApplicat
 
 
 def http_error(status: int, message: str) -> JSONResponse:
+    if status >= 500:
+        message = INTERNAL  # rpc_error logged what it was
     return JSONResponse({"code": status, "message": message}, status_code=status)
 
 

@@ -20,8 +20,10 @@ from starlette.routing import Route
 from .. import Sandbox, Workspace
 from ..aio import AsyncSandbox
 from ..e2b import lifecycle
+from ..e2b import templates as e2b_templates
 from ..e2b.lifecycle import Lifecycle, ListQuery
 from ..errors import BunshinError, InvalidArgumentException, NotFoundException
+from ..images import templates as store_templates
 from .store import Entry, Store
 
 ENVD_VERSION = "0.5.7"  # the envd protocol level served (commands' stdin and close, octet-stream uploads)
@@ -39,6 +41,11 @@ class ApiError(Exception):
 
 def error_response(status: int, message: str) -> JSONResponse:
     return JSONResponse({"code": status, "message": message}, status_code=status)
+
+
+def not_found(template: str) -> str:
+    """The one answer for a template this server does not offer, whatever the reason."""
+    return f"template {template!r} not found"
 
 
 def status_of(e: BaseException) -> int:
@@ -116,6 +123,31 @@ class Rest:
             raise ApiError(409, f"sandbox {e.sandbox_id!r} is paused: connect to resume it")
         return e.sbx
 
+    # ---- templates and snapshots: the store is the host's, this server sees its own part ----
+
+    def stored(self, template: str) -> str:
+        """The store's id for what `template` names there: one of this server's snapshots, or
+        a warm template (the operator's `bunshin template`). Anything else, another server's
+        or a library's snapshot included, is not found, with one answer for all."""
+        own = self.store.snapshots()
+        hits = [d for d in store_templates.saved() if template == d.name or template in store_templates.names(d)]
+        for d in hits:
+            if d.name in own:
+                return d.name
+        for d in hits:
+            if store_templates.info(d).kind == "template":
+                return d.name
+        raise ApiError(404, not_found(template))
+
+    def check_snapshot_name(self, name: str) -> None:
+        """A name no template has by what it is, and that names nothing in the store but this
+        server's snapshots (name_it would take it from whatever held it)."""
+        e2b_templates.check_snapshot_name(name)
+        own = self.store.snapshots()
+        if any((name == d.name or name in store_templates.names(d)) and d.name not in own
+               for d in store_templates.saved()):
+            raise ApiError(400, f"snapshot name {name!r} is taken")
+
     # ---- create, connect ----
 
     async def create(self, request: Request) -> Response:
@@ -142,7 +174,8 @@ class Rest:
         if not isinstance(internet, bool) or not isinstance(public, bool):
             raise ApiError(400, "allow_internet_access and network allowPublicTraffic must be booleans")
         deadline = lifecycle.deadline_after(timeout)
-        sbx = await AsyncSandbox.create(template, timeout=lifecycle.workspace_lifetime(life, deadline),
+        start = template if e2b_templates.is_builtin(template) else await asyncio.to_thread(self.stored, template)
+        sbx = await AsyncSandbox.create(start, timeout=lifecycle.workspace_lifetime(life, deadline),
                                         metadata=metadata, envs=envs, allow_internet_access=internet,
                                         network=_snake(network))
         e = Entry(sandbox_id=sbx.sandbox_id, template=template, metadata=dict(metadata), started_at=time.time(),
@@ -302,12 +335,15 @@ class Rest:
         if body.get("memory") is False:
             raise ApiError(400, "a filesystem-only snapshot is not offered: a snapshot keeps memory and processes")
         name = body.get("name")
-        if name is not None and (not isinstance(name, str) or "/" in name or not name.strip()):
-            raise ApiError(400, f"invalid snapshot name {name!r}")
+        if name is not None:
+            if not isinstance(name, str):
+                raise ApiError(400, f"invalid snapshot name {name!r}")
+            await asyncio.to_thread(self.check_snapshot_name, name)
         e = self.entry(request.path_params["sandbox_id"])
         async with e.lock:
             sbx = await self.running(e)
             info = await sbx.create_snapshot(name)
+            self.store.own_snapshot(info.snapshot_id)
         return JSONResponse({"snapshotID": info.snapshot_id, "names": info.names}, status_code=201)
 
     async def list_snapshots(self, request: Request) -> Response:
@@ -320,15 +356,18 @@ class Rest:
             limit = int(q["limit"]) if "limit" in q else None
         except ValueError as err:
             raise ApiError(400, f"invalid query: {err}") from None
-        infos = Sandbox.list_snapshots(sandbox_id=source, name=q.get("name")).next_items()
+        own = self.store.snapshots()
+        infos = [i for i in Sandbox.list_snapshots(sandbox_id=source, name=q.get("name")).next_items()
+                 if i.snapshot_id in own]
         items, token = lifecycle.page(infos, limit, q.get("nextToken"), key=lambda i: i.snapshot_id)
         headers = {"x-next-token": token} if token else {}
         return JSONResponse([{"snapshotID": i.snapshot_id, "names": i.names} for i in items], headers=headers)
 
     async def delete_template(self, request: Request) -> Response:
         template_id = urllib.parse.unquote(request.path_params["template_id"])
-        if not await AsyncSandbox.delete_snapshot(template_id):
+        if template_id not in self.store.snapshots() or not await AsyncSandbox.delete_snapshot(template_id):
             raise ApiError(404, f"template or snapshot {template_id!r} not found")
+        self.store.disown_snapshot(template_id)
         return Response(status_code=204)
 
     async def network(self, request: Request) -> Response:
@@ -399,4 +438,4 @@ def _metadata_filter(text: str | None) -> dict[str, str] | None:
     return {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in urllib.parse.parse_qsl(text)}
 
 
-__all__ = ["ApiError", "BunshinError", "Rest", "error_response", "status_of"]
+__all__ = ["ApiError", "BunshinError", "Rest", "error_response", "not_found", "status_of"]

@@ -66,6 +66,20 @@ class Store:
         self.entries: dict[str, Entry] = {}
         (root / "sandboxes").mkdir(parents=True, exist_ok=True)
         (root / "paused").mkdir(parents=True, exist_ok=True)
+        (root / "snapshots").mkdir(parents=True, exist_ok=True)
+
+    # ---- the snapshots this server saved (the template store is the host's, shared) ----
+
+    def own_snapshot(self, snapshot_id: str) -> None:
+        (self.root / "snapshots" / snapshot_id).touch()
+
+    def disown_snapshot(self, snapshot_id: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            (self.root / "snapshots" / snapshot_id).unlink()
+
+    def snapshots(self) -> set[str]:
+        """The ids of the snapshots this server saved (some may have been removed since)."""
+        return {p.name for p in (self.root / "snapshots").iterdir()}
 
     def paused_dir(self, sandbox_id: str) -> Path:
         return self.root / "paused" / sandbox_id
