@@ -20,7 +20,7 @@ import stat
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import IO, Literal, TypedDict
 
-from . import idmap, native, users
+from . import idmap, inroot, native, users
 from .entries import EntryInfo, FileType, WriteInfo
 from .errors import FileOperationError, InvalidArgumentException, WorkspaceFileNotFound
 from .watch import Inotify, WatchHandle
@@ -154,18 +154,14 @@ class Files:
 
     @contextlib.contextmanager
     def _root(self, who: users.User = users.ROOT) -> Iterator[int]:
-        # /proc/<init>/root is opened with root's identity: the user's would not be let in.
+        # The workspace's root is opened with root's identity: the user's would not be let in.
         pid = self._init_pid()
         ids = self._ids(pid)
-        fd = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            # In a user namespace a user is the host's shifted ids; its root stays the host's
-            # (the namespace's root has no capability over this thread's files), and what it
-            # creates is given to the namespace's root (_own).
-            with users.fs_identity(who if who.is_root else who.shifted(ids.to_host)):
-                yield fd
-        finally:
-            os.close(fd)
+        # In a user namespace a user is the host's shifted ids; its root stays the host's
+        # (the namespace's root has no capability over this thread's files), and what it
+        # creates is given to the namespace's root (_own).
+        with inroot.root(pid) as fd, users.fs_identity(who if who.is_root else who.shifted(ids.to_host)):
+            yield fd
 
     def _own(self, fd: int) -> None:
         """A file the host's root just made in a userns workspace belongs to the namespace's
@@ -177,7 +173,7 @@ class Files:
 
     @contextlib.contextmanager
     def _open(self, root: int, path: str, flags: int, mode: int = 0o644) -> Iterator[int]:
-        fd = native.openat2(root, path, flags, mode)
+        fd = inroot.named(root, path, flags, mode)
         try:
             yield fd
         finally:
@@ -373,6 +369,20 @@ class Files:
         except OSError as e:
             raise _error(e, "make_dir", p) from e
         return not existed
+
+    def chown(self, path: str, owner: str) -> None:
+        """Give a file or directory to user `owner` and its primary group, as root's `chown` inside
+        would: the path resolves in the workspace's root (a symlink to /tmp is the workspace's
+        /tmp, never the host's), and the inode found is the one changed."""
+        who = self._user(owner)
+        p = self._abs(path)
+        try:
+            with self._root() as root, self._open(root, p, os.O_PATH) as fd:
+                ids = self._map
+                # An O_PATH fd cannot be fchown'd; its /proc/self/fd link names that inode only.
+                os.chown(f"/proc/self/fd/{fd}", ids.to_host(who.uid), ids.to_host(who.gid))
+        except OSError as e:
+            raise _error(e, "chown", p) from e
 
     # ---- listing and stat ----
 

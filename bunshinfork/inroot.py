@@ -33,6 +33,12 @@ FIXED = native.RESOLVE_IN_ROOT | native.RESOLVE_NO_MAGICLINKS | RESOLVE_NO_SYMLI
 NAMED = native.RESOLVE_IN_ROOT | native.RESOLVE_NO_MAGICLINKS
 
 
+class NotBunshins(WorkspaceStateError, OSError):
+    """What was found at one of bunshin's own paths inside a workspace is not bunshin's: a
+    symlink on the way, or not a socket of the namespace's root. An OSError too, so that a
+    caller that copes with a missing path copes with this one the same way."""
+
+
 @contextlib.contextmanager
 def root(init_pid: int) -> Iterator[int]:
     """An O_PATH fd of the root directory of the workspace whose init is `init_pid`, for fixed()
@@ -46,13 +52,13 @@ def root(init_pid: int) -> Iterator[int]:
 
 def fixed(root_fd: int, path: str, flags: int, mode: int = 0o600) -> int:
     """Open bunshin's own `path` (/.bunshin/...) under `root_fd`: a symlink anywhere on the way is
-    refused (ELOOP), as nothing of bunshin's is one; WorkspaceStateError says so."""
+    refused, as nothing of bunshin's is one: NotBunshins says so."""
     try:
         return native.openat2(root_fd, path, flags, mode, resolve=FIXED)
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.EXDEV):
-            raise WorkspaceStateError(f"{path} in the workspace goes through a symlink: it is not bunshin's, "
-                                      "refusing it") from None
+            raise NotBunshins(e.errno, f"{path} in the workspace goes through a symlink: it is not "
+                                       "bunshin's, refusing it") from None
         raise
 
 
@@ -67,8 +73,8 @@ def bunshin_socket(init_pid: int, path: str) -> Iterator[str]:
     """An address that connects to the unix socket bunshin's init (or a shim) listens on at
     `path` in the workspace, and to nothing else: /proc/self/fd/N of an O_PATH fd of it, valid
     for the block. A connect through it reaches the very inode checked here, whatever is
-    renamed or replaced meanwhile. FileNotFoundError where nothing is there;
-    WorkspaceStateError where a symlink, or anything but a socket of the namespace's root, is."""
+    renamed or replaced meanwhile. FileNotFoundError where nothing is there; NotBunshins
+    where a symlink, or anything but a socket of the namespace's root, is."""
     with root(init_pid) as r:
         fd = fixed(r, path, os.O_PATH)
     try:
@@ -77,8 +83,8 @@ def bunshin_socket(init_pid: int, path: str) -> Iterator[str]:
         # the host's root. Nobody else can have made bunshin's sockets.
         ours = st.st_uid == 0 or st.st_uid == idmap.of(init_pid).to_host(0)
         if not stat.S_ISSOCK(st.st_mode) or not ours:
-            raise WorkspaceStateError(f"{path} in the workspace is not bunshin's socket (mode {st.st_mode:o}, "
-                                      f"owner {st.st_uid}): refusing to connect")
+            raise NotBunshins(errno.EPERM, f"{path} in the workspace is not bunshin's socket (mode "
+                                           f"{st.st_mode:o}, owner {st.st_uid}): refusing to connect")
         yield f"/proc/self/fd/{fd}"
     finally:
         os.close(fd)

@@ -5,17 +5,24 @@ resolved under that workspace's root, never by joining it onto /proc/<init>/root
   root. A host path join followed it, and A's next command ran in B. Bunshin's own paths are
   resolved with no symlink at all, and what is found must be a socket of A's root: A's next
   command fails with a typed error, and B never sees it.
+- Homes: an image's (or a snapshot's) /etc/passwd names a home under a /home that is an
+  absolute symlink to a host directory. Sandbox.create made the home and chowned it by a
+  host path, so the host's directory was given to the user. The home is resolved under the
+  workspace's root and chowned by fd.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from fork_support import fork_of
 from helpers import run_ok
 
+from bunshinfork.e2b.sandbox import ensure_default_user
 from bunshinfork.errors import WorkspaceStateError
 from bunshinfork.workspace import Workspace
 
@@ -23,9 +30,11 @@ KINDS = ["created", "clone", "resumed"]
 
 
 @contextlib.contextmanager
-def _subject(kind: str) -> Iterator[Workspace]:
-    """A workspace of `kind`: created, a clone of a created one, or one paused to disk and resumed."""
+def _subject(kind: str, setup: Callable[[Workspace], object] = lambda ws: None) -> Iterator[Workspace]:
+    """A workspace of `kind`: created, a clone of a created one, or one paused to disk and
+    resumed; `setup` runs in it first (before the fork or the pause)."""
     with Workspace.create() as src:
+        setup(src)
         if kind == "created":
             yield src
         elif kind == "clone":
@@ -57,3 +66,23 @@ def test_a_symlinked_input_dir_does_not_reach_another_workspace() -> None:
         b.commands.close_stdin(victim.pid)
         victim.wait()
         assert b.files.read("/got") == ""
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_symlinked_home_does_not_give_a_host_directory_away(tmp_path: Path, kind: str) -> None:
+    victim = tmp_path / "host" / "user"
+    victim.mkdir(parents=True)
+
+    def plant(ws: Workspace) -> None:
+        # What an image (or a sandbox whose snapshot becomes a template) ships: the user, and
+        # a /home that points at the host's directory, spelled as the host spells it (and
+        # made inside too, so that the home is made there).
+        run_ok(ws, ["sh", "-c", "sed -i '/^user:/d' /etc/passwd && "
+                    "echo 'user:x:1000:1000::/home/user:/bin/sh' >> /etc/passwd && "
+                    f"rm -rf /home && mkdir -p {victim.parent} && ln -s {victim.parent} /home"])
+
+    with _subject(kind, plant) as ws:
+        ensure_default_user(ws, "user")
+        assert os.stat(victim).st_uid == 0, "the host's directory was given to the sandbox's user"
+        # The home the sandbox sees was made and given to its user, inside.
+        assert ws.files.get_info("/home/user").owner == "user"

@@ -543,3 +543,54 @@ def test_check_engine_catches_a_broken_engine(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(_Liar, "rank", ENGINES["copy"].rank)
     with pytest.raises(AssertionError, match="rank order"):
         check_engine(liar)
+
+
+def _spells_proc_root(text: str) -> bool:
+    """Whether a string (an f-string's values as {}) names /proc/<something>/root."""
+    i = text.find("/proc/")
+    while i >= 0:
+        seg, sep, after = text[i + len("/proc/"):].partition("/")
+        if sep and seg and after.startswith("root") and (len(after) == 4 or after[4] in "/{%"):
+            return True
+        i = text.find("/proc/", i + 1)
+    return False
+
+
+def _proc_root_lines(source: str) -> list[int]:
+    """Lines that reach a workspace by /proc/<pid>/root: in one string or f-string, or pieced
+    together (os.path.join, Path's /, +) from "/proc" and "root". Docstrings may name it."""
+    tree = ast.parse(source)
+    docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            text = "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+            if _spells_proc_root(text):
+                out.add(node.lineno)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            if _spells_proc_root(node.value):
+                out.add(node.lineno)
+        elif isinstance(node, (ast.Call, ast.BinOp)):
+            pieces = [n.value.strip("/") for n in ast.walk(node)
+                      if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+            if "proc" in pieces and any(p.split("/")[0] == "root" for p in pieces):
+                out.add(node.lineno)
+    return sorted(out)
+
+
+def test_only_inroot_reaches_into_a_workspace_by_a_host_path() -> None:
+    """A path joined onto /proc/<init>/root is resolved from the host's root at the first absolute
+    symlink inside (issue 36: a workspace's /.bunshin led into another's, its /home to the host's
+    /tmp). bunshinfork.inroot resolves under the workspace's root; nothing else opens it."""
+    found = {}
+    for package in (PACKAGE, PACKAGE.parent / "bunshinrl"):
+        for path in sorted(package.rglob("*.py")):
+            if path != PACKAGE / "inroot.py" and (lines := _proc_root_lines(path.read_text())):
+                found[str(path.relative_to(PACKAGE.parent))] = lines
+    assert found == {}, f"reach a workspace's files through bunshinfork.inroot, not /proc/<pid>/root: {found}"
+    assert _proc_root_lines((PACKAGE / "inroot.py").read_text())  # the one that does
+    for spelled in ('f"/proc/{pid}/root{inside}"\n', '"/proc/%d/root" % pid\n', 'os.open(f"/proc/{p}/root", 0)\n',
+                    'os.path.join("/proc", str(pid), "root")\n', 'Path("/proc") / str(pid) / "root" / "home"\n',
+                    '"/proc/" + str(pid) + "/root/x"\n', 'x = "/proc/self/root"\n'):
+        assert _proc_root_lines(spelled) == [1], spelled
+    assert _proc_root_lines('"""reached through /proc/<init>/root"""\nf"/proc/{pid}/fd/{n}"\n"/proc/1/rootx"\n') == []

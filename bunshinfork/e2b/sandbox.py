@@ -117,7 +117,9 @@ def ensure_default_user(ws: Workspace, name: str) -> users.User:
         _grant_sudo(files, name)
     if not files.exists(user.home, user="root"):
         files.make_dir(user.home, user="root")
-        os.chown(f"/proc/{ws.live_init_pid()}/root{user.home}", user.uid, user.gid, follow_symlinks=False)
+        # Resolved in the sandbox's root: an image's /home may be a symlink, and must not
+        # lead a host path to the host's own directory.
+        files.chown(user.home, user.name)
     return user
 
 
