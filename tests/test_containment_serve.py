@@ -345,3 +345,20 @@ def test_a_500_carries_no_host_path(served: support.Served, sandboxes: dict[str,
     assert str(served.state_dir) not in r.text and "/" not in r.json()["message"], r.text
 
 
+# ---- #11: a signed upload URL writes its path only ----
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_signed_upload_writes_the_signed_path_only(served: support.Served, sandboxes: dict[str, e2b.Sandbox],
+                                                   kind: str) -> None:
+    sbx = sandboxes[kind]
+    url = sbx.upload_url(f"/tmp/signed-{kind}.txt", use_signature_expiration=60)
+    r = httpx.post(url, timeout=30, files=[("file", (f"/tmp/signed-{kind}.txt", b"ok")),
+                                           ("file", (f"/tmp/unsigned-{kind}.txt", b"evil"))])
+    assert not sbx.files.exists(f"/tmp/unsigned-{kind}.txt"), "an unsigned path was written"
+    assert r.status_code == 400 and r.json()["code"] == 400, r.text
+    r = httpx.post(url, timeout=30, files=[("file", ("/tmp/elsewhere.txt", b"ok"))])
+    assert r.status_code == 200 and sbx.files.read(f"/tmp/signed-{kind}.txt") == "ok"
+    assert not sbx.files.exists("/tmp/elsewhere.txt")
+
+

@@ -218,7 +218,8 @@ class Server:
                                                                         "sandboxId": sandbox_id}
             await JSONResponse(body, status_code=502)(scope, receive, send)
             return
-        if not signed_ok(e, scope, headers):
+        via = credential(e, scope, headers)
+        if via is None:
             body = {"code": "unauthenticated" if rpc else 401, "message": "Invalid access token"}
             await JSONResponse(body, status_code=401)(scope, receive, send)
             return
@@ -244,7 +245,8 @@ class Server:
             if request.method == "GET":
                 response = await envd.files_get(e.sbx, request)
             elif request.method == "POST":
-                response = await envd.files_post(e.sbx, request)
+                # A URL signed for one path writes that path, and nothing else.
+                response = await envd.files_post(e.sbx, request, signed=via == "signature")
             else:
                 response = envd.http_error(405, "GET or POST")
             await response(scope, receive, send)
@@ -259,13 +261,14 @@ def _paused_to_disk(workspace_id: str) -> bool:
         return False
 
 
-def signed_ok(e: Entry, scope: Scope, headers: authority.RequestHeaders) -> bool:
-    """envd's access token, or (for /files) a signature download_url/upload_url made."""
+def credential(e: Entry, scope: Scope, headers: authority.RequestHeaders) -> str | None:
+    """What the request is authenticated by: "token" (envd's access token), "signature" (for
+    /files, a URL download_url/upload_url signed for one path and operation), else None."""
     if _same(headers.one("x-access-token"), e.envd_token):
-        return True
-    if scope.get("path") == "/files":
-        return ports.signature_ok(e, Request(scope).query_params, scope.get("method", "GET"))
-    return False
+        return "token"
+    if scope.get("path") == "/files" and ports.signature_ok(e, Request(scope).query_params, scope.get("method", "GET")):
+        return "signature"
+    return None
 
 
 def _same(given: str | None, want: str) -> bool:

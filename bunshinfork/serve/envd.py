@@ -418,18 +418,25 @@ async def files_get(sbx: AsyncSandbox, request: Request) -> Response:
     return StreamingResponse(chunks(), media_type="application/octet-stream")
 
 
-async def files_post(sbx: AsyncSandbox, request: Request) -> Response:
+async def files_post(sbx: AsyncSandbox, request: Request, signed: bool = False) -> Response:
+    """Write the uploaded files. `signed`: the request's only credential is a URL signed for
+    the query's path: one file, written there (a second part would be a file nobody signed)."""
     user = request.query_params.get("username") or DEFAULT_USER
     path = request.query_params.get("path")
     ctype = request.headers.get("content-type", "")
     uploads: list[tuple[str, bytes]] = []
+    if signed and not path:
+        return http_error(400, "a signed upload URL names its path")
     try:
         if ctype.startswith("multipart/form-data"):
             async with request.form(max_files=10_000, max_fields=10_000, max_part_size=1 << 40) as form:
+                files = [item for _, item in form.multi_items() if not isinstance(item, str)]
+                if signed and (len(files) != 1 or form.getlist("file") != files):
+                    return http_error(400, "a signed upload URL writes one file, at its path: send one 'file' part")
                 for item in form.getlist("file"):
                     if isinstance(item, str):
                         continue
-                    name = path if path and len(form.getlist("file")) == 1 else item.filename
+                    name = path if path and (signed or len(form.getlist("file")) == 1) else item.filename
                     if not name:
                         return http_error(400, "each uploaded file needs a path (its file name)")
                     uploads.append((name, await item.read()))
