@@ -14,10 +14,12 @@ from __future__ import annotations
 import contextlib
 import select
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from fake_internet import fake_host
 from fork_support import forked
 from helpers import run_ok
 
@@ -184,3 +186,26 @@ def test_no_ipv6_to_the_host_link_local(kind: str) -> None:
         assert "eth0" not in addrs and "::1/128" in addrs, addrs
         assert run_ok(ws, "cat /proc/sys/net/ipv6/conf/eth0/disable_ipv6 "
                           "/proc/sys/net/ipv6/conf/default/disable_ipv6").stdout.split() == ["1", "1"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_no_host_service_on_the_bridge_address(kind: str) -> None:
+    with _sandbox(kind) as ws:
+        gw = ws.info().network["gateway"]
+        with _listener(socket.AF_INET, gw) as (srv, port):
+            t0 = time.monotonic()
+            assert _out(ws, CONNECT, gw, str(port)) == "ConnectionRefusedError"
+            assert time.monotonic() - t0 < 5, "refused at once, never left to time out"
+            assert not _accepted(srv)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_link_local_and_private_ranges(kind: str) -> None:
+    with fake_host(prefix="169.254.77") as meta, fake_host(prefix="192.168.213") as lan:
+        with _sandbox(kind) as ws:
+            assert _out(ws, CONNECT, meta.addr, "7100") == "ConnectionRefusedError"
+            assert _out(ws, CONNECT, lan.addr, "7100") == "connected"  # private ranges: only when asked
+        with _sandbox(kind, block_private=True) as ws:
+            assert _out(ws, CONNECT, lan.addr, "7100") == "ConnectionRefusedError"
+        assert [p for p, _ in meta.seen()] == []
+        assert len(lan.seen()) == 1

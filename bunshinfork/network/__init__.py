@@ -85,7 +85,8 @@ class NetworkPart(Part):
     def prepare(self, b: Build) -> None:
         rec = b.rec
         assert rec.process is not None
-        rec.network = setup(rec.id, rec.process.pid, rec.spec.network, nat=rec.spec.nat, egress_spec=rec.spec.egress)
+        rec.network = setup(rec.id, rec.process.pid, rec.spec.network, nat=rec.spec.nat, egress_spec=rec.spec.egress,
+                            block_private=rec.spec.block_private)
 
     def capture(self, c: Capture) -> None:
         net = c.source.network
@@ -103,7 +104,7 @@ class NetworkPart(Part):
             return
         source, flows = captured
         # Recorded as soon as its rules exist, so that a failed fork's release removes them too.
-        b.rec.network = net = setup_clone(b.rec.id, source, flows, b.rec.spec.egress)
+        b.rec.network = net = setup_clone(b.rec.id, source, flows, b.rec.spec.egress, b.rec.spec.block_private)
 
         def finish(pids: list[int]) -> None:
             # Every task is still stopped: the link goes up, and the inherited connections are

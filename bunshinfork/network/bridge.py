@@ -32,7 +32,7 @@ from .. import state
 from ..errors import NetworkError
 from ..host import DEFAULT_SUBNET, HOST, SUBNET_ENV
 from ..state import NetworkState, Status
-from . import clones, egress, proxies
+from . import clones, egress, guard, proxies
 from .nat import NAT_FAMILY, NAT_TABLE, ensure_nat, nft_available, remove_nat
 from .nsock import Flow, sysctls_in
 
@@ -319,18 +319,21 @@ def _proxy(ws_id: str, policy: egress.EgressPolicy, gateway: str | None) -> tupl
     return gateway, proxies.start(ws_id, policy.domains, gateway)
 
 
-def setup(ws_id: str, init_pid: int, mode: str, nat: bool = False, egress_spec: object = None) -> NetworkState:
-    """Give the workspace whose init is `init_pid` its network; the result goes into its record."""
+def setup(ws_id: str, init_pid: int, mode: str, nat: bool = False, egress_spec: object = None,
+          block_private: bool = False) -> NetworkState:
+    """Give the workspace whose init is `init_pid` its network; the result goes into its record.
+    block_private: refuse the private ranges beyond the workspaces' subnet (guard.py)."""
     if mode == "none":
         if nat:
             raise NetworkError("nat=True needs network='bridge'")
         return NetworkState("none")
     if mode == "bridge":
-        return _setup_bridge(ws_id, init_pid, nat, _policy(egress_spec))
+        return _setup_bridge(ws_id, init_pid, nat, _policy(egress_spec), block_private)
     raise NetworkError(f"unknown network mode {mode!r}; use 'none' or 'bridge'")
 
 
-def _setup_bridge(ws_id: str, init_pid: int, nat: bool, policy: egress.EgressPolicy | None) -> NetworkState:
+def _setup_bridge(ws_id: str, init_pid: int, nat: bool, policy: egress.EgressPolicy | None,
+                  block_private: bool) -> NetworkState:
     net = subnet()
     host_if = host_ifname(ws_id)
     with _lock(), _netns_fd(init_pid) as nsfd, IPRoute() as ipr:
@@ -344,8 +347,9 @@ def _setup_bridge(ws_id: str, init_pid: int, nat: bool, policy: egress.EgressPol
         result = NetworkState(mode="bridge", bridge=BRIDGE, host_if=host_if, ip=str(ip),
                               prefixlen=net.prefixlen, gateway=str(_gateway(net)), nat=bool(nat))
         try:
+            # Before the link exists: nothing can leave ahead of the guard and the policy.
+            guard.install(guard.Guard(ws_id, host_if, str(ip), net, BRIDGE, block_private))
             if policy is not None:
-                # Before the link exists: nothing can leave ahead of the policy.
                 egress.install(ws_id, policy, host_if, str(ip), BRIDGE, _proxy(ws_id, policy, result.gateway))
             # Before eth0 exists: it is born with IPv6 off.
             ns_ipv6_off(init_pid)
@@ -353,6 +357,8 @@ def _setup_bridge(ws_id: str, init_pid: int, nat: bool, policy: egress.EgressPol
             if nat:
                 ensure_nat(net)
         except BaseException:
+            with contextlib.suppress(Exception):
+                guard.remove({ws_id})
             with contextlib.suppress(Exception):
                 if policy is not None:
                     egress.remove({ws_id})
@@ -399,7 +405,8 @@ def _plumb(ipr: IPRoute, nsfd: int, ws_id: str, net: NetworkState, br_idx: int) 
         raise _netlink_failure(f"cannot configure {WS_IFNAME} inside the workspace", e) from e
 
 
-def setup_clone(ws_id: str, source: NetworkState, flows: list[Flow], egress_spec: object = None) -> NetworkState:
+def setup_clone(ws_id: str, source: NetworkState, flows: list[Flow], egress_spec: object = None,
+                block_private: bool = False) -> NetworkState:
     """Reserve a clone's zone and source-NAT address and install its host rules, before CRIU
     restores it (the veth `veth[eth0]:<host_if>` is CRIU's to create; link_up finishes it)."""
     assert source.ip is not None and source.prefixlen is not None
@@ -418,6 +425,7 @@ def setup_clone(ws_id: str, source: NetworkState, flows: list[Flow], egress_spec
             if result.nat:
                 ensure_nat(net)
             clones.install(ws_id, host_if, result, net, flows)
+            guard.install(guard.Guard(ws_id, host_if, source.ip, net, None, block_private))
             if (policy := _policy(egress_spec)) is not None:
                 # The clone's own proxy (its own port: the clones' connections, one inside
                 # address for all, stay distinct flows after the redirect).
@@ -425,6 +433,8 @@ def setup_clone(ws_id: str, source: NetworkState, flows: list[Flow], egress_spec
         except BaseException:
             with contextlib.suppress(Exception):
                 clones.remove({ws_id})
+            with contextlib.suppress(Exception):
+                guard.remove({ws_id})
             with contextlib.suppress(Exception):
                 egress.remove({ws_id})
             with contextlib.suppress(Exception):
@@ -482,6 +492,7 @@ def teardown(ws_id: str, record: NetworkState | None) -> None:
             clones.remove({ws_id})
             clones.rules_down(zones)
         if nft_available():
+            guard.remove({ws_id})
             egress.remove({ws_id})
         proxies.stop(ws_id)
         nat = (record is not None and record.nat) or any(v.nat and v.owner == ws_id for v in mine)
@@ -516,10 +527,13 @@ def gc() -> list[str]:
             elif not orphan:
                 remaining.append(v)
         if nft_available():
-            live_ids = {rec.id for rec in state.records() if alive(rec)}
+            # A veth kept above may be a live workspace of another state root: its rules stay
+            # too (a guard removed from under a running workspace would let it reach the host).
+            live_ids = {rec.id for rec in state.records() if alive(rec)} | {v.owner for v in remaining if v.owner}
             removed += [f"{clones.FAMILY} {clones.TABLE} ws={w}" for w in clones.remove(keep=live_ids)]
             removed += clones.rules_down(keep={n.zone for n in live.values() if n.zone})
             removed += [f"{egress.FAMILY} {egress.TABLE} ws={w}" for w in egress.remove(keep=live_ids)]
+            removed += [f"{guard.FAMILY} {guard.TABLE} ws={w}" for w in guard.remove(keep=live_ids)]
         removed += proxies.gc({rec.id for rec in state.records() if alive(rec)})
         nat_needed = any(v.nat for v in remaining) or any(n.nat for n in live.values())
         # Without the binding no NAT table can have been made, and gc must still work.

@@ -152,9 +152,11 @@ def release_hold(ws_id: str) -> None:
 
 
 def all_rules() -> set[str]:
-    """Every egress rule present, by owner and handle (the census)."""
+    """Every per-workspace rule present, by owner and handle (the census): the egress policies'
+    and the guard's (guard.py), which every bridged workspace has."""
+    from . import guard
     return {f"{fam} {t} {_owner(r)} {r['handle']}" for fam, t in ((FAMILY, TABLE), ("bridge", BRIDGE_TABLE))
-            for r in _rules(fam, t)}
+            for r in _rules(fam, t)} | guard.all_rules()
 
 
 def refused(ws_id: str, tag: str | None = None) -> int:

@@ -1,0 +1,135 @@
+"""Every bridged workspace's baseline rules, whatever its egress policy: what no workspace reaches.
+
+- The host: a workspace opens no connection to any host address (the gateway on bunshin0, the
+  host's other addresses, a clone's link). Only replies to the host's own connections come in,
+  and connections a host rule redirected on purpose (`ct status dnat`: the domain-rule proxy
+  that egress.py points at the gateway). A refusal is immediate: a TCP reset, else ICMP
+  admin-prohibited.
+- Link-local 169.254.0.0/16 (cloud metadata services live there) is refused; with
+  `block_private`, so are the private ranges (RFC 1918 and the shared 100.64.0.0/10) other than
+  the workspaces' own subnet, whose traffic is the business of port isolation.
+
+Rules are per workspace, in one nftables table `inet bunshin_guard` (comments `bunshin ws=ID
+guard`, which gc and the census read), and go in before the workspace's link exists. They
+match a clone on its own link, and a source by its address behind the bridge, which
+anti-spoofing holds it to.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import NetworkError
+
+FAMILY = "inet"
+TABLE = "bunshin_guard"
+LINK_LOCAL = "169.254.0.0/16"
+PRIVATE = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10")
+_TAG = "guard"
+
+
+@dataclass(frozen=True)
+class Guard:
+    """What a workspace's guard rules are made of."""
+
+    ws_id: str
+    host_if: str  # its host veth
+    ip: str  # its address inside
+    subnet: ipaddress.IPv4Network
+    bridge: str | None  # the bridge it is a port of; None for a clone (a routed link of its own)
+    block_private: bool = False
+
+    @property
+    def comment(self) -> str:
+        return f'comment "bunshin ws={self.ws_id} {_TAG}"'
+
+    @property
+    def match(self) -> str:
+        return f'iifname "{self.bridge}" ip saddr {self.ip}' if self.bridge else f'iifname "{self.host_if}"'
+
+
+def _nft_text(text: str) -> None:
+    from .nat import nft_module
+    rc, _, err = nft_module().Nftables().cmd(text)
+    if rc != 0:
+        raise NetworkError(f"nftables refused the workspace's guard rules: {str(err).strip()[:300]}; "
+                           "is nf_tables with reject and conntrack in the kernel? see 'bunshin doctor'")
+
+
+def _set(items: tuple[str, ...]) -> str:
+    return "{ " + ", ".join(items) + " }"
+
+
+def _reject(pre: str, c: str) -> list[str]:
+    return [f"{pre} meta l4proto tcp reject with tcp reset {c}", f"{pre} reject with icmpx type admin-prohibited {c}"]
+
+
+def _inet_lines(g: Guard) -> list[str]:
+    m, c, t = g.match, g.comment, f"{FAMILY} {TABLE}"
+    lines = [f"add table {t}"]
+    for hook in ("input", "forward"):
+        lines.append(f"add chain {t} {hook} {{ type filter hook {hook} priority filter; policy accept; }}")
+    lines += [f"add rule {t} input {m} ct status dnat accept {c}",
+              f"add rule {t} input {m} ct state {{ established, related }} accept {c}",
+              *_reject(f"add rule {t} input {m}", c),
+              *_reject(f"add rule {t} forward {m} ip daddr {LINK_LOCAL}", c)]
+    if g.block_private:
+        lines += _reject(f"add rule {t} forward {m} ip daddr != {g.subnet} ip daddr {_set(PRIVATE)}", c)
+    return lines
+
+
+def install(g: Guard) -> None:
+    """The workspace's guard rules, in one transaction."""
+    _nft_text("\n".join(_inet_lines(g)) + "\n")
+
+
+def _tables() -> tuple[tuple[str, str], ...]:
+    return ((FAMILY, TABLE),)
+
+
+def _rules(family: str, table: str) -> list[dict[str, Any]]:
+    from .nat import nft_json
+    tables = nft_json([{"list": {"tables": {"family": family}}}]).get("nftables", [])
+    if not any(t.get("table", {}).get("name") == table for t in tables):
+        return []
+    out = nft_json([{"list": {"table": {"family": family, "name": table}}}])
+    return [item["rule"] for item in out.get("nftables", []) if "rule" in item]
+
+
+def _owner(rule: dict[str, Any]) -> str | None:
+    words = str(rule.get("comment") or "").split()
+    if len(words) == 3 and words[0] == "bunshin" and words[1].startswith("ws=") and words[2] == _TAG:
+        return words[1][3:]
+    return None
+
+
+def all_rules() -> set[str]:
+    """Every guard rule present, by table, owner and handle (the census)."""
+    return {f"{fam} {t} {_owner(r)} {r['handle']}" for fam, t in _tables() for r in _rules(fam, t)}
+
+
+def remove(owners: set[str] | None = None, keep: set[str] | None = None,
+           families: tuple[str, ...] | None = None) -> list[str]:
+    """Delete the guard rules of `owners` (of every workspace not in `keep` when None), in the
+    tables of `families` (all when None); each table once empty. Returns the owners whose rules went."""
+    from .nat import nft_json
+    gone: set[str] = set()
+    for fam, table in _tables():
+        if families is not None and fam not in families:
+            continue
+        rules = _rules(fam, table)
+        deletes = []
+        for r in rules:
+            ws = _owner(r)
+            if ws is None or (owners is not None and ws not in owners) or (keep is not None and ws in keep):
+                continue
+            gone.add(ws)
+            deletes.append({"delete": {"rule": {"family": fam, "table": table, "chain": r["chain"],
+                                                "handle": r["handle"]}}})
+        if deletes:
+            nft_json(deletes)
+        if rules and len(deletes) == len(rules):
+            nft_json([{"delete": {"table": {"family": fam, "name": table}}}])
+    return sorted(gone)
