@@ -209,3 +209,27 @@ def test_link_local_and_private_ranges(kind: str) -> None:
             assert _out(ws, CONNECT, lan.addr, "7100") == "ConnectionRefusedError"
         assert [p for p, _ in meta.seen()] == []
         assert len(lan.seen()) == 1
+
+
+def test_forged_frames_never_reach_another_port() -> None:
+    """Root with raw sockets (a privileged workspace) forges ARP, IPv6, source addresses and
+    MACs; the victim's port sees only the honest frame. Clones sit on routed links of their
+    own, with no other workspace on their segment, so this is about bridge ports."""
+    with Workspace.create(network="bridge", privileged=True) as a, Workspace.create(network="bridge") as b:
+        net = a.info().network
+        mac = run_ok(a, "cat /sys/class/net/eth0/address").stdout.strip()
+        sniff = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3))  # ETH_P_ALL
+        try:
+            sniff.bind((b.info().network["host_if"], 0))
+            sniff.setblocking(False)
+            assert _out(a, FORGE, net["ip"], net["gateway"], mac) == "sent"
+            seen: set[str] = set()
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                if select.select([sniff], [], [], 0.05)[0]:
+                    frame = sniff.recv(2048)
+                    seen |= {w for w in ("legit", "ip-spoof", "mac-spoof", "arp-spoof", "ipv6")
+                             if f"bunshin-{w}".encode() in frame}
+        finally:
+            sniff.close()
+        assert seen == {"legit"}

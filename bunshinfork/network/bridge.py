@@ -219,6 +219,11 @@ def _bridge_mac() -> str:
     return "02:" + ":".join(f"{b:02x}" for b in secrets.token_bytes(5))
 
 
+def _ws_mac() -> str:
+    """A workspace's eth0 MAC: locally administered unicast, chosen before the link exists."""
+    return "02:" + ":".join(f"{b:02x}" for b in secrets.token_bytes(5))
+
+
 def _ensure_bridge(ipr: IPRoute, net: ipaddress.IPv4Network, in_use: bool) -> int:
     """The bridge's index, creating it and (re)addressing it as needed.
 
@@ -348,12 +353,13 @@ def _setup_bridge(ws_id: str, init_pid: int, nat: bool, policy: egress.EgressPol
                               prefixlen=net.prefixlen, gateway=str(_gateway(net)), nat=bool(nat))
         try:
             # Before the link exists: nothing can leave ahead of the guard and the policy.
-            guard.install(guard.Guard(ws_id, host_if, str(ip), net, BRIDGE, block_private))
+            mac = _ws_mac()
+            guard.install(guard.Guard(ws_id, host_if, str(ip), net, BRIDGE, mac, block_private))
             if policy is not None:
                 egress.install(ws_id, policy, host_if, str(ip), BRIDGE, _proxy(ws_id, policy, result.gateway))
             # Before eth0 exists: it is born with IPv6 off.
             ns_ipv6_off(init_pid)
-            _plumb(ipr, nsfd, ws_id, result, br_idx)
+            _plumb(ipr, nsfd, ws_id, result, br_idx, mac)
             if nat:
                 ensure_nat(net)
         except BaseException:
@@ -374,12 +380,13 @@ def _setup_bridge(ws_id: str, init_pid: int, nat: bool, policy: egress.EgressPol
     return result
 
 
-def _plumb(ipr: IPRoute, nsfd: int, ws_id: str, net: NetworkState, br_idx: int) -> None:
+def _plumb(ipr: IPRoute, nsfd: int, ws_id: str, net: NetworkState, br_idx: int, mac: str) -> None:
     host_if = net.host_if
     try:
         # The peer is born inside the workspace netns as eth0, so no temporary name ever
-        # shows on the host and nothing there can race for it.
-        ipr.link("add", ifname=host_if, kind="veth", peer={"ifname": WS_IFNAME, "net_ns_fd": nsfd})
+        # shows on the host and nothing there can race for it; with the MAC its port's
+        # anti-spoofing rules already name.
+        ipr.link("add", ifname=host_if, kind="veth", peer={"ifname": WS_IFNAME, "net_ns_fd": nsfd, "address": mac})
     except NetlinkError as e:
         raise _netlink_failure(f"cannot create veth {host_if}", e) from e
     idx = _lookup(ipr, host_if)
@@ -425,7 +432,7 @@ def setup_clone(ws_id: str, source: NetworkState, flows: list[Flow], egress_spec
             if result.nat:
                 ensure_nat(net)
             clones.install(ws_id, host_if, result, net, flows)
-            guard.install(guard.Guard(ws_id, host_if, source.ip, net, None, block_private))
+            guard.install(guard.Guard(ws_id, host_if, source.ip, net, None, None, block_private))
             if (policy := _policy(egress_spec)) is not None:
                 # The clone's own proxy (its own port: the clones' connections, one inside
                 # address for all, stay distinct flows after the redirect).

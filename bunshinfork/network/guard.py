@@ -9,8 +9,14 @@
   `block_private`, so are the private ranges (RFC 1918 and the shared 100.64.0.0/10) other than
   the workspaces' own subnet, whose traffic is the business of port isolation.
 
-Rules are per workspace, in one nftables table `inet bunshin_guard` (comments `bunshin ws=ID
-guard`, which gc and the census read), and go in before the workspace's link exists. They
+- Anti-spoofing, on every port: a bridge port passes only IPv4 and ARP frames with the
+  workspace's own MAC, its own IPv4 source address and its own ARP sender (bridge family, before
+  the bridge decides anything: IPv6, VLAN tags and every other ethertype go too); a clone's
+  routed link passes only IPv4 from its own address and ARP for it (inet and arp families).
+  Root inside with raw sockets (a privileged workspace) can forge frames, never deliver them.
+
+Rules are per workspace, in tables `inet`, `bridge` and `arp` `bunshin_guard` (comments `bunshin
+ws=ID guard`, which gc and the census read), and go in before the workspace's link exists. They
 match a clone on its own link, and a source by its address behind the bridge, which
 anti-spoofing holds it to.
 """
@@ -39,6 +45,7 @@ class Guard:
     ip: str  # its address inside
     subnet: ipaddress.IPv4Network
     bridge: str | None  # the bridge it is a port of; None for a clone (a routed link of its own)
+    mac: str | None = None  # eth0's, for a bridge port
     block_private: bool = False
 
     @property
@@ -77,16 +84,38 @@ def _inet_lines(g: Guard) -> list[str]:
               *_reject(f"add rule {t} forward {m} ip daddr {LINK_LOCAL}", c)]
     if g.block_private:
         lines += _reject(f"add rule {t} forward {m} ip daddr != {g.subnet} ip daddr {_set(PRIVATE)}", c)
+    if g.bridge is None:
+        # A clone's link: the bridge-family rules below never see it.
+        i = f'iifname "{g.host_if}"'
+        lines += [f"add chain {t} pre {{ type filter hook prerouting priority raw; policy accept; }}",
+                  f"add rule {t} pre {i} meta nfproto != ipv4 drop {c}",
+                  f"add rule {t} pre {i} ip saddr != {g.ip} drop {c}",
+                  f"add table arp {TABLE}",
+                  f"add chain arp {TABLE} in {{ type filter hook input priority filter; policy accept; }}",
+                  f"add rule arp {TABLE} in {i} arp saddr ip != {g.ip} drop {c}"]
     return lines
+
+
+def _bridge_lines(g: Guard) -> list[str]:
+    assert g.mac is not None
+    i, c, t = f'iifname "{g.host_if}"', g.comment, f"bridge {TABLE}"
+    return [f"add table {t}",
+            f"add chain {t} pre {{ type filter hook prerouting priority filter; policy accept; }}",
+            f"add rule {t} pre {i} ether saddr != {g.mac} drop {c}",
+            f"add rule {t} pre {i} ether type != {{ ip, arp }} drop {c}",
+            f"add rule {t} pre {i} ether type ip ip saddr != {g.ip} drop {c}",
+            f"add rule {t} pre {i} ether type arp arp saddr ip != {g.ip} drop {c}",
+            f"add rule {t} pre {i} ether type arp arp saddr ether != {g.mac} drop {c}"]
 
 
 def install(g: Guard) -> None:
     """The workspace's guard rules, in one transaction."""
-    _nft_text("\n".join(_inet_lines(g)) + "\n")
+    lines = _inet_lines(g) + (_bridge_lines(g) if g.bridge else [])
+    _nft_text("\n".join(lines) + "\n")
 
 
 def _tables() -> tuple[tuple[str, str], ...]:
-    return ((FAMILY, TABLE),)
+    return ((FAMILY, TABLE), ("bridge", TABLE), ("arp", TABLE))
 
 
 def _rules(family: str, table: str) -> list[dict[str, Any]]:
