@@ -33,11 +33,15 @@ SnapshotPolicy = Literal["depth", "cost"]
 
 class ReplayDiverged(RuntimeError):
     """Replaying a recorded call observed something else: the tool is not deterministic. The
-    half-rebuilt workspace is attached for the caller to destroy."""
+    workspace is attached, in the state after the fresh call (`node`'s call, which observed
+    `fresh` where `node` recorded something else): the caller destroys it, or keeps it for a
+    history whose last step is that fresh observation, never for the recorded one."""
 
-    def __init__(self, message: str, workspace: Workspace) -> None:
+    def __init__(self, message: str, workspace: Workspace, node: Node | None = None, fresh: str | None = None) -> None:
         super().__init__(message)
         self.workspace = workspace
+        self.node = node
+        self.fresh = fresh
 
 
 @dataclass(frozen=True)
@@ -139,8 +143,10 @@ class ToolPrefixCache:
         if not self.guard.reusable(tool):
             return None
         with self._lock:
-            child = self.tree.child(node, call)
-            if child is None or (child.result.done() and child.result.exception() is not None):
+            # A removed node's subtree was dropped (a tool in it is not deterministic): its
+            # descendants keep their children, so both ends are checked.
+            child = None if node.removed else self.tree.child(node, call)
+            if child is None or child.removed or (child.result.done() and child.result.exception() is not None):
                 self.counters["misses"] += 1
                 return None
             child.hits += 1
@@ -175,6 +181,8 @@ class ToolPrefixCache:
                 existing.hits += 1  # a second visitor, though it runs the call itself
                 return existing, False
             node = self.tree.add_child(parent, call)
+            # Below a dropped subtree a new node is dropped too: nothing may be served from it.
+            node.removed = parent.removed
             self.lru.touch(node)
             return node, True
 
@@ -489,6 +497,11 @@ class ToolPrefixCache:
             victims = self._evict_locked()
         self._release(victims)
 
+    async def replay(self, ws: Workspace, node: Node, tools: Mapping[str, Tool]) -> None:
+        """Run `node`'s call on `ws`, which is in its parent's state, and compare what it observes
+        with what `node` recorded (ReplayDiverged, with `ws` attached, when they differ)."""
+        await self._replay(ws, node, tools)
+
     async def _replay(self, ws: Workspace, node: Node, tools: Mapping[str, Tool]) -> None:
         assert node.call is not None
         t0 = time.monotonic()
@@ -499,7 +512,7 @@ class ToolPrefixCache:
             self.counters["replayed_calls"] += 1
             node.exec_seconds = _ewma(node.exec_seconds, took)
         if not self.guard.check(node.call, recorded, fresh, source="replay"):
-            raise ReplayDiverged(f"replaying {node.call.key} observed something else than recorded", ws)
+            raise ReplayDiverged(f"replaying {node.call.key} observed something else than recorded", ws, node, fresh)
 
     # ---- maintenance ----
 
