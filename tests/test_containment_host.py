@@ -121,3 +121,47 @@ def test_image_layers_keep_no_device_nodes(tmp_path: Path) -> None:
     wh = os.lstat(tmp_path / "etc/gone")
     assert stat.S_ISCHR(wh.st_mode) and wh.st_rdev == 0
     assert stat.S_ISFIFO(os.lstat(tmp_path / "run/fifo").st_mode)
+
+
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+def _as_nobody(*cmd: str) -> subprocess.CompletedProcess[str]:
+    # Through a shell: setpriv itself keeps its capabilities up to its own exec.
+    return subprocess.run([*NOBODY, "sh", "-c", 'exec "$@"', "sh", *cmd], capture_output=True, text=True,
+                          timeout=30)
+
+
+def _unreachable(path: Path) -> None:
+    """A local user of the host can neither run `path` as root nor reach it."""
+    assert path.is_file(), path
+    r = _as_nobody(str(path), "-u")
+    assert r.returncode != 0 and r.stdout.strip() != "0", (path, r.stdout, r.stderr)
+    assert "Permission denied" in r.stderr, (path, r.stderr)
+    assert _as_nobody("ls", str(path.parent)).returncode != 0, path
+
+
+def test_a_setuid_file_written_inside_is_no_host_root() -> None:
+    """Root inside writes a setuid-root `id`: it works inside (sudo must), and gives a local user
+    of the host nothing where the host keeps it: the workspace's layer, a snapshot's frozen
+    layer, a workspace paused to disk. The stores are nosuid,nodev, their roots 0711, each
+    workspace's layer 0700 (its upper/ stays 0755: it is the sandbox's /)."""
+    with Workspace.create() as ws:
+        run_ok(ws, "cp /usr/bin/id /suid-id && chmod 4755 /suid-id")
+        assert run_ok(ws, ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/suid-id", "-u"]
+                      ).stdout.strip() == "0"
+        layer = ws.layer_dir
+        assert layer is not None
+        _unreachable(layer / "upper" / "suid-id")
+        assert stat.S_IMODE(os.stat(layer).st_mode) == 0o700 and stat.S_IMODE(os.stat(layer / "upper").st_mode) == 0o755
+        assert stat.S_IMODE(os.stat(layer.parent).st_mode) == 0o711
+        flags = os.statvfs(layer).f_flag
+        assert flags & os.ST_NOSUID and flags & os.ST_NODEV, layer
+        with fork_of(ws, 1) as clones:
+            fs = clones[0].record.fs
+            assert fs is not None and fs.lowers
+            _unreachable(Path(fs.lowers[0].upper) / "suid-id")
+        ws.pause_to_disk()
+        saved = Path(str(ws.record.saved))
+        _unreachable(next(saved.rglob("suid-id")))
+        ws.resume_from_disk()

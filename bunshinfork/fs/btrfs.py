@@ -102,7 +102,10 @@ def setup_btrfs_loop(image: str, mountpoint: str, size: int = 4 << 30) -> str:
     dev, loop_fd = _loop_attach(str(img))
     try:
         # noatime is a VFS flag, not a btrfs option: btrfs's fs_context parser rejects it as data.
-        native.mount(dev, str(mp), "btrfs", native.MS_NOATIME, MOUNT_OPTIONS)
+        # nosuid,nodev: the layers hold what sandboxes wrote (setuid files, capabilities, nodes),
+        # which must give the host's users nothing (fs/store.py).
+        native.mount(dev, str(mp), "btrfs", native.MS_NOATIME | native.MS_NOSUID | native.MS_NODEV,
+                     MOUNT_OPTIONS)
     except OSError as e:
         with contextlib.suppress(OSError):
             fcntl.ioctl(loop_fd, 0x4C01)  # LOOP_CLR_FD: detach now rather than at the close below

@@ -33,11 +33,27 @@ def storage_root(storage_dir: str | None) -> Path:
     return p / "bunshin-layers"
 
 
+_swept: set[str] = set()
+
+
+def _prepare(root: Path) -> None:
+    """A storage root a local user passes through to nothing (store.py): the root 0711, its
+    frozen layers' directory 0700; the layers a store made before these modes, 0700, once."""
+    root.mkdir(parents=True, exist_ok=True)
+    os.chmod(root, store.ROOT_MODE)
+    snaps = root / SNAPSHOTS
+    snaps.mkdir(mode=store.PRIVATE_MODE, exist_ok=True)
+    os.chmod(snaps, store.PRIVATE_MODE)
+    if str(root) not in _swept:
+        store.private_dirs(root, [n for n in os.listdir(root) if n.startswith("ws-")])
+        _swept.add(str(root))
+
+
 def create_layer(ws_id: str, storage_dir: str | None, disk_limit: int | None = None) -> Layer:
     """A new empty layer, held to `disk_limit` bytes: a qgroup limit on btrfs, a tmpfs of that
     size on a tmpfs root (the state root's, where there is no layer store)."""
     root = storage_root(storage_dir)
-    root.mkdir(parents=True, exist_ok=True)
+    _prepare(root)
     path = root / ws_id
     if is_btrfs(root):
         btrfsutil.create_subvolume(str(path))
@@ -53,7 +69,7 @@ def create_layer(ws_id: str, storage_dir: str | None, disk_limit: int | None = N
         layer = Layer("dir", str(path))
         try:
             native.mount("bunshin-layer", str(path), "tmpfs", native.MS_NOSUID | native.MS_NODEV,
-                         f"size={disk_limit},mode=755")
+                         f"size={disk_limit},mode=700")
         except BaseException:
             remove_layer(layer)
             raise
@@ -63,6 +79,7 @@ def create_layer(ws_id: str, storage_dir: str | None, disk_limit: int | None = N
     else:
         path.mkdir()
         layer = Layer("dir", str(path))
+    os.chmod(path, store.PRIVATE_MODE)
     os.mkdir(layer.upper, 0o755)
     os.mkdir(layer.work, 0o700)
     return layer

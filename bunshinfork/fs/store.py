@@ -12,13 +12,14 @@ layer once, and a StorageWarning says so.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
 import warnings
 from pathlib import Path
 
-from .. import state
+from .. import native, state
 from ..contract import Check
 from ..errors import KernelFeatureError
 from ..host import HOST
@@ -32,6 +33,57 @@ TMPFS_MAGIC = 0x01021994
 # the host's disk (9p, the guest's overlay root), or memory (tmpfs) where direct I/O is impossible.
 _NO_IMAGE_FS = {0x01021997: "9p", 0x794C7630: "overlay", TMPFS_MAGIC: "tmpfs", 0x858458F6: "ramfs",
                 0x6969: "nfs", 0x65735546: "fuse"}
+
+
+# What a local user of the host may do with the stores: pass through a root (0711) to nothing
+# it can name, since each workspace's layer (and the snapshots' directory) is 0700; and were a
+# path reachable, nosuid,nodev mounts make a setuid file, a file capability or a device node
+# that a sandbox wrote, or an image shipped, nothing but bytes. A workspace's upper/ stays
+# 0755: it is the sandbox's /.
+ROOT_MODE = 0o711
+PRIVATE_MODE = 0o700
+MS_REMOUNT, MS_BIND = 32, 4096
+_PER_MOUNT = os.ST_RDONLY | os.ST_NOEXEC | os.ST_NOATIME | os.ST_NODIRATIME | os.ST_RELATIME
+
+
+def seal(path: Path) -> None:
+    """Make the mount `path` lies on nosuid,nodev: remounted where `path` is a mount point
+    without them, else bound onto itself first (a directory on the host's root file system).
+    The other per-mount flags are kept (statvfs's ST_* bits are the MS_* ones)."""
+    flag = os.statvfs(path).f_flag
+    if flag & os.ST_NOSUID and flag & os.ST_NODEV:
+        return
+    if not os.path.ismount(path):
+        native.mount(str(path), str(path), None, MS_BIND)
+        flag = os.statvfs(path).f_flag
+    native.mount(None, str(path), None,
+                 MS_BIND | MS_REMOUNT | native.MS_NOSUID | native.MS_NODEV | (flag & _PER_MOUNT))
+
+
+def private_dirs(root: Path, names: list[str]) -> None:
+    """chmod 0700 each of `names` under `root` (a store made before these modes: set-up reuses
+    /var/lib/bunshin across checkouts)."""
+    for n in names:
+        with contextlib.suppress(OSError):
+            os.chmod(root / n, PRIVATE_MODE)
+
+
+_hardened: set[str] = set()
+
+
+def harden() -> None:
+    """Once per process: the layer store's mount nosuid,nodev and its modes, and the paused
+    workspaces' root (beside it) 0700."""
+    if str(STORE) in _hardened:
+        return
+    if mounted():
+        seal(STORE)
+        os.chmod(STORE, ROOT_MODE)
+        private_dirs(STORE, [n for n in os.listdir(STORE) if n.startswith("ws-")])
+    if state.PAUSED_ROOT.parent.is_dir():
+        state.PAUSED_ROOT.mkdir(mode=PRIVATE_MODE, exist_ok=True)
+        os.chmod(state.PAUSED_ROOT, PRIVATE_MODE)
+    _hardened.add(str(STORE))
 
 
 class StorageWarning(UserWarning):
@@ -72,12 +124,14 @@ def setup(size: int | None = None) -> Path:
     with state.lock("layer-store", root=IMAGE.parent):
         if mounted():
             btrfs.limit_dirty(str(STORE))
+            harden()
             return STORE
         if size is None:
             IMAGE.parent.mkdir(parents=True, exist_ok=True)
             # Sparse: it takes what the layers hold. Never promise more than half the free space.
             size = min(DEFAULT_SIZE, shutil.disk_usage(IMAGE.parent).free // 2)
         btrfs.setup_btrfs_loop(str(IMAGE), str(STORE), size=size)
+        harden()
     return STORE
 
 
@@ -85,8 +139,10 @@ def ensure() -> Path | None:
     """The store's mountpoint, mounting an existing image first (after a reboot); None where
     there is no store to use."""
     if mounted():
+        harden()
         return STORE
     if not IMAGE.is_file() or _image_refusal() is not None:
+        harden()
         return None
     try:
         return setup()

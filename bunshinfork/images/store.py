@@ -31,7 +31,7 @@ from typing import IO
 
 from .. import state
 from ..errors import CorruptLayer, ImageError
-from . import unpack
+from . import templates, unpack
 
 CACHE = Path(os.environ.get("BUNSHIN_CACHE", "/var/cache/bunshin"))
 ROOT = CACHE / "images"
@@ -41,6 +41,29 @@ LINKS = CACHE / "l"
 TMP = ".tmp-"
 SHORT = 12  # hex digits of a short link's name; longer only on a clash
 _DIFF_ID = re.compile(r"^sha256:([0-9a-f]{64})$")
+
+
+_hardened: set[str] = set()
+
+
+def harden() -> None:
+    """Once per process: the image store is nosuid,nodev (a self-bind of ROOT: images ship
+    setuid files and capabilities, which must give the host's users nothing), ROOT 0711 and
+    LAYERS 0700, so that no local user reaches a layer's files; the saved templates' root
+    (snapshots of workspaces) 0700. Fixes a store made before, as set-up reuses CACHE."""
+    from ..fs.store import PRIVATE_MODE, ROOT_MODE, seal  # fs imports this package
+
+    if str(ROOT) in _hardened:
+        return
+    ROOT.mkdir(parents=True, exist_ok=True)
+    seal(ROOT)
+    os.chmod(ROOT, ROOT_MODE)
+    LAYERS.mkdir(mode=PRIVATE_MODE, exist_ok=True)
+    os.chmod(LAYERS, PRIVATE_MODE)
+    if templates.ROOT.parent.is_dir():
+        templates.ROOT.mkdir(mode=PRIVATE_MODE, exist_ok=True)
+        os.chmod(templates.ROOT, PRIVATE_MODE)
+    _hardened.add(str(ROOT))
 
 
 class LayerWarning(UserWarning):
@@ -93,6 +116,7 @@ def add(diff_id: str, opener: Callable[[], IO[bytes]]) -> list[str]:
     """Unpack the layer `opener` streams (uncompressed) into the store unless it is there;
     returns the nodes that could not be made. CorruptLayer when its digest is not `diff_id`."""
     h = hex_of(diff_id)
+    harden()
     dest = LAYERS / h
     if dest.is_dir():
         return []
@@ -145,6 +169,7 @@ def load_image(digest: str) -> dict | None:
 def lowerdirs(diff_ids: list[str]) -> tuple[str, ...]:
     """An image's layers as overlay lowers, top first. A layer that comes twice (an empty RUN's)
     is stacked once, where it is highest: its lower copy shows nothing the upper one hides."""
+    harden()
     seen: set[str] = set()
     out = []
     for d in reversed(diff_ids):
