@@ -300,6 +300,7 @@ async def run_epoch(run: ConfigRun, group: int, epoch: int) -> dict[str, Any]:
         "rewards": rewards,
         "errors": [e for s in r.samples for e in s.errors],
         "wasted_speculation_seconds": round(r.wasted_seconds, 3),
+        **r.invariant(),  # divergences, rewound, rerolled and the seconds they cost
         "phases": phases(r, r.seconds + r.teardown_seconds),
     }
     run.epochs.append(row)

@@ -12,7 +12,7 @@ from .calls.signature import ToolCall, prefix_signature, template_digest
 from .calls.task import INVALID_TOOL, REWARD_TOOL, Task
 from .calls.tools import Tool, ToolSet, shell_tool, string_params
 from .prefix.cache import Plan, ReplayDiverged, ToolPrefixCache
-from .rollout.core import Rollout, RolloutCore
+from .rollout.core import Rewound, Rollout, RolloutCore
 from .rollout.engine import RolloutEngine
 from .rollout.timeline import EpochResult, SampleTimeline
 from .speculation.selector import SelectorContext, SelectorReport, ToolSelector, Trajectory, train_selector
@@ -23,7 +23,7 @@ from .states.store import BlobStore
 
 __all__ = [
     "INVALID_TOOL", "REWARD_TOOL", "Action", "BlobStore", "DeterminismGuard", "EpochResult", "FinalAnswer", "Plan",
-    "Policy", "ReplayDiverged", "Rollout", "RolloutCore", "RolloutEngine", "SampleContext", "SampleTimeline",
+    "Policy", "ReplayDiverged", "Rewound", "Rollout", "RolloutCore", "RolloutEngine", "SampleContext", "SampleTimeline",
     "SelectorContext", "SelectorReport", "SharedSnapshot", "SnapshotBackend", "SpecHit", "SpeculationError",
     "SpeculativeBranch", "Speculator", "StateBackend", "Step", "TailPolicy", "Task", "Tool", "ToolCall",
     "ToolPrefixCache", "ToolSelector", "ToolSet", "Trajectory", "parse_message", "parse_reply", "prefix_signature",

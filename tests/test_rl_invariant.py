@@ -1,15 +1,102 @@
-"""The invariant of bunshinrl: a sample's workspace is exactly the history it was shown.
+"""The invariant of bunshinrl: a sample's workspace is exactly the history it was shown. It is
+reached only by executing the history's calls, each observing what the sample was shown, or by
+forking a state captured by such an execution; when a served step does not reproduce, the sample
+is rewound to it, never continued on a state the history does not describe.
 
-Here: what the prefix cache serves. A subtree dropped because a tool in it turned out
-non-deterministic serves nothing, to a sample standing inside it either."""
+`liar` (tests/rl_support.py) claims determinism and observes something new on every call: every
+replay of it diverges."""
 
 from __future__ import annotations
 
-from rl_support import counter_task
+import asyncio
+from collections.abc import Sequence
+from typing import Any
 
-from bunshinrl import ToolCall, ToolPrefixCache
+import pytest
+from rl_support import counter_task, no_own_leaks  # noqa: F401 (fixture, used by name)
+
+from bunshinrl import (
+    FinalAnswer,
+    RolloutCore,
+    RolloutEngine,
+    SampleContext,
+    SnapshotBackend,
+    Speculator,
+    Step,
+    ToolCall,
+    ToolPrefixCache,
+)
+from bunshinrl.calls.policy import Action
+
+pytestmark = pytest.mark.usefixtures("no_own_leaks")
 
 C = ToolCall
+
+
+def plan(epoch: int) -> list[ToolCall]:
+    """Bumps around liar, then a call new in each epoch (a miss), then the state."""
+    return [C("bump", {"n": 1}), C("liar"), C("bump", {"n": 2}), C("bump", {"n": 3}),
+            C("touch", {"name": f"e{epoch}"}), C("state")]
+
+
+class PlanPolicy:
+    """Every sample follows plan(epoch), one call per decision, keyed by the step (as the
+    benchmark's agent draws by step): a rewound sample re-decides what it decided before."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[int, int]] = []  # (epoch, history length) per decision
+
+    async def act(self, ctx: SampleContext, history: Sequence[Step]) -> Action:
+        self.asked.append((ctx.epoch, len(history)))
+        await asyncio.sleep(0.05)
+        calls = plan(ctx.epoch)
+        return calls[len(history)] if len(history) < len(calls) else FinalAnswer("done")
+
+
+def _assert_state_is_the_history(steps: Sequence[Step]) -> None:
+    """The last step is `state`, read on the sample's own workspace: the counter server's value
+    and the log of bumps are those of exactly the bumps its history shows."""
+    assert steps[-1].call.name == "state"
+    bumps = [str(s.call.args["n"]) for s in steps[:-1] if s.call.name == "bump"]
+    lines = steps[-1].observation.splitlines()
+    assert (lines[0], lines[1:1 + len(bumps)]) == (str(sum(int(b) for b in bumps)), bumps), \
+        f"the workspace is not the history it was shown: {[s.call.key for s in steps]} -> {lines}"
+
+
+def _cache() -> ToolPrefixCache:
+    # Only the root is captured: every state below it is rebuilt by replaying the plan's calls.
+    return ToolPrefixCache(SnapshotBackend(), 1 << 40, snapshot_every=100, background=False)
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["on-miss", "warm-shadow"])
+def test_a_replay_diverging_mid_plan_rewinds_the_sample(prefetch: bool) -> None:
+    """Epoch 0 records the plan; in epoch 1 the sample is served bump, liar, bump, bump from the
+    cache and misses at touch. Rebuilding its state replays liar, which observes something else: the
+    sample is rewound to that step (its fresh observation), the policy decides again from there,
+    and its final state holds every bump its history shows. (Before: the rebuild stopped at the
+    divergence and the sample went on in a state without the two later bumps, as gui-2/1 did.)
+    warm-shadow: the divergence is found in the background, on the warm workspace kept behind
+    the hits, and every later hit's replay passed it on."""
+    cache = _cache()
+    policy = PlanPolicy()
+    engine = RolloutEngine(policy, core=RolloutCore(cache=cache, prefetch=prefetch, critical_path_captures=False))
+
+    async def main() -> list[Any]:
+        try:
+            return [await engine.run_epoch([counter_task()], group_size=1, epoch=e) for e in (0, 1)]
+        finally:
+            await engine.close()
+            cache.close()
+
+    first, second = asyncio.run(main())
+    recorded, served = first.samples[0], second.samples[0]
+    _assert_state_is_the_history(served.steps)
+    assert [s.call for s in served.steps] == plan(1)
+    assert served.steps[1].observation != recorded.steps[1].observation  # liar's fresh observation
+    assert served.rewound == 1 and served.divergences >= 1 and served.rewound_steps >= 1
+    assert policy.asked.count((1, 2)) == 2  # the policy decided step 2 again, after the rewind
+    assert second.rewound == 1 and second.summary()["rewound"] == 1
+    assert first.summary()["divergences"] == 0
 
 
 def test_hits_under_a_removed_node_are_refused() -> None:
@@ -45,3 +132,91 @@ def test_hits_under_a_removed_node_are_refused() -> None:
     cache.complete(below, "x", 0.1)
     assert cache.lookup(bump, C("state"), tools["state"]) is None
     cache.close()
+
+
+def test_the_sibling_race_compares_observations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sample misses, and while it gets its workspace a sibling begins the same call and
+    records another observation: the sample runs the call itself and may stand on the sibling's
+    node only if it observed what the node recorded. It did not: it leaves the tree and the tool
+    is marked non-deterministic."""
+    cache = ToolPrefixCache(SnapshotBackend(), 1 << 40, background=False)
+    core = RolloutCore(cache=cache, prefetch=False, critical_path_captures=False)
+    task = counter_task()
+    call = C("touch", {"name": "a"})
+    planted = []
+    lookup = cache.lookup
+
+    def lookup_then_a_sibling_begins(node: Any, c: ToolCall, tool: Any) -> Any:
+        hit = lookup(node, c, tool)
+        if c == call and not planted:
+            sibling, created = cache.begin(node, c)
+            assert created and hit is None
+            cache.complete(sibling, "what a sibling saw", 0.1)
+            planted.append(sibling)
+        return hit
+
+    monkeypatch.setattr(cache, "lookup", lookup_then_a_sibling_begins)
+
+    async def main() -> None:
+        r = await core.start(task, SampleContext(task.id, 0, 0))
+        try:
+            assert await r.call(call) == "a\n"
+            assert r.node is not planted[0], "placed on a node whose observation it was not shown"
+            assert r.node is None and planted[0].removed
+            assert core.guard.report()["detected_nondeterministic"] == ["touch"]
+            assert r.timeline.divergences == 1
+        finally:
+            await r.close()
+            await core.close()
+            cache.close()
+
+    asyncio.run(main())
+
+
+def test_nothing_speculates_on_a_diverged_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the tree's frontier a predicted chain is speculated on the warm workspace behind the
+    hits. When that workspace's replay diverged it is destroyed, not speculated on: the next call
+    rebuilds the sample's state, verified, and rewinds it to the step that did not reproduce."""
+    cache = _cache()
+    spec = Speculator(depth=2)
+    core = RolloutCore(cache=cache, speculator=spec, prefetch=True, critical_path_captures=False)
+    task = counter_task()
+    chain: list[ToolCall] = []
+    launched: list[Any] = []
+
+    async def launch(ws: Any, calls: Any, tools: Any, snapshot: Any = None) -> Any:
+        launched.append(ws)
+        raise RuntimeError("this test launches no branch")
+
+    monkeypatch.setattr(spec, "predict", lambda *a, **k: list(chain))
+    monkeypatch.setattr(spec, "launch", launch)
+
+    async def main() -> None:
+        a = await core.start(task, SampleContext(task.id, 0, 0))
+        try:
+            await a.call(C("bump", {"n": 1}))
+            recorded = await a.call(C("liar"))
+        finally:
+            await a.close()
+        b = await core.start(task, SampleContext(task.id, 1, 0))
+        try:
+            assert await b.call(C("bump", {"n": 1})) == "1"
+            chain.append(C("state"))  # from now on the selector predicts a chain
+            assert await b.call(C("liar")) == recorded  # served; the frontier: speculate on the warm one
+            error = None
+            try:
+                await b.call(C("state"))
+            except Exception as e:
+                error = e
+            assert launched == [], "a chain was launched on a workspace whose replay diverged"
+            assert type(error).__name__ == "Rewound" and error.step == 1  # type: ignore[union-attr]
+            assert [s.call for s in b.history] == [C("bump", {"n": 1}), C("liar")]
+            assert b.history[1].observation != recorded
+            await b.call(C("state"))
+            _assert_state_is_the_history(b.history)
+        finally:
+            await b.close()
+            await core.close()
+            cache.close()
+
+    asyncio.run(main())

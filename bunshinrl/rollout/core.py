@@ -34,6 +34,11 @@ The critical path (paper Fig. 3, adapted to engines whose capture is not free):
   A misprediction is paid as post_wait on the sample's path.
 - When a cached path ends (the node has no children: the next call is likely a miss) and the
   selector predicts a chain, the chain is speculated on the warm workspace.
+
+The invariant: a sample's workspace is exactly the history it was shown. A warm workspace whose
+replay diverged is destroyed (Diverged), never adopted nor speculated on; the next call rebuilds
+the state from the deepest captured state on the sample's path, replaying and comparing every
+served observation, and a step that does not reproduce rewinds the sample to it (Rewound).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from bunshinfork import AsyncWorkspace, Workspace, rootfs_digest
 
@@ -81,7 +86,7 @@ class Live:
 @dataclass
 class Settling:
     ws: Workspace | None  # None: the sample's first fork (or its warm workspace) is still under way
-    task: asyncio.Future[Live | Speculating]
+    task: asyncio.Future[Live | Speculating | Idle]  # Idle: the warm workspace was lost
     kind: str = "post_wait"  # what a wait for it is counted as on the sample's path
 
 
@@ -96,6 +101,26 @@ class Closed:
 
 
 State = Idle | Live | Settling | Speculating | Closed
+
+
+class Diverged(Exception):
+    """A warm workspace's replay observed something else than the sample was shown; the
+    workspace was destroyed (it is never adopted), and the next call rebuilds a verified one."""
+
+
+class Rewound(RuntimeError):
+    """A step served to this sample (`step`, counted from 0) did not reproduce: replayed from
+    the deepest captured state on the sample's path, its call observed `observation` instead.
+    The rollout's history is cut back to that step with the fresh observation and its workspace
+    is in the state after it; the driver's policy acts again on `rollout.history` (the call that
+    raised this did not run). Drivers that cannot restart their conversation let it fail the
+    sample rather than continue on a state the history does not describe."""
+
+    def __init__(self, step: int, observation: str, dropped: int) -> None:
+        super().__init__(f"step {step} did not reproduce on replay: history cut back ({dropped} steps dropped)")
+        self.step = step
+        self.observation = observation
+        self.dropped = dropped
 
 
 @dataclass
@@ -443,6 +468,11 @@ class Rollout:
         self.node = node
         self.state: State = Live(ws) if ws is not None else Idle()
         self.history: list[Step] = []
+        # Per step, the prefix-tree node it moved the sample to (None: off the tree), so that a
+        # replay diverging at a node names the step to rewind to.
+        self._nodes: list[Node | None] = []
+        # Per step, when its call started (a rewind's cost: the time of the steps it drops).
+        self._started: list[float] = []
         # Per step, what served it: "speculation" (adopted), "cache" (skipped), "executed", or
         # "rejected" (an unknown tool or arguments that do not fit: nothing ran).
         self.served: list[str] = []
@@ -492,9 +522,12 @@ class Rollout:
             if self.closed:
                 raise RuntimeError(f"rollout {self.ctx.task_id}/{self.ctx.sample} is closed")
             self._served = "executed"
+            started = self.now()
             step = Step(call, await self._step(call), len(self.history) if decision is None else decision)
             self.history.append(step)
             self.served.append(self._served)
+            self._nodes.append(self.node)
+            self._started.append(started)
             self.timeline.steps.append(step)
             self._returned = time.monotonic()
             return step.observation
@@ -664,18 +697,17 @@ class Rollout:
     async def _close_branch(self, branch: SpeculativeBranch) -> Workspace:
         return self.core.workspaces.add(await branch.close())
 
-    async def _speculate_on(self, warm: asyncio.Future[Workspace], chain: list[ToolCall]) -> Live | Speculating:
-        """Speculation at the tree's frontier: the chain runs on the sample's warm workspace."""
+    async def _speculate_on(self, warm: asyncio.Future[Workspace], chain: list[ToolCall]) -> Live | Speculating | Idle:
+        """Speculation at the tree's frontier: the chain runs on the sample's warm workspace.
+        Nothing speculates on a workspace whose replay diverged: it is gone, and the next call
+        rebuilds and verifies the sample's state (Idle without a shadow)."""
         try:
             ws = await warm
-        except ReplayDiverged as e:
-            self.timeline.errors.append(str(e))
-            self.node = None
-            ws = e.workspace
+        except Diverged:
+            return Idle()
         except Exception as e:
             self.timeline.errors.append(f"prefetch failed: {e!r}")
-            assert self.core.cache is not None and self.node is not None
-            ws = self.core.workspaces.add(await self.core.cache.materialize(self.node, self.tools))
+            return Idle()
         await self._note_fork(ws)
         assert self.core.speculator is not None
         try:
@@ -700,38 +732,76 @@ class Rollout:
         return fresh
 
     async def _materialize(self, st: Idle) -> None:
-        tl, cache = self.timeline, self.core.cache
+        """A workspace in the state of the sample's history. The warm one when its replays all
+        matched; otherwise (a replay diverged: that workspace is gone) one rebuilt from the deepest
+        captured state on the sample's path, every served observation replayed and compared. A
+        step that does not reproduce rewinds the sample to it (Rewound)."""
+        tl = self.timeline
         t = self.now()
-        assert cache is not None and self.node is not None
+        assert self.core.cache is not None and self.node is not None
         ws: Workspace | None = None
+        diverged = False
         if st.shadow is not None:
             try:
                 ws = await st.shadow
-            except ReplayDiverged as e:
-                tl.errors.append(str(e))
-                ws = e.workspace
-                self.node = None
+            except Diverged:
+                diverged = True
             except Exception as e:
                 tl.errors.append(f"prefetch failed: {e!r}")
         if ws is None:
-            try:
-                ws = await cache.materialize(self.node, self.tools)
-            except ReplayDiverged as e:
-                # Replay observed something else than what this sample was served: the tool is now
-                # marked non-deterministic. Continue from the replayed state, off the tree.
-                tl.errors.append(str(e))
-                ws = e.workspace
-                self.node = None
+            ws = await self._verified_rebuild(t if diverged else None)
+        if self.node is not None and self.node.removed:
+            self.node = None  # verified, but nothing is recorded under a dropped subtree
         self.state = Live(self.core.workspaces.add(ws))
         await self._note_fork(ws)
         tl.add("materialize", t, self.now())
+
+    async def _verified_rebuild(self, since: float | None) -> Workspace:
+        """The sample's state, forked from the deepest captured state on its path with the calls
+        below it replayed and compared (since: when a divergence sent us here, for its cost)."""
+        cache = self.core.cache
+        assert cache is not None and self.node is not None
+        try:
+            ws = await cache.materialize(self.node, self.tools)
+        except ReplayDiverged as e:
+            self.timeline.divergences += 1
+            await self._rewind(e)
+        if since is not None:
+            self.timeline.divergence_seconds += self.now() - since
+        return ws
+
+    async def _rewind(self, e: ReplayDiverged) -> NoReturn:
+        """Step j (the one that moved the sample to the node whose replay diverged) did not
+        reproduce: the history is cut back to j with the fresh observation, the workspace (in the
+        state after that fresh call) is the sample's, off the tree, and Rewound tells the driver."""
+        ws = self.core.workspaces.add(e.workspace)
+        j = next((i for i, n in enumerate(self._nodes) if n is e.node and e.node is not None), None)
+        if j is None or e.fresh is None:
+            await self.core._destroy(ws)
+            raise RuntimeError(f"a replay diverged off this sample's path: {e}") from e
+        self.state = Live(ws)
+        self.node = None
+        await self._note_fork(ws)
+        dropped = len(self.history) - j
+        self.timeline.rewound += 1
+        self.timeline.rewound_steps += dropped
+        self.timeline.rewound_seconds += self.now() - self._started[j]
+        fresh = Step(self.history[j].call, e.fresh, self.history[j].decision)
+        self.history[j:] = [fresh]
+        self.served[j:] = ["executed"]
+        self._nodes[j:] = [None]
+        self._started[j:] = [self._started[j]]
+        self.timeline.steps[j:] = [fresh]
+        self.timeline.errors.append(f"rewound to step {j}: {e}")
+        raise Rewound(j, e.fresh, dropped)
 
     async def _execute(self, call: ToolCall, tool: Tool, reusable: bool) -> str:
         tl, core = self.timeline, self.core
         assert isinstance(self.state, Live)
         node, created = None, False
         if core.cache is not None and self.node is not None and reusable:
-            # If another sample created this node meanwhile, our resulting state equals its node's.
+            # Another sample may have created this node meanwhile: this sample runs the call
+            # itself and stands on that node only if it observes what the node recorded.
             node, created = core.cache.begin(self.node, call)
         t = self.now()
         try:
@@ -747,9 +817,24 @@ class Rollout:
         core.tail.record_call(call, took)
         capture = created and core.cache.complete(  # type: ignore[union-attr]
             node, obs, took, **self._capture_context(node))  # type: ignore[arg-type]
+        if node is not None and not created:
+            node = await self._same_as_sibling(call, node, obs)
         self.node = node
         self._after_real_call(call, node if capture else None)
         return obs
+
+    async def _same_as_sibling(self, call: ToolCall, node: Node, observation: str) -> Node | None:
+        """`node`, created by another sample for the call this sample ran itself, when its
+        recorded observation is the one this sample was shown; None (off the tree) otherwise,
+        the tool then marked non-deterministic."""
+        try:
+            recorded = await asyncio.wrap_future(node.result)  # the creator may still be running it
+        except Exception:
+            return None  # its call failed: nothing recorded to stand on
+        if self.core.guard.check(call, recorded, observation, source="sibling"):
+            return node
+        self.timeline.divergences += 1
+        return None
 
     def _capture_context(self, node: Node) -> dict[str, Any]:
         """What the cache weighs a capture of `node` with: the next step's predicted reasoning and
@@ -823,6 +908,7 @@ class Rollout:
         branch = self.state.branch
         capture = None
         if core.cache is not None and self.node is not None:
+            node: Node | None
             node, created = core.cache.begin(self.node, call)
             if created and core.cache.complete(node, hit.observation, hit.exec_seconds,
                                                **self._capture_context(node)):
@@ -831,6 +917,8 @@ class Rollout:
                 else:
                     # The chain runs on; the checkpoint taken after this call is the node's state.
                     core._background(self._attach_checkpoint(node, branch, hit.index))
+            if not created:
+                node = await self._same_as_sibling(call, node, hit.observation)
             self.node = node
         if branch.exhausted:
             self.state = Live(core.workspaces.add(await branch.close()))
@@ -851,24 +939,33 @@ class Rollout:
         try:
             ws = self.core.workspaces.add(await self.core.cache.materialize(node, self.tools))
         except ReplayDiverged as e:
-            self.core.workspaces.add(e.workspace)
-            raise
+            await self._lose_diverged(e)
         await self._capture_for_second_visitor(ws, node, t)
         return ws
 
     async def _extend_shadow(self, previous: asyncio.Future[Workspace], node: Node) -> Workspace:
+        """The warm workspace brought from the previous shadow's state to `node`'s by replaying
+        its call. A previous shadow that diverged or failed left no workspace: its error is
+        passed on and nothing is replayed."""
         t = time.monotonic()
         ws = await previous
         assert self.core.cache is not None
         try:
-            await self.core.cache._replay(ws, node, self.tools)
-        except ReplayDiverged:
-            raise
+            await self.core.cache.replay(ws, node, self.tools)
+        except ReplayDiverged as e:
+            await self._lose_diverged(e)
         except BaseException:
             await self.core._destroy(ws)
             raise
         await self._capture_for_second_visitor(ws, node, t)
         return ws
+
+    async def _lose_diverged(self, e: ReplayDiverged) -> NoReturn:
+        """A warm workspace's replay diverged: it is destroyed, never adopted (Diverged)."""
+        self.timeline.divergences += 1
+        self.timeline.errors.append(str(e))
+        await self.core._destroy(self.core.workspaces.add(e.workspace))
+        raise Diverged(str(e)) from None
 
     async def _capture_for_second_visitor(self, ws: Workspace, node: Node, since: float) -> None:
         """This warm workspace is a second visitor's copy of `node`'s state: capture it when the
@@ -900,13 +997,12 @@ class Rollout:
         async def discard() -> None:
             try:
                 ws = await shadow
-            except ReplayDiverged as e:
-                ws = e.workspace
             except Exception:
-                return
+                return  # a diverged or failed shadow left no workspace
             await self.core._destroy(ws)
 
         self.core._background(discard())
 
 
-__all__ = ["Closed", "Idle", "Live", "Rollout", "RolloutCore", "Settling", "Speculating", "State"]
+__all__ = ["Closed", "Diverged", "Idle", "Live", "Rewound", "Rollout", "RolloutCore", "Settling", "Speculating",
+           "State"]

@@ -22,7 +22,7 @@ from ..speculation.selector import SelectorReport, Trajectory
 from ..speculation.speculator import Speculator
 from ..speculation.tail import TailPolicy
 from ..states.metrics import MemorySampler
-from .core import Rollout, RolloutCore
+from .core import Rewound, Rollout, RolloutCore
 from .timeline import EpochResult
 from .wiring import CoreConfig, build_core
 
@@ -127,21 +127,34 @@ class RolloutEngine:
     async def _run_sample(self, r: Rollout) -> None:
         tl = r.timeline
         try:
-            answer = None
-            for _ in range(self.max_steps):
-                if r.calls_left == 0:
+            while True:
+                try:
+                    await r.finish(await self._act(r))
                     break
-                t = r.now()
-                action = await self.policy.act(r.ctx, list(r.history))
-                tl.add("reason", t, r.now())
-                if isinstance(action, FinalAnswer):
-                    answer = action.text
-                    break
-                decision = len(r.history)
-                for c in calls_of(action)[:r.calls_left]:
-                    await r.call(c, decision)
-            await r.finish(answer)
+                except Rewound:
+                    # A served step did not reproduce: r.history ends at it, with what its call
+                    # observed afresh, and the policy acts again from there (on-policy; its
+                    # randomness is keyed by the step, so no later draw shifts).
+                    continue
         except Exception as e:
             tl.errors.append(f"{type(e).__name__}: {e}")
         finally:
             await r.close()
+
+    async def _act(self, r: Rollout) -> str | None:
+        """The policy's decisions and their calls until it answers (its text) or its budget of
+        decisions or calls ends (None)."""
+        tl = r.timeline
+        # Decisions already in the history count toward max_steps (after a rewind, the kept ones).
+        for _ in range(len({s.decision for s in r.history}), self.max_steps):
+            if r.calls_left == 0:
+                break
+            t = r.now()
+            action = await self.policy.act(r.ctx, list(r.history))
+            tl.add("reason", t, r.now())
+            if isinstance(action, FinalAnswer):
+                return action.text
+            decision = len(r.history)
+            for c in calls_of(action)[:r.calls_left]:
+                await r.call(c, decision)
+        return None

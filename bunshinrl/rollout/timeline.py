@@ -46,6 +46,17 @@ class SampleTimeline:
     reward: float | None = None  # the task's verifier on the final state, when it has one
     errors: list[str] = field(default_factory=list)
     wasted_seconds: float = 0.0  # speculative execution whose result was discarded
+    # The invariant (a sample's workspace is exactly the history it was shown) at work: replays
+    # on this sample's behalf that observed something else than it was served, and the seconds
+    # rebuilding a verified state took after one; rewinds (the history cut back to a step that
+    # did not reproduce), the steps they dropped and the seconds those steps had taken; re-rolls
+    # (a framework's whole trajectory run again with the cache off).
+    divergences: int = 0
+    divergence_seconds: float = 0.0
+    rewound: int = 0
+    rewound_steps: int = 0
+    rewound_seconds: float = 0.0
+    rerolled: int = 0
 
     def add(self, kind: str, start: float, end: float, detail: str = "") -> None:
         self.events.append(Event(kind, start, end, detail))
@@ -80,7 +91,14 @@ class SampleTimeline:
             "waits": {k: round(self.seconds(k), 3) for k in ("cache_hit", "spec_hit", "spec_miss",
                                                              "materialize", "post_wait")},
             "wasted_seconds": round(self.wasted_seconds, 3), "reward": self.reward, "errors": list(self.errors),
+            **self.invariant(),
         }
+
+    def invariant(self) -> dict[str, Any]:
+        """The divergence counters (see the fields)."""
+        return {"divergences": self.divergences, "divergence_seconds": round(self.divergence_seconds, 3),
+                "rewound": self.rewound, "rewound_steps": self.rewound_steps,
+                "rewound_seconds": round(self.rewound_seconds, 3), "rerolled": self.rerolled}
 
 
 @dataclass
@@ -139,6 +157,28 @@ class EpochResult:
     def wasted_seconds(self) -> float:
         return sum(s.wasted_seconds for s in self.samples)
 
+    @property
+    def divergences(self) -> int:
+        """Replays that observed something else than a sample was served (each one refused:
+        its workspace destroyed, the sample rebuilt and verified, rewound when a step failed)."""
+        return sum(s.divergences for s in self.samples)
+
+    @property
+    def rewound(self) -> int:
+        return sum(s.rewound for s in self.samples)
+
+    @property
+    def rerolled(self) -> int:
+        return sum(s.rerolled for s in self.samples)
+
+    def invariant(self) -> dict[str, Any]:
+        """The samples' divergence counters summed (SampleTimeline.invariant)."""
+        out = SampleTimeline("", 0, 0).invariant()
+        for s in self.samples:
+            for k, v in s.invariant().items():
+                out[k] += v
+        return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
+
     def trajectories(self) -> list[Trajectory]:
         return [Trajectory(self.epoch, s.task_id, s.sample, tuple(st.call for st in s.steps), s.answer is not None)
                 for s in self.samples]
@@ -161,5 +201,5 @@ class EpochResult:
             "cache_hits": self.cache_hits, "spec_hits": self.spec_hits, "hit_rate": round(self.hit_rate, 4),
             "peak_memory_bytes": self.peak_memory_bytes, "peak_workspace_bytes": self.peak_workspace_bytes,
             "memory_byte_seconds": round(self.memory_byte_seconds), "wasted_seconds": round(self.wasted_seconds, 3),
-            "cache": self.cache, "speculation": self.speculation, "guard": self.guard,
+            "cache": self.cache, "speculation": self.speculation, "guard": self.guard, **self.invariant(),
         }
