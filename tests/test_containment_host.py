@@ -12,8 +12,10 @@ not CRIU's to restore.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import os
+import shutil
 import stat
 import subprocess
 import tarfile
@@ -24,6 +26,7 @@ import pytest
 from fork_support import fork_of
 from helpers import run_ok
 
+from bunshinfork.images import store as image_store
 from bunshinfork.images import unpack
 from bunshinfork.workspace import Workspace
 
@@ -165,3 +168,27 @@ def test_a_setuid_file_written_inside_is_no_host_root() -> None:
         saved = Path(str(ws.record.saved))
         _unreachable(next(saved.rglob("suid-id")))
         ws.resume_from_disk()
+
+
+def test_an_image_layers_setuid_file_is_no_host_root() -> None:
+    """An image's setuid-root file, unpacked into the image store, is as out of a local user's
+    reach as a sandbox's: the store's mount is nosuid,nodev, its layers 0700."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        ti = tf.gettarinfo("/usr/bin/id", arcname="suid-id")
+        ti.uid = ti.gid = 0
+        ti.mode = 0o4755
+        with open("/usr/bin/id", "rb") as f:
+            tf.addfile(ti, f)
+    raw = buf.getvalue()
+    diff_id = "sha256:" + hashlib.sha256(raw).hexdigest()
+    try:
+        assert image_store.add(diff_id, lambda: io.BytesIO(raw)) == []
+        layer = image_store.path(diff_id)
+        assert stat.S_IMODE(os.stat(layer / "suid-id").st_mode) == 0o4755
+        _unreachable(layer / "suid-id")
+        flags = os.statvfs(layer).f_flag
+        assert flags & os.ST_NOSUID and flags & os.ST_NODEV
+        assert stat.S_IMODE(os.stat(image_store.ROOT).st_mode) == 0o711
+    finally:
+        shutil.rmtree(image_store.path(diff_id), ignore_errors=True)
