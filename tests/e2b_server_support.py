@@ -58,7 +58,10 @@ def start(state_dir: Path, key_file: Path, port: int = 0, extra: tuple[str, ...]
     exports = dict(line.removeprefix("export ").strip().split("=", 1) for line in lines)
     domain = exports.get("E2B_DOMAIN")
     url = exports["E2B_API_URL"] if domain is None else f"https://api.{domain}"
-    served = Served(url, exports["E2B_API_KEY"], proc, state_dir, domain=domain)
+    # A key read from --api-key-file is not printed: the line reads the file back.
+    key = exports["E2B_API_KEY"]
+    key = key_file.read_text().strip() if key.startswith('"$(cat ') else key
+    served = Served(url, key, proc, state_dir, log=list(lines), domain=domain)
 
     def drain() -> None:
         for line in proc.stdout:  # type: ignore[union-attr]

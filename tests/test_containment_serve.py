@@ -18,6 +18,7 @@ import json
 import os
 import select
 import socket
+import stat
 import threading
 import uuid
 from collections.abc import Iterator
@@ -360,5 +361,20 @@ def test_signed_upload_writes_the_signed_path_only(served: support.Served, sandb
     r = httpx.post(url, timeout=30, files=[("file", ("/tmp/elsewhere.txt", b"ok"))])
     assert r.status_code == 200 and sbx.files.read(f"/tmp/signed-{kind}.txt") == "ok"
     assert not sbx.files.exists("/tmp/elsewhere.txt")
+
+
+# ---- #12: secrets on disk ----
+
+
+def test_secrets_on_disk_are_private(served: support.Served, sandboxes: dict[str, e2b.Sandbox]) -> None:
+    root = served.state_dir
+    for d in (root, root / "sandboxes", root / "paused"):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+    records = list((root / "sandboxes").iterdir())
+    assert records
+    for f in records:
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+    # The key came from --api-key-file: the server does not print it.
+    assert served.key not in "".join(served.log)
 
 

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import os
 import secrets
+import shlex
 import signal
 import socket
 import sys
@@ -22,7 +23,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)")
     p.add_argument("--port", type=int, help="port (default 3000, or 443 with --tls-cert; 0: any free port)")
     p.add_argument("--api-key-file", type=Path,
-                   help="file holding the API key clients send as X-API-KEY (default: a new random key)")
+                   help="file holding the API key clients send as X-API-KEY (default: a new random key, "
+                        "printed; a key from this file is not printed)")
     p.add_argument("--domain", default="localhost",
                    help="the domain of get_host's `<port>-<id>.<domain>` names (default localhost)")
     p.add_argument("--tls-cert", type=Path,
@@ -70,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
     from ..serve import make_app
 
     key = _key(args.api_key_file)
+    # The key is printed only when the server made it: one read from a file stays there (the
+    # output goes to terminals, logs and CI transcripts), and the line reads it back.
+    shown_key = key if args.api_key_file is None else f'"$(cat {shlex.quote(str(args.api_key_file))})"'
     tls = _tls(args.tls_cert, args.tls_key)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -87,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         # Printed once the server has taken over what a previous one left: then it is usable.
         where = f"export E2B_DOMAIN={public_domain}" if tls else \
             f"export E2B_API_URL={url}\nexport E2B_SANDBOX_URL={url}"
-        print(f"{where}\nexport E2B_API_KEY={key}", flush=True)
+        print(f"{where}\nexport E2B_API_KEY={shown_key}", flush=True)
 
     app = make_app(key, args.state_dir, args.domain, on_ready=ready, public_domain=public_domain)
     # h11, whatever else is installed: it hands the request-target over as sent (httptools would

@@ -64,9 +64,10 @@ class Store:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.entries: dict[str, Entry] = {}
-        (root / "sandboxes").mkdir(parents=True, exist_ok=True)
-        (root / "paused").mkdir(parents=True, exist_ok=True)
-        (root / "snapshots").mkdir(parents=True, exist_ok=True)
+        # The records hold sandboxes' access tokens, paused/ their memory: the server's alone.
+        for d in (root, root / "sandboxes", root / "paused", root / "snapshots"):
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(d, 0o700)  # one made by an older server, or under another umask
 
     # ---- the snapshots this server saved (the template store is the host's, shared) ----
 
@@ -89,7 +90,11 @@ class Store:
 
     def save(self, e: Entry) -> None:
         tmp = self._file(e.sandbox_id).with_suffix(".tmp")
-        tmp.write_text(json.dumps(e.to_json()))
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()  # a torn earlier write keeps no mode of its own
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(e.to_json()))
         os.replace(tmp, self._file(e.sandbox_id))
 
     def add(self, e: Entry) -> None:
