@@ -233,3 +233,11 @@ def test_forged_frames_never_reach_another_port() -> None:
         finally:
             sniff.close()
         assert seen == {"legit"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_no_raw_sockets_but_ping_works(kind: str) -> None:
+    with _sandbox(kind) as ws:
+        assert _out(ws, RAW).splitlines() == ["packet PermissionError", "raw PermissionError", "ping reply"]
+        bounding = int(run_ok(ws, "grep CapBnd /proc/self/status").stdout.split()[1], 16)
+        assert not bounding & (1 << 13)  # CAP_NET_RAW

@@ -43,11 +43,11 @@ from ..state import NetworkState
 from . import bridge, ports
 from .bridge import (
     BRIDGE,
+    NS_IPV6_OFF,
     clone_link_up,
     gc,
     host_ifname,
     leftover_interfaces,
-    ns_ipv6_off,
     set_egress,
     setup,
     setup_clone,
@@ -56,7 +56,7 @@ from .bridge import (
 )
 from .clones import CAPTURE_FILE, external_flows, load_capture, save_capture
 from .nat import NAT_FAMILY, NAT_TABLE, nat_rules, nft_available
-from .nsock import destroy_tcp
+from .nsock import destroy_tcp, sysctls_in
 
 __all__ = ["BRIDGE", "CAPTURE_FILE", "NAT_FAMILY", "NAT_TABLE", "NetworkPart", "gc", "host_ifname",
            "leftover_interfaces", "nat_rules", "set_egress", "setup", "subnet", "teardown"]
@@ -78,6 +78,11 @@ def check_nftables() -> Check:
                  "venv with --system-site-packages); nat=True is unavailable", required=False)
 
 
+# Root inside has no CAP_NET_RAW (csrc/native.c), as in podman: ping uses ICMP datagram
+# sockets, which this opens to every group of the workspace's network namespace (podman's value).
+PING_GROUPS = {"ipv4/ping_group_range": "0 2147483647"}
+
+
 class NetworkPart(Part):
     name = "network"
     probes = (check_netlink, check_nftables)
@@ -87,6 +92,7 @@ class NetworkPart(Part):
         assert rec.process is not None
         rec.network = setup(rec.id, rec.process.pid, rec.spec.network, nat=rec.spec.nat, egress_spec=rec.spec.egress,
                             block_private=rec.spec.block_private)
+        sysctls_in(rec.process.pid, PING_GROUPS)
 
     def capture(self, c: Capture) -> None:
         net = c.source.network
@@ -101,6 +107,7 @@ class NetworkPart(Part):
         captured = load_capture(b.source.dir)
         if captured is None:
             b.rec.network = NetworkState("none")
+            b.pre_resume.append(lambda pids: sysctls_in(pids[0], PING_GROUPS) if pids else None)
             return
         source, flows = captured
         # Recorded as soon as its rules exist, so that a failed fork's release removes them too.
@@ -109,9 +116,9 @@ class NetworkPart(Part):
         def finish(pids: list[int]) -> None:
             # Every task is still stopped: the link goes up, and the inherited connections are
             # aborted inside the clone (their RSTs die in the host's raw table) before any runs.
-            # IPv6 stays off inside whatever the restored namespace says.
+            # IPv6 stays off and ping open inside, whatever the restored namespace says.
             if pids:
-                ns_ipv6_off(pids[0])
+                sysctls_in(pids[0], {**NS_IPV6_OFF, **PING_GROUPS})
             clone_link_up(b.rec.id, net)
             if flows and pids:
                 destroy_tcp(pids[0], flows)
