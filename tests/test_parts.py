@@ -594,3 +594,80 @@ def test_only_inroot_reaches_into_a_workspace_by_a_host_path() -> None:
                     '"/proc/" + str(pid) + "/root/x"\n', 'x = "/proc/self/root"\n'):
         assert _proc_root_lines(spelled) == [1], spelled
     assert _proc_root_lines('"""reached through /proc/<init>/root"""\nf"/proc/{pid}/fd/{n}"\n"/proc/1/rootx"\n') == []
+
+
+# ---- bunshinrl: the same import rules, and its folders as floors ----
+
+RL_PACKAGE = PACKAGE.parent / "bunshinrl"
+# bunshinrl's folders, lowest first (bunshinrl/README.md's table): a module imports its own floor
+# and those below it, never one above; the package's face, demo and grpo (training's old name)
+# stand above them all.
+RL_FLOORS = ("_async", "calls", "states", "prefix", "speculation", "rollout", "policies", "envs", "training",
+             "adapters", "cluster")
+
+
+def _rl_modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(RL_PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(RL_PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _rl_floor(module: str) -> int:
+    parts = module.split(".")
+    return RL_FLOORS.index(parts[1]) if len(parts) > 1 and parts[1] in RL_FLOORS else len(RL_FLOORS)
+
+
+def _rl_findings(name: str, path: Path, modules: dict[str, Path],
+                 source: str | None = None) -> tuple[set[str], list[str], list[str]]:
+    """(modules imported, private names taken from another module, imports reaching a floor up)."""
+    edges, private, upward = set(), [], []
+    for target, names in _imports(name, path, modules, source):
+        if target != name:
+            edges.add(target)
+        private += [f"{name} imports {target}.{n}" for n in names
+                    if n.startswith("_") and not n.startswith("__") and not target.startswith(name + ".")]
+        if _rl_floor(target) > _rl_floor(name):
+            upward.append(f"{name} imports {target}")
+    return edges, private, upward
+
+
+def test_bunshinrl_has_no_cycle_no_private_import_and_floors_one_way() -> None:
+    modules = _rl_modules()
+    graph: dict[str, set[str]] = {}
+    private: list[str] = []
+    upward: list[str] = []
+    for name, path in modules.items():
+        graph[name], p, u = _rl_findings(name, path, modules)
+        private += p
+        upward += u
+    assert private == []
+    assert upward == [], "a floor of bunshinrl reaches up (see RL_FLOORS)"
+
+    def reaches(start: str) -> list[str] | None:
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, trail = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    return [*trail, nxt]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*trail, nxt]))
+        return None
+
+    cycles = [c for m in modules if (c := reaches(m))]
+    assert cycles == [], cycles[0]
+    # Only the face, its shared asyncio helpers and the demo's entry point are loose.
+    loose = sorted(m for m, p in modules.items() if p.parent == RL_PACKAGE and m != "bunshinrl")
+    assert loose == ["bunshinrl._async", "bunshinrl.demo"]
+    # The checker finds what it is for.
+    task = RL_PACKAGE / "calls" / "task.py"
+    _, p, u = _rl_findings("bunshinrl.calls.task", task, modules,
+                           "from ..rollout.core import Rollout\nfrom ..prefix.cache import _ewma\n")
+    assert u == ["bunshinrl.calls.task imports bunshinrl.rollout.core",
+                 "bunshinrl.calls.task imports bunshinrl.prefix.cache"]
+    assert p == ["bunshinrl.calls.task imports bunshinrl.prefix.cache._ewma"]
