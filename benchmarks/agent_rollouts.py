@@ -336,6 +336,9 @@ def summarize(run: ConfigRun) -> dict[str, Any]:
         "tool_calls_per_epoch": [e["tool_calls"] for e in ep],
         "wasted_speculation_seconds_per_epoch": [e["wasted_speculation_seconds"] for e in ep],
         "errors": [x for e in ep for x in e["errors"]],
+        # The invariant at work: replays that diverged, samples rewound, trajectories re-rolled.
+        "invariant_per_epoch": [{k: e[k] for k in ("divergences", "divergence_seconds", "rewound", "rewound_steps",
+                                                   "rewound_seconds", "rerolled")} for e in ep],
         "phases_per_epoch": [e["phases"] for e in ep],
         "cache": run.results[-1].cache if run.results else None,
         "speculation": run.results[-1].speculation if run.results else None,
