@@ -54,6 +54,9 @@ class WorkspaceSpec:
     block_private: a bridged workspace is refused the private ranges (10/8, 172.16/12, 192.168/16,
       100.64/10) beyond the workspaces' own subnet, as it always is 169.254/16 and the host's own
       services. See bunshinfork.network.guard.
+    port_isolation: a bridged workspace and every other workspace reach each other by no path
+      (bridged or routed); `bunshin serve` turns it on. Off, workspaces on the bridge reach each
+      other as Docker's containers do. See bunshinfork.network.guard.
     storage_dir: where the private writable layers live; a btrfs directory makes each layer a
       subvolume (see storage.setup_btrfs_loop). Default: the state root's tmpfs.
     ksm: opt every process into kernel samepage merging (prctl PR_SET_MEMORY_MERGE), so the
@@ -96,12 +99,13 @@ class WorkspaceSpec:
     start: str | None = None
     egress: dict[str, list[str]] | str | None = None
     block_private: bool = False
+    port_isolation: bool = False
 
     def validate(self) -> WorkspaceSpec:
         """Return a normalised copy, or raise SpecError saying what to change."""
         if not isinstance(self.rootfs, str) or not self.rootfs or "\0" in self.rootfs:
             raise SpecError("rootfs must be 'host', 'debian', 'docker:IMAGE' or an absolute directory path")
-        for name in ("nat", "ksm", "mount_sysfs", "privileged", "userns", "block_private"):
+        for name in ("nat", "ksm", "mount_sysfs", "privileged", "userns", "block_private", "port_isolation"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.userns and self.rootfs == "host":

@@ -91,7 +91,7 @@ class NetworkPart(Part):
         rec = b.rec
         assert rec.process is not None
         rec.network = setup(rec.id, rec.process.pid, rec.spec.network, nat=rec.spec.nat, egress_spec=rec.spec.egress,
-                            block_private=rec.spec.block_private)
+                            block_private=rec.spec.block_private, isolated=rec.spec.port_isolation)
         sysctls_in(rec.process.pid, PING_GROUPS)
 
     def capture(self, c: Capture) -> None:
@@ -111,7 +111,8 @@ class NetworkPart(Part):
             return
         source, flows = captured
         # Recorded as soon as its rules exist, so that a failed fork's release removes them too.
-        b.rec.network = net = setup_clone(b.rec.id, source, flows, b.rec.spec.egress, b.rec.spec.block_private)
+        spec = b.rec.spec
+        b.rec.network = net = setup_clone(b.rec.id, source, flows, spec.egress, spec.block_private, spec.port_isolation)
 
         def finish(pids: list[int]) -> None:
             # Every task is still stopped: the link goes up, and the inherited connections are

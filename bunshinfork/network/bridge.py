@@ -325,20 +325,21 @@ def _proxy(ws_id: str, policy: egress.EgressPolicy, gateway: str | None) -> tupl
 
 
 def setup(ws_id: str, init_pid: int, mode: str, nat: bool = False, egress_spec: object = None,
-          block_private: bool = False) -> NetworkState:
+          block_private: bool = False, isolated: bool = False) -> NetworkState:
     """Give the workspace whose init is `init_pid` its network; the result goes into its record.
-    block_private: refuse the private ranges beyond the workspaces' subnet (guard.py)."""
+    block_private: refuse the private ranges beyond the workspaces' subnet; isolated: no other
+    workspace reaches it, it reaches none (guard.py)."""
     if mode == "none":
         if nat:
             raise NetworkError("nat=True needs network='bridge'")
         return NetworkState("none")
     if mode == "bridge":
-        return _setup_bridge(ws_id, init_pid, nat, _policy(egress_spec), block_private)
+        return _setup_bridge(ws_id, init_pid, nat, _policy(egress_spec), block_private, isolated)
     raise NetworkError(f"unknown network mode {mode!r}; use 'none' or 'bridge'")
 
 
 def _setup_bridge(ws_id: str, init_pid: int, nat: bool, policy: egress.EgressPolicy | None,
-                  block_private: bool) -> NetworkState:
+                  block_private: bool, isolated: bool) -> NetworkState:
     net = subnet()
     host_if = host_ifname(ws_id)
     with _lock(), _netns_fd(init_pid) as nsfd, IPRoute() as ipr:
@@ -354,7 +355,7 @@ def _setup_bridge(ws_id: str, init_pid: int, nat: bool, policy: egress.EgressPol
         try:
             # Before the link exists: nothing can leave ahead of the guard and the policy.
             mac = _ws_mac()
-            guard.install(guard.Guard(ws_id, host_if, str(ip), net, BRIDGE, mac, block_private))
+            guard.install(guard.Guard(ws_id, host_if, str(ip), net, BRIDGE, mac, block_private, isolated))
             if policy is not None:
                 egress.install(ws_id, policy, host_if, str(ip), BRIDGE, _proxy(ws_id, policy, result.gateway))
             # Before eth0 exists: it is born with IPv6 off.
@@ -413,7 +414,7 @@ def _plumb(ipr: IPRoute, nsfd: int, ws_id: str, net: NetworkState, br_idx: int, 
 
 
 def setup_clone(ws_id: str, source: NetworkState, flows: list[Flow], egress_spec: object = None,
-                block_private: bool = False) -> NetworkState:
+                block_private: bool = False, isolated: bool = False) -> NetworkState:
     """Reserve a clone's zone and source-NAT address and install its host rules, before CRIU
     restores it (the veth `veth[eth0]:<host_if>` is CRIU's to create; link_up finishes it)."""
     assert source.ip is not None and source.prefixlen is not None
@@ -432,7 +433,7 @@ def setup_clone(ws_id: str, source: NetworkState, flows: list[Flow], egress_spec
             if result.nat:
                 ensure_nat(net)
             clones.install(ws_id, host_if, result, net, flows)
-            guard.install(guard.Guard(ws_id, host_if, source.ip, net, None, None, block_private))
+            guard.install(guard.Guard(ws_id, host_if, source.ip, net, None, None, block_private, isolated))
             if (policy := _policy(egress_spec)) is not None:
                 # The clone's own proxy (its own port: the clones' connections, one inside
                 # address for all, stay distinct flows after the redirect).

@@ -15,6 +15,13 @@
   routed link passes only IPv4 from its own address and ARP for it (inet and arp families).
   Root inside with raw sockets (a privileged workspace) can forge frames, never deliver them.
 
+- Port isolation (`port_isolation`, which `bunshin serve` turns on): the workspace and every
+  other workspace reach each other by no path. Bridged frames from and to its port are dropped
+  in the bridge family's forward hook, which sees them whatever br_netfilter does (with
+  bridge-nf-call-iptables on, the ip-family hooks see them too); routed packets (a clone's, or a
+  hairpin through the gateway) are refused in the inet forward hook, between any workspace
+  address and its own. Library workspaces keep Docker's traffic between containers unless asked.
+
 Rules are per workspace, in tables `inet`, `bridge` and `arp` `bunshin_guard` (comments `bunshin
 ws=ID guard`, which gc and the census read), and go in before the workspace's link exists. They
 match a clone on its own link, and a source by its address behind the bridge, which
@@ -47,6 +54,7 @@ class Guard:
     bridge: str | None  # the bridge it is a port of; None for a clone (a routed link of its own)
     mac: str | None = None  # eth0's, for a bridge port
     block_private: bool = False
+    isolated: bool = False
 
     @property
     def comment(self) -> str:
@@ -84,6 +92,12 @@ def _inet_lines(g: Guard) -> list[str]:
               *_reject(f"add rule {t} forward {m} ip daddr {LINK_LOCAL}", c)]
     if g.block_private:
         lines += _reject(f"add rule {t} forward {m} ip daddr != {g.subnet} ip daddr {_set(PRIVATE)}", c)
+    if g.isolated:
+        lines += _reject(f"add rule {t} forward {m} ip daddr {g.subnet}", c)
+        if g.bridge:
+            # Into it from any workspace, clones included (their source address is one of the
+            # subnet's until the host's NAT, after this hook). A clone has no address of its own.
+            lines += _reject(f"add rule {t} forward ip daddr {g.ip} ip saddr {g.subnet}", c)
     if g.bridge is None:
         # A clone's link: the bridge-family rules below never see it.
         i = f'iifname "{g.host_if}"'
@@ -105,7 +119,10 @@ def _bridge_lines(g: Guard) -> list[str]:
             f"add rule {t} pre {i} ether type != {{ ip, arp }} drop {c}",
             f"add rule {t} pre {i} ether type ip ip saddr != {g.ip} drop {c}",
             f"add rule {t} pre {i} ether type arp arp saddr ip != {g.ip} drop {c}",
-            f"add rule {t} pre {i} ether type arp arp saddr ether != {g.mac} drop {c}"]
+            f"add rule {t} pre {i} ether type arp arp saddr ether != {g.mac} drop {c}",
+            *([f"add chain {t} forward {{ type filter hook forward priority filter; policy accept; }}",
+               f"add rule {t} forward {i} drop {c}", f'add rule {t} forward oifname "{g.host_if}" drop {c}']
+              if g.isolated else [])]
 
 
 def install(g: Guard) -> None:
