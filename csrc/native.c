@@ -298,24 +298,38 @@ static void child_loopback_up(int efd)
 	close(s);
 }
 
-/* Docker's masked and read-only /proc paths: a root process inside must not reboot the
- * host through sysrq-trigger or retune it through /proc/sys. */
-static const char *const proc_masked[] = {"kcore", "keys", "timer_list", "sched_debug",
-					  "latency_stats", "sysrq-trigger"};
+/* Docker's masked and read-only paths (moby's oci/defaults.go; /proc/interrupts as Docker 28
+ * and Kubernetes mask it): a root process inside must not reboot the host through
+ * sysrq-trigger, retune it through /proc/sys, read kernel addresses and timers, or reach
+ * firmware (ACPI tables, EFI variables), sound, SCSI or power-capping (RAPL energy counters, a
+ * side channel) interfaces. A masked file is a bind of /dev/null, a masked directory an empty
+ * read-only tmpfs, as runc does. process/options.py names the file binds for CRIU. */
+static const char *const proc_masked[] = {"kcore", "keys", "timer_list", "timer_stats", "sched_debug",
+					  "latency_stats", "sysrq-trigger", "interrupts", "acpi", "scsi",
+					  "asound"};
 static const char *const proc_readonly[] = {"sys", "bus", "fs", "irq"};
+static const char *const sys_masked[] = {"firmware", "devices/virtual/powercap"};
+
+static void child_mask(int efd, const char *root, const char *fs, const char *name)
+{
+	char path[4096], null[4096], step[160];
+	struct stat st;
+	snprintf(path, sizeof(path), "%s/%s/%s", root, fs, name);
+	if (stat(path, &st) < 0)
+		return; /* not in this kernel */
+	snprintf(step, sizeof(step), "mask /%s/%s", fs, name);
+	snprintf(null, sizeof(null), "%s/dev/null", root);
+	if (S_ISDIR(st.st_mode) ? mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+					"mode=0555") < 0
+				: mount(null, path, NULL, MS_BIND, NULL) < 0)
+		report(efd, step);
+}
 
 static void child_mask_proc(int efd, const char *root)
 {
-	char path[4096], null[4096], step[160];
-	snprintf(null, sizeof(null), "%s/dev/null", root);
-	for (size_t i = 0; i < sizeof(proc_masked) / sizeof(proc_masked[0]); i++) {
-		snprintf(path, sizeof(path), "%s/proc/%s", root, proc_masked[i]);
-		if (access(path, F_OK) < 0)
-			continue;
-		snprintf(step, sizeof(step), "mask /proc/%s", proc_masked[i]);
-		if (mount(null, path, NULL, MS_BIND, NULL) < 0)
-			report(efd, step);
-	}
+	char path[4096], step[160];
+	for (size_t i = 0; i < sizeof(proc_masked) / sizeof(proc_masked[0]); i++)
+		child_mask(efd, root, "proc", proc_masked[i]);
 	for (size_t i = 0; i < sizeof(proc_readonly) / sizeof(proc_readonly[0]); i++) {
 		snprintf(path, sizeof(path), "%s/proc/%s", root, proc_readonly[i]);
 		if (access(path, F_OK) < 0)
@@ -437,9 +451,12 @@ static void child_main(const struct bn_spawn_cfg *cfg, int sync_rd, int efd)
 	child_bind_boot_id(efd, root);
 	tmpfs_opts(opts, sizeof(opts), cfg, "");
 	child_mount(efd, root, "tmp", "tmpfs", MS_NOSUID | MS_NODEV, opts);
-	if (cfg->mount_sysfs)
+	if (cfg->mount_sysfs) {
 		child_mount(efd, root, "sys", "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
 			    NULL);
+		for (size_t i = 0; !cfg->privileged && i < sizeof(sys_masked) / sizeof(sys_masked[0]); i++)
+			child_mask(efd, root, "sys", sys_masked[i]);
+	}
 	path_in(path, sizeof(path), root, "run");
 	if (mkdir_p1(path, 0755) < 0)
 		report(efd, "mkdir /run");

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import os
 import shutil
 import stat
@@ -192,3 +193,33 @@ def test_an_image_layers_setuid_file_is_no_host_root() -> None:
         assert stat.S_IMODE(os.stat(image_store.ROOT).st_mode) == 0o711
     finally:
         shutil.rmtree(image_store.path(diff_id), ignore_errors=True)
+
+
+# Docker's masked paths (moby's oci/defaults.go, with /proc/interrupts as Docker 28 and
+# Kubernetes mask it): a file reads empty, a directory is an empty read-only tmpfs.
+MASKED_FILES = ("/proc/kcore", "/proc/keys", "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug",
+                "/proc/latency_stats", "/proc/sysrq-trigger", "/proc/interrupts")
+MASKED_DIRS = ("/proc/acpi", "/proc/scsi", "/proc/asound", "/sys/firmware", "/sys/devices/virtual/powercap")
+MASK_PROBE = """
+import json, os, sys
+out = {}
+for p in json.loads(sys.argv[1]):
+    if os.path.isdir(p):
+        st = os.statvfs(p)
+        out[p] = ["dir", sorted(os.listdir(p)), bool(st.f_flag & os.ST_RDONLY)]
+    else:
+        with open(p, "rb") as f:
+            out[p] = ["file", len(f.read(4096))]
+print(json.dumps(out))
+"""
+
+
+def test_dockers_masked_paths_are_masked_in_a_workspace_and_its_clone() -> None:
+    present = [p for p in (*MASKED_FILES, *MASKED_DIRS) if os.path.exists(p)]
+    assert "/sys/firmware" in present and "/proc/acpi" in present  # this host has both to hide
+    with Workspace.create() as ws, fork_of(ws, 1) as clones:
+        for w in (ws, clones[0]):
+            w.files.write("/root/masks.py", MASK_PROBE)
+            got = json.loads(run_ok(w, ["python3", "/root/masks.py", json.dumps(present)]).stdout)
+            want = {p: ["dir", [], True] if os.path.isdir(p) else ["file", 0] for p in present}
+            assert got == want

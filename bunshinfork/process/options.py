@@ -23,7 +23,9 @@ IRMAP_SCAN_PATHS = ("/root", "/home", "/tmp", "/opt")
 # unless told it is external: each gets a key at dump, and the key names the host file to
 # bind again at restore.
 USERNS_DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
-PROC_MASKED = ("kcore", "keys", "timer_list", "sched_debug", "latency_stats", "sysrq-trigger")
+# The masked /proc files (directories are masked with a tmpfs of their own, which CRIU dumps).
+PROC_MASKED = ("kcore", "keys", "timer_list", "timer_stats", "sched_debug", "latency_stats", "sysrq-trigger",
+               "interrupts")
 _EXTERNAL = {f"/dev/{d}": (f"bunshin-dev-{d}", f"/dev/{d}") for d in USERNS_DEVICES} | {
     f"/proc/{p}": (f"bunshin-mask-{p}", "/dev/null") for p in PROC_MASKED
 }
