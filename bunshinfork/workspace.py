@@ -487,13 +487,12 @@ class Workspace:
 
     def set_timeout(self, timeout: float) -> None:
         """End the workspace `timeout` seconds from now (0: never), enforced by its init."""
-        init_pid = self.live_init_pid()
+        self.live_init_pid()  # a typed error where it has stopped
         rec = self._rec
         rec.lifetime = dataclasses.replace(rec.lifetime, deadline=lifetime.deadline_after(timeout))
         rec.save()
-        self.files.write(lifetime.FILE, lifetime.encode(rec.lifetime), user="root", mode=0o600)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(init_pid, lifetime.WAKE)  # re-read before its next wake-up
+        assert rec.process is not None
+        lifetime.apply(self.id, rec.process, rec.lifetime)
 
     def destroy(self) -> None:
         """Kill every process and remove mounts, cgroups, network, layers and state. Idempotent."""

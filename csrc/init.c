@@ -35,16 +35,22 @@
  * The client of a foreground `run` may also send these frames on its own
  * connection (no acknowledgements there).
  *
- * Lifetime. /.bunshin/lifetime holds "DEADLINE_MS LEASE_MS" (wall clock, 0 for
- * none). The init re-reads it whenever it wakes (SIGRTMIN+1 wakes it after the
- * host shortened it) and, past the deadline or when the file has not been
- * touched for LEASE_MS, kills every process of the workspace and exits, whether
- * or not the process that created the workspace is still there.
+ * Lifetime. The host writes it into a page of this process's memory at a fixed
+ * address (LIFETIME_ADDR; process/lifetime.py), never into the workspace's file
+ * system, where root inside could delete or rewrite it: the init is not dumpable,
+ * so only a process that may ptrace it (the host; root inside has no
+ * CAP_SYS_PTRACE) can write it. The init reads it whenever it wakes (SIGRTMIN+1
+ * wakes it after the host shortened it) and, past the deadline, or when the host
+ * has not renewed the lease for LEASE_MS, kills every process of the workspace
+ * and exits, whether or not the process that created the workspace is still
+ * there. It fails closed: a lifetime that does not check out, or none within
+ * LIFE_GRACE_MS of a new init's start, ends the workspace just the same.
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -53,6 +59,7 @@
 #include <string.h>
 #include <grp.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
@@ -71,7 +78,6 @@
 #define CMD_DIR CTL_DIR "/cmd"
 #define IO_DIR CTL_DIR "/io"
 #define PROCS_DIR CTL_DIR "/procs"
-#define LIFETIME_FILE CTL_DIR "/lifetime"
 #define MAX_REQ (1 << 20)
 #define MAX_ITEMS 4096
 #define MAX_FRAME (1 << 20)
@@ -961,33 +967,74 @@ static long long wall_ms(void)
 	return ts.tv_sec * 1000LL + ts.tv_nsec / 1000000;
 }
 
-/* When the workspace must end (wall clock, ms), or 0 for never. Read afresh on every wake-up:
- * the file, not this process's memory, is what counts (a clone restored from a snapshot has
- * its source's memory and its own file). */
-static long long lifetime_expiry(void)
+/* The lifetime, as the host writes it (process/lifetime.py: ADDRESS and the layout). CRIU
+ * restores the page with the rest of the memory; the host rewrites it with a clone's (or a
+ * resumed workspace's) own lifetime while CRIU still holds every task stopped (restore.py),
+ * so a clone never obeys its source's. */
+#define LIFETIME_ADDR 0x4E00000000UL
+#define LIFE_MAGIC 0x4c6e6968736e7562ULL  /* "bunshinL" */
+#define RENEW_MAGIC 0x526e6968736e7562ULL /* "bunshinR" */
+/* How long a new init waits for its first lifetime: the host writes it as soon as the init
+ * answers; a host that died first leaves a workspace that ends by itself. */
+#define LIFE_GRACE_MS 30000
+
+struct life_page {
+	uint64_t magic;       /* LIFE_MAGIC once the host wrote a lifetime; 0 before */
+	int64_t deadline_ms;  /* wall clock; 0: none */
+	int64_t lease_ms;     /* 0: none */
+	uint64_t check;       /* LIFE_MAGIC ^ deadline_ms ^ lease_ms */
+	int64_t renewed_ms;   /* wall clock of the lease's last renewal by the host */
+	uint64_t renew_check; /* RENEW_MAGIC ^ renewed_ms */
+};
+
+static volatile struct life_page *life;
+static long long started_ms; /* monotonic: when this init started (the grace for a first lifetime) */
+
+static int map_lifetime(void)
 {
-	char text[64];
-	long long deadline = 0, lease = 0, expiry = 0;
-	int fd = open(LIFETIME_FILE, O_RDONLY | O_CLOEXEC);
-	if (fd < 0)
-		return 0;
-	struct stat st;
-	ssize_t n = read(fd, text, sizeof(text) - 1);
-	int ok = fstat(fd, &st) == 0;
-	close(fd);
-	if (n <= 0 || !ok)
-		return 0;
-	text[n] = '\0';
-	if (sscanf(text, "%lld %lld", &deadline, &lease) < 1)
-		return 0;
-	if (deadline > 0)
-		expiry = deadline;
-	if (lease > 0) {
-		long long touched = st.st_mtim.tv_sec * 1000LL + st.st_mtim.tv_nsec / 1000000;
-		if (!expiry || touched + lease < expiry)
-			expiry = touched + lease;
+	void *p = mmap((void *)LIFETIME_ADDR, 4096, PROT_READ | PROT_WRITE,
+		       MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+	if (p != (void *)LIFETIME_ADDR)
+		return -1;
+	life = p;
+	started_ms = now_ms();
+	return 0;
+}
+
+/* When the workspace must end (wall clock, ms): 0 for never, -1 for now. Read afresh on every
+ * wake-up. A copy that does not check out is read again (the host may be writing it); one that
+ * never does ends the workspace, as does no lifetime LIFE_GRACE_MS after the start, whose wait
+ * is capped at the rest of the grace in *cap_ms. */
+static long long lifetime_expiry(int *cap_ms)
+{
+	struct life_page p;
+	*cap_ms = -1;
+	for (int tries = 0;; tries++) {
+		p.magic = life->magic;
+		p.deadline_ms = life->deadline_ms;
+		p.lease_ms = life->lease_ms;
+		p.check = life->check;
+		p.renewed_ms = life->renewed_ms;
+		p.renew_check = life->renew_check;
+		if (!p.magic && !p.check) {
+			long long left = started_ms + LIFE_GRACE_MS - now_ms();
+			if (left <= 0)
+				return -1;
+			*cap_ms = (int)left;
+			return 0;
+		}
+		if (p.magic == LIFE_MAGIC && p.check == (LIFE_MAGIC ^ (uint64_t)p.deadline_ms ^ (uint64_t)p.lease_ms) &&
+		    p.renew_check == (RENEW_MAGIC ^ (uint64_t)p.renewed_ms) && p.deadline_ms >= 0 && p.lease_ms >= 0)
+			break;
+		if (tries >= 500)
+			return -1;
+		struct timespec ts = {.tv_nsec = 20000};
+		nanosleep(&ts, NULL);
 	}
-	return expiry;
+	long long expiry = p.deadline_ms;
+	if (p.lease_ms > 0 && (!expiry || p.renewed_ms + p.lease_ms < expiry))
+		expiry = p.renewed_ms + p.lease_ms;
+	return expiry ? expiry : 0;
 }
 
 /*
@@ -1014,6 +1061,10 @@ int main(int argc, char **argv)
 		return ksm_exec(argv + 2);
 	if (argc > 1 && !strcmp(argv[1], "--watchdog"))
 		return watchdog_main(argc, argv);
+	/* Not dumpable: nothing in the workspace may ptrace this process, read its descriptors or
+	 * write its memory (where its lifetime lives); its shims inherit this, and CRIU keeps it. */
+	if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0 || map_lifetime() < 0)
+		return 1;
 	setsid();
 	/* Nothing from the creator may stay open inside the workspace. */
 	int devnull = open("/dev/null", O_RDWR);
@@ -1039,12 +1090,15 @@ int main(int argc, char **argv)
 
 	int terminating = 0;
 	for (;;) {
-		long long expiry = lifetime_expiry();
+		int cap_ms;
+		long long expiry = lifetime_expiry(&cap_ms);
 		int wait_ms = terminating ? 100 : -1;
+		if (cap_ms >= 0 && (wait_ms < 0 || cap_ms < wait_ms))
+			wait_ms = cap_ms;
 		if (expiry) {
-			long long left = expiry - wall_ms();
+			long long left = expiry < 0 ? 0 : expiry - wall_ms();
 			if (left <= 0) {
-				/* The lifetime is over: the namespace dies with its init. */
+				/* The lifetime is over, or cannot be known: the namespace dies with its init. */
 				kill(-1, SIGKILL);
 				return 124;
 			}

@@ -50,12 +50,14 @@ class ProcessPart(Part):
         init.require_binary()
         upper = Path(b.rec.fs.layer.upper)
         init.install(upper)
-        lifetime.seed(upper, b.rec.lifetime)
         if b.rec.spec.userns:
             self._mount_for_userns(b, upper)
         assert b.rec.cgroups is not None
         b.rec.process, b.pidfd = init.spawn(b.rec, str(b.root.path), b.root.options, Cgroup(b.rec.cgroups),
                                             b.ksm_merge)
+        # Held in the init's memory, never in its file system (lifetime.py); until this the
+        # init waits for it, and a create that fails here leaves nothing running.
+        lifetime.install(b.rec.process.pid, b.rec.process.starttime, b.rec.lifetime)
         if b.rec.lifetime.lease:
             lifetime.leases.hold(b.rec)
 
@@ -82,10 +84,8 @@ class ProcessPart(Part):
         assert b.source is not None
         rec = b.rec
         assert rec.fs is not None and rec.fs.layer is not None
-        # The clone's own lifetime, never its source's: the restored init obeys this file.
-        lifetime.seed(Path(rec.fs.layer.upper), rec.lifetime)
-        if rec.spec.userns:
-            idmap.shift_tree(Path(rec.fs.layer.upper))  # its /.bunshin, which the init reads
+        # The clone's own lifetime, never its source's: restore_tree gives it to the init
+        # before any of the clone's tasks runs again.
         pid = restore_tree(b)
         rec.process = InitState(pid, proc_starttime(pid) or 0)
         # Its memory is the snapshot's: a snapshot of the clone stores what differs from it.

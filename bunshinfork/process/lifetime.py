@@ -1,13 +1,20 @@
 """Workspace lifetimes: a deadline (E2B's sandbox timeout) and an optional creator lease.
 
-Both are enforced by the workspace's own init (csrc/init.c), which reads /.bunshin/lifetime
-("DEADLINE_MS LEASE_MS", wall clock) whenever it wakes and kills every process of the
-workspace once the deadline passes, or once the file has not been touched for LEASE_MS: that
+Both are enforced by the workspace's own init (csrc/init.c), which kills every process of the
+workspace once the deadline passes, or once the lease has not been renewed for LEASE_MS: that
 is how a workspace created with die_with_creator=True ends soon after its creator, however the
-creator died. The creator touches the file from a thread of its own (Leases). Nothing runs on
-the host to do this: no daemon. What a dead workspace leaves on the host (mounts, cgroups,
-layers, state) is removed by the next bunshin operation on the host (pipeline.collect())
-or by gc.
+creator died. Nothing runs on the host to do this: no daemon. What a dead workspace leaves on
+the host (mounts, cgroups, layers, state) is removed by the next bunshin operation on the host
+(pipeline.collect()) or by gc.
+
+The lifetime lives outside the workspace's file system, where root inside could delete or
+rewrite it: in a page of the init's own memory at a fixed address (ADDRESS), written by the
+host through /proc/<init>/mem. The init is not dumpable and root inside has no CAP_SYS_PTRACE,
+so nothing inside can write it; the init reads it whenever it wakes and fails closed (a page
+that does not check out, or none written within its grace, ends the workspace). A clone's
+init is restored with its source's page and is given its own before any of its tasks runs
+again (install(), from restore.py at CRIU's pre-resume). The creator renews its lease by
+writing the page's renewal half from a thread of its own (Leases).
 The deadline is also recorded in the workspace's state, so that get_info and the host-side
 collection know it.
 """
@@ -18,16 +25,22 @@ import contextlib
 import fcntl
 import os
 import signal
+import struct
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
-from .. import inroot, state
-from ..state import Lifetime, Record, Status
+from .. import state
+from ..errors import WorkspaceStateError
+from ..state import InitState, Lifetime, Record, Status
 
-FILE = "/.bunshin/lifetime"
-# Sent to the init after the deadline moved, so that it re-reads the file before its next wake-up.
+# csrc/init.c: LIFETIME_ADDR, LIFE_MAGIC, RENEW_MAGIC and struct life_page.
+ADDRESS = 0x4E00000000
+MAGIC = int.from_bytes(b"bunshinL", "little")
+RENEW_MAGIC = int.from_bytes(b"bunshinR", "little")
+_MASK = (1 << 64) - 1
+RENEWAL_OFFSET = 32  # renewed_ms, renew_check: what a renewal writes
+# Sent to the init after its lifetime moved, so that it reads it before its next wake-up.
 WAKE = signal.SIGRTMIN + 1
 # How long a die_with_creator workspace outlives its creator at most.
 LEASE_SECONDS = 10.0
@@ -49,18 +62,62 @@ def asked(timeout: float | None, die_with_creator: bool) -> Lifetime:
     return Lifetime(deadline_after(timeout), LEASE_SECONDS if die_with_creator else 0.0)
 
 
-def encode(lt: Lifetime) -> str:
-    return f"{int(lt.deadline * 1000)} {int(lt.lease * 1000)}\n"
+def _terms(lt: Lifetime) -> bytes:
+    """deadline_ms, lease_ms and their check, as the page holds them after its magic."""
+    deadline, lease = int(lt.deadline * 1000), int(lt.lease * 1000)
+    return struct.pack("<qqQ", deadline, lease, (MAGIC ^ deadline ^ lease) & _MASK)
 
 
-def seed(upper: Path, lt: Lifetime) -> None:
-    """Write the lifetime into a layer before its init starts (create) or is restored (fork):
-    a clone's init runs with its source's memory, and this file is what it obeys."""
-    d = upper / ".bunshin"
-    d.mkdir(mode=0o700, exist_ok=True)
-    tmp = d / "lifetime.tmp"
-    tmp.write_text(encode(lt))
-    os.replace(tmp, d / "lifetime")
+def _renewal() -> bytes:
+    now = int(time.time() * 1000)
+    return struct.pack("<qQ", now, (RENEW_MAGIC ^ now) & _MASK)
+
+
+def _write(pid: int, starttime: int | None, data: bytes, offset: int) -> None:
+    """Write `data` into the init's lifetime page. starttime: the init's, checked once its
+    memory is open (a pid reused since names another process); None for a restored init that
+    is our child, stopped under CRIU, which no one else can reap."""
+    try:
+        fd = os.open(f"/proc/{pid}/mem", os.O_RDWR | os.O_CLOEXEC)
+    except OSError as e:
+        raise WorkspaceStateError(f"cannot reach the lifetime of init {pid}: {e}") from e
+    try:
+        if starttime is not None and state.proc_starttime(pid) != starttime:
+            raise WorkspaceStateError(f"init {pid} is gone")
+        try:
+            written = os.pwrite(fd, data, ADDRESS + offset)
+        except OSError as e:
+            # EIO: nothing mapped there, an init from before the lifetime left the file system.
+            raise WorkspaceStateError(f"cannot write the lifetime of init {pid} ({e}); a snapshot taken "
+                                      "with an older bunshin-init must be taken again") from e
+        if written != len(data):
+            raise WorkspaceStateError(f"short write of the lifetime of init {pid}")
+    finally:
+        os.close(fd)
+
+
+def install(pid: int, starttime: int | None, lt: Lifetime) -> None:
+    """Give the init its whole lifetime, renewed now: a created init once it answers, a restored
+    one while CRIU still holds its tasks stopped (so it never obeys its source's). Then wake
+    it: it sleeps until its first lifetime's grace ends, or for its source's wait (the signal
+    stays pending, blocked, until a restored init runs)."""
+    _write(pid, starttime, struct.pack("<Q", MAGIC) + _terms(lt) + _renewal(), 0)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, WAKE)
+
+
+def apply(ws_id: str, init: InitState, lt: Lifetime) -> None:
+    """Move a running (or frozen) workspace's lifetime, and wake its init to read it. Writers
+    of the terms take turns (a lock beside the record): two interleaved writes would leave a
+    page that never checks out, which ends the workspace."""
+    lock = os.open(state.RUN_ROOT / ws_id / "lifetime.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _write(init.pid, init.starttime, _terms(lt), 8)
+    finally:
+        os.close(lock)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(init.pid, WAKE)  # read it before its next wake-up
 
 
 def remaining(rec: Record) -> float | None:
@@ -71,9 +128,9 @@ def remaining(rec: Record) -> float | None:
 
 
 class Leases:
-    """Touches the lifetime file of every die_with_creator workspace this process created, a few
-    times per lease, from one thread. When this process dies, the touching stops and each init
-    ends its workspace within LEASE_SECONDS."""
+    """Renews the lease of every die_with_creator workspace this process created, a few times
+    per lease, from one thread. When this process dies, the renewals stop and each init ends
+    its workspace within LEASE_SECONDS."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -106,18 +163,13 @@ class Leases:
                 if state.proc_starttime(pid) != start:
                     self.drop(ws_id)
                     continue
-                with contextlib.suppress(OSError):
-                    touch(pid)
+                with contextlib.suppress(WorkspaceStateError):
+                    renew(pid, start)
 
 
-def touch(init_pid: int) -> None:
-    # bunshin's own path: no symlink followed (inroot.NotBunshins, an OSError, if one is there).
-    with inroot.root(init_pid) as root:
-        fd = inroot.fixed(root, FILE, os.O_RDONLY)
-    try:
-        os.utime(fd)
-    finally:
-        os.close(fd)
+def renew(init_pid: int, starttime: int) -> None:
+    """Renew the lease of the init `init_pid` (started at `starttime`) from now."""
+    _write(init_pid, starttime, _renewal(), RENEWAL_OFFSET)
 
 
 leases = Leases()

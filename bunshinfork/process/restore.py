@@ -13,7 +13,7 @@ from .. import native
 from ..cgroups import Cgroup
 from ..contract import Build
 from ..errors import BunshinError
-from . import cgyard, criu
+from . import cgyard, criu, lifetime
 from .options import restore_opts
 
 # Called with each restore's live criu.Session right after it starts; failure-injection tests use
@@ -39,7 +39,8 @@ def restore_tree(b: Build) -> int:
 
     rst_sibling makes the restored init our child rather than criu's, so it is reaped like a
     created init. b.pre_resume runs while every thread is stopped under CRIU's ptrace at its
-    final sigreturn; should one fail, the clone's tasks are killed before they run again.
+    final sigreturn, then the init is given b.rec's lifetime; should either fail, the clone's
+    tasks are killed before they run again.
     """
     assert b.source is not None and b.root is not None and b.rec.cgroups is not None
     cg = Cgroup(b.rec.cgroups)
@@ -60,12 +61,16 @@ def restore_tree(b: Build) -> int:
             restored_init.append(pid)
             if fresh_net:
                 native.loopback_up_in(pid)
-        elif script == "pre-resume" and b.pre_resume:
-            pids = cg.pids()
+        elif script == "pre-resume":
             try:
-                with clock.aside("memory.share"):
-                    for step in b.pre_resume:
-                        step(pids)
+                if b.pre_resume:
+                    pids = cg.pids()
+                    with clock.aside("memory.share"):
+                        for step in b.pre_resume:
+                            step(pids)
+                # The clone's own lifetime over its source's, in memory the engine has shared in
+                # by now: the init never obeys the source's, nor runs without one.
+                lifetime.install(restored_init[0], None, b.rec.lifetime)
             except BaseException as e:
                 # CRIU resumes the tasks whatever this hook says; SIGKILL reaches traced tasks.
                 failed.append(e)
