@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import select
+import shutil
 import socket
 import stat
 import threading
@@ -32,7 +33,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bunshinfork.errors import InvalidArgumentException
 from bunshinfork.images import templates as store
+from bunshinfork.serve.allow import TemplatePolicy
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -302,8 +305,6 @@ def foreign(tmp_path: Path) -> Iterator[dict[str, str]]:
         yield made
     finally:
         for kind in ("template", "snapshot"):
-            import shutil
-
             shutil.rmtree(store.ROOT / made[kind], ignore_errors=True)
 
 
@@ -378,3 +379,64 @@ def test_secrets_on_disk_are_private(served: support.Served, sandboxes: dict[str
     assert served.key not in "".join(served.log)
 
 
+# ---- #7: templates are an allowlist ----
+
+
+def test_templates_are_an_allowlist(served: support.Served, listener: Listener, tmp_path: Path) -> None:
+    (tmp_path / "marker").write_text("host file")
+    made = []
+    try:
+        for name in (str(tmp_path), "/", "host", f"oci:{tmp_path}", f"oci:{tmp_path}/none",
+                     f"registry:127.0.0.1:{listener.port}/img:latest", "registry:[::1]:1/x"):
+            r = _api(served, "POST", "/v2/sandboxes", json={"templateID": name})
+            if r.status_code == 201:
+                made.append(r.json()["sandboxID"])
+            assert r.status_code == 404 and r.json() == {"code": 404, "message": f"template {name!r} not found"}, \
+                (name, r.text)
+    finally:
+        for sid in made:
+            _api(served, "DELETE", f"/sandboxes/{sid}")
+    assert listener.accepted == 0
+
+
+@pytest.mark.parametrize(("flags", "allowed", "refused"), [
+    ({}, ["base", "debian"], ["host", "/", "/srv/img", "oci:/srv/img", "docker:alpine", "registry:ghcr.io/a/b",
+                              "registry:python:3.12"]),
+    ({"images": True}, ["docker:alpine", "registry:ghcr.io/a/b:1", "registry:python:3.12", "registry:8.8.8.8/a"],
+     ["/", "oci:/srv/img", "registry:127.0.0.1:5000/a", "registry:[::1]:5000/a", "registry:localhost:5000/a",
+      "registry:10.0.0.1/a", "registry:169.254.169.254/a", "registry:a.localhost/a", "registry:127.1/a",
+      "registry:0x7f.1/a", "docker:-v/x", "registry:ghcr.io/../a"]),
+    ({"templates": ("docker:python:*", "registry:ghcr.io/acme/*", "oci:/srv/img", "/srv/root")},
+     ["docker:python:3.12", "registry:ghcr.io/acme/app:1", "oci:/srv/img", "/srv/root"],
+     ["docker:pythonx", "registry:ghcr.io/other/app", "oci:/srv/img2", "/srv/root/..", "/srv/rootx", "/"]),
+    ({"registries": ("127.0.0.1:5000",)}, ["registry:127.0.0.1:5000/a:1"],
+     ["registry:127.0.0.1:5001/a", "registry:127.0.0.1/a", "docker:127.0.0.1:5000/a"]),
+])
+def test_template_policy(flags: dict[str, Any], allowed: list[str], refused: list[str]) -> None:
+    """What the operator's flags offer, and nothing beside it (the server answers 404 for the rest)."""
+    policy = TemplatePolicy(**flags)
+    assert [t for t in allowed if not policy.allows(t)] == []
+    assert [t for t in refused if policy.allows(t)] == []
+
+
+@pytest.mark.parametrize("flags", [{"templates": ("oci:/srv/*",)}, {"templates": ("/srv/*",)},
+                                   {"templates": ("python",)}, {"registries": ("ghcr.io/acme",)},
+                                   {"registries": ("myregistry",)}])
+def test_template_policy_flags_are_checked(flags: dict[str, Any]) -> None:
+    with pytest.raises(InvalidArgumentException):
+        TemplatePolicy(**flags)
+
+
+def test_allow_registry_flag_offers_that_registry(tmp_path: Path, listener: Listener) -> None:
+    """--allow-registry reaches the server: the registry it names is dialled (the listener,
+    which is no registry, answers nothing), and the error names no host path."""
+    (tmp_path / "key").write_text("test-key-" + os.urandom(8).hex())
+    s = support.start(tmp_path / "state", tmp_path / "key", extra=("--allow-registry", f"127.0.0.1:{listener.port}"))
+    try:
+        before = listener.accepted
+        r = httpx.post(s.url + "/v2/sandboxes", headers={"X-API-KEY": s.key}, timeout=120,
+                       json={"templateID": f"registry:127.0.0.1:{listener.port}/img:latest"})
+        assert listener.accepted > before, r.text
+        assert r.status_code in (404, 500) and str(tmp_path) not in r.text and "/var/" not in r.text, r.text
+    finally:
+        assert s.stop() == 0, "".join(s.log)

@@ -31,6 +31,16 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="serve HTTPS with this certificate (PEM chain), for clients that set only E2B_DOMAIN: "
                         "it must name *.<domain>, and the names must resolve to this server")
     p.add_argument("--tls-key", type=Path, help="the private key of --tls-cert (PEM)")
+    p.add_argument("--allow-template", action="append", default=[], metavar="TEMPLATE",
+                   help="offer this template too (repeatable): an image reference, exactly or with '*' for "
+                        "docker:/registry: (docker:python:*, registry:ghcr.io/acme/*), or exactly an oci:DIR "
+                        "or a directory. base, debian, this server's snapshots and warm templates are always "
+                        "offered, nothing else unless named")
+    p.add_argument("--allow-images", action="store_true",
+                   help="offer any docker:IMAGE and any registry:REF of a public registry (not loopback, "
+                        "private or link-local)")
+    p.add_argument("--allow-registry", action="append", default=[], metavar="HOST[:PORT]",
+                   help="offer any registry:REF from this registry, loopback or private ones too (repeatable)")
     p.add_argument("--state-dir", type=Path, default=DEFAULT_ROOT,
                    help=f"where paused sandboxes and the registry are kept (default {DEFAULT_ROOT})")
 
@@ -70,7 +80,9 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..serve import make_app
+    from ..serve.allow import TemplatePolicy
 
+    policy = TemplatePolicy(tuple(args.allow_template), args.allow_images, tuple(args.allow_registry))
     key = _key(args.api_key_file)
     # The key is printed only when the server made it: one read from a file stays there (the
     # output goes to terminals, logs and CI transcripts), and the line reads it back.
@@ -94,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
             f"export E2B_API_URL={url}\nexport E2B_SANDBOX_URL={url}"
         print(f"{where}\nexport E2B_API_KEY={shown_key}", flush=True)
 
-    app = make_app(key, args.state_dir, args.domain, on_ready=ready, public_domain=public_domain)
+    app = make_app(key, args.state_dir, args.domain, on_ready=ready, public_domain=public_domain, policy=policy)
     # h11, whatever else is installed: it hands the request-target over as sent (httptools would
     # turn an absolute-form target into its path), so the router can refuse what is not a path.
     config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=10, http="h11",

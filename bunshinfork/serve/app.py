@@ -22,6 +22,7 @@ from ..aio import AsyncSandbox
 from ..e2b import lifecycle
 from ..errors import BunshinError
 from . import authority, envd, ports
+from .allow import TemplatePolicy
 from .rest import ApiError, Rest, error_response, status_of
 from .store import Entry, Store
 
@@ -35,14 +36,15 @@ class Server:
     """One server: its store, control plane, envd services and deadlines."""
 
     def __init__(self, api_key: str, root: Path, domain: str = "localhost",
-                 on_ready: Callable[[], None] | None = None, public_domain: str | None = None) -> None:
+                 on_ready: Callable[[], None] | None = None, public_domain: str | None = None,
+                 policy: TemplatePolicy | None = None) -> None:
         self.api_key = api_key
         self.on_ready = on_ready
         self.domain = domain  # what Host headers are matched against
         self.store = Store(root)
         # The domain sandboxes are announced with, which the SDKs put in every envd and get_host
         # URL: `domain:PORT` when TLS is served on a port other than 443.
-        self.rest = Rest(self.store, public_domain or domain, self.schedule)
+        self.rest = Rest(self.store, public_domain or domain, self.schedule, policy)
         self.process_app, self.fs_app, self.fs_service = envd.apps(self.lookup)
         self.rest_app = Starlette(routes=self.rest.routes(self._guard), lifespan=self._lifespan)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -276,10 +278,12 @@ def _same(given: str | None, want: str) -> bool:
 
 
 def make_app(api_key: str, root: Path, domain: str = "localhost",
-             on_ready: Callable[[], None] | None = None, public_domain: str | None = None) -> Server:
+             on_ready: Callable[[], None] | None = None, public_domain: str | None = None,
+             policy: TemplatePolicy | None = None) -> Server:
     """The application; on_ready runs once it has taken over what a previous server left.
-    public_domain (default: domain) is the one sandboxes are announced with."""
-    return Server(api_key, root, domain, on_ready, public_domain)
+    public_domain (default: domain) is the one sandboxes are announced with; policy, the
+    templates offered beyond base, debian, snapshots and warm templates (default: none)."""
+    return Server(api_key, root, domain, on_ready, public_domain, policy)
 
 
 __all__ = ["JSONResponse", "Server", "make_app"]

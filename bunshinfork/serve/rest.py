@@ -24,6 +24,7 @@ from ..e2b import templates as e2b_templates
 from ..e2b.lifecycle import Lifecycle, ListQuery
 from ..errors import BunshinError, InvalidArgumentException, NotFoundException
 from ..images import templates as store_templates
+from .allow import TemplatePolicy
 from .store import Entry, Store
 
 ENVD_VERSION = "0.5.7"  # the envd protocol level served (commands' stdin and close, octet-stream uploads)
@@ -78,8 +79,10 @@ async def body_of(request: Request) -> dict[str, Any]:
 class Rest:
     """The control plane's handlers over the store (see app.py for auth and routing)."""
 
-    def __init__(self, store: Store, domain: str, reaper: Callable[[Entry], None]) -> None:
+    def __init__(self, store: Store, domain: str, reaper: Callable[[Entry], None],
+                 policy: TemplatePolicy | None = None) -> None:
         self.store = store
+        self.policy = policy or TemplatePolicy()
         self.domain = domain
         self.schedule = reaper  # (re)arms an entry's deadline
 
@@ -174,7 +177,12 @@ class Rest:
         if not isinstance(internet, bool) or not isinstance(public, bool):
             raise ApiError(400, "allow_internet_access and network allowPublicTraffic must be booleans")
         deadline = lifecycle.deadline_after(timeout)
-        start = template if e2b_templates.is_builtin(template) else await asyncio.to_thread(self.stored, template)
+        if e2b_templates.is_builtin(template):
+            if not self.policy.allows(template):  # the same answer as for a name nothing has
+                raise ApiError(404, not_found(template))
+            start = template
+        else:
+            start = await asyncio.to_thread(self.stored, template)
         sbx = await AsyncSandbox.create(start, timeout=lifecycle.workspace_lifetime(life, deadline),
                                         metadata=metadata, envs=envs, allow_internet_access=internet,
                                         network=_snake(network))
