@@ -276,3 +276,34 @@ def test_no_raw_sockets_but_ping_works(kind: str) -> None:
         assert _out(ws, RAW).splitlines() == ["packet PermissionError", "raw PermissionError", "ping reply"]
         bounding = int(run_ok(ws, "grep CapBnd /proc/self/status").stdout.split()[1], 16)
         assert not bounding & (1 << 13)  # CAP_NET_RAW
+
+
+def test_egress_policy_holds_between_ports_with_bridge_rules_alone() -> None:
+    """A closed workspace reaches no other workspace on the bridge, with its ip-family egress
+    rules gone (as when bridge-nf-call-iptables is off: they never see bridged frames); a
+    speculation's hold the same. Both ends are bridge ports: a clone's traffic is routed."""
+    from bunshinfork.network import egress
+
+    with Workspace.create(network="bridge", egress="closed") as a, Workspace.create(network="bridge") as b:
+        server = _serve(b)
+        try:
+            run_ok(b, "for i in $(seq 100); do ss -ltn | grep -q :8000 && exit 0; sleep 0.05; done; exit 1")
+            _drop_ip_family_egress(egress, a.id)
+            assert _reach(a, b) != "connected"
+            a.set_egress(None)
+            assert _reach(a, b) == "connected"  # the probe sees a connection where one is allowed
+            assert egress.hold_closed(a.id, a._rec.network)
+            _drop_ip_family_egress(egress, a.id)
+            assert _reach(a, b) != "connected"
+            egress.release_hold(a.id)
+        finally:
+            server.kill()
+
+
+def _drop_ip_family_egress(egress: Any, ws_id: str) -> None:
+    from bunshinfork.network.nat import nft_json
+
+    rules = [r for r in egress._rules(egress.FAMILY, egress.TABLE) if egress._owner(r) == ws_id]
+    assert rules
+    nft_json([{"delete": {"rule": {"family": egress.FAMILY, "table": egress.TABLE, "chain": r["chain"],
+                                   "handle": r["handle"]}}} for r in rules])

@@ -12,7 +12,9 @@ admin-prohibited, never a silent drop into a timeout. The rules live in the host
 (table `ip bunshin_egress`, forward and input hooks, so the host's own services count as
 outside too), matched on the workspace's host veth (a clone's own link) or on its address
 behind the bridge, where a bridge-family rule drops frames from its port with any other
-source address: nothing inside the workspace, root included, can lift them. Clones inherit
+source address: nothing inside the workspace, root included, can lift them. Between two ports
+of the bridge (whose frames the ip family sees only when br_netfilter's bridge-nf-call-iptables
+is on) the bridge family holds the policy too, dropping new connections. Clones inherit
 their source's policy (it is part of the spec) on their own links. Every reject rule counts
 what it refused (refused()).
 
@@ -99,8 +101,24 @@ def install(ws_id: str, policy: EgressPolicy, host_if: str, ip: str, bridge: str
     if bridge:
         hook = "type filter hook prerouting priority filter; policy accept;"
         lines += [f"add table bridge {BRIDGE_TABLE}", f"add chain bridge {BRIDGE_TABLE} pre {{ {hook} }}",
-                  f'add rule bridge {BRIDGE_TABLE} pre iifname "{host_if}" ether type ip ip saddr != {ip} drop {c}']
+                  f'add rule bridge {BRIDGE_TABLE} pre iifname "{host_if}" ether type ip ip saddr != {ip} drop {c}',
+                  _BRIDGE_FORWARD]
+        fwd = f'add rule bridge {BRIDGE_TABLE} forward iifname "{host_if}" ether type ip'
+        if policy.allow_out:
+            lines.append(f"{fwd} ip daddr {_set(policy.allow_out)} accept {c}")
+        if policy.deny_out:
+            lines += [f"{fwd} ip daddr {_set(policy.deny_out)} {new} drop {c}" for new in _BRIDGED_NEW]
     _nft_text("\n".join(lines) + "\n")
+
+
+# Between two ports of the bridge a frame meets no ip-family hook unless br_netfilter's
+# bridge-nf-call-iptables is on, so the policy holds there in the bridge family too, whatever
+# that sysctl says. Without conntrack there (nf_conntrack_bridge), a new TCP connection is told
+# by its SYN, and anything else to a denied address goes, replies included; and this kernel's
+# bridge family cannot reject (no NFT_BRIDGE_REJECT): a drop, not a refusal.
+_BRIDGE_FORWARD = (f"add chain bridge {BRIDGE_TABLE} forward {{ type filter hook forward priority filter; "
+                   "policy accept; }")
+_BRIDGED_NEW = ("tcp flags & (syn | ack) == syn", "ip protocol != tcp")
 
 
 def _rules(family: str, table: str) -> list[dict[str, Any]]:
@@ -143,6 +161,11 @@ def hold_closed(ws_id: str, net: NetworkState | None) -> bool:
         # insert puts each at the head: the catch-all goes in first so that TCP's reset precedes it.
         lines.append(f"{pre} counter reject with icmp type admin-prohibited {c}")
         lines.append(f"{pre} meta l4proto tcp counter reject with tcp reset {c}")
+    if net.zone is None:
+        # To the other ports, in the bridge family too (install's _BRIDGED_NEW); first again.
+        lines += [f"add table bridge {BRIDGE_TABLE}", _BRIDGE_FORWARD]
+        lines += [f'insert rule bridge {BRIDGE_TABLE} forward iifname "{net.host_if}" ether type ip {new} drop {c}'
+                  for new in _BRIDGED_NEW]
     _nft_text("\n".join(lines) + "\n")
     return True
 
