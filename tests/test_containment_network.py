@@ -25,7 +25,7 @@ from helpers import run_ok
 
 from bunshinfork.workspace import Workspace
 
-KINDS = ["created", "clone"]
+KINDS = ["created", "clone", "resumed"]
 
 # Run inside: connect to argv[1]:argv[2], say what happened (a bridged drop times out: the
 # bridge family cannot reject in this kernel, and a local peer answers in milliseconds).
@@ -139,9 +139,13 @@ def _out(ws: Workspace, script: str, *args: str) -> str:
 
 @contextlib.contextmanager
 def _sandbox(kind: str, **spec: Any) -> Iterator[Workspace]:
-    """A bridged workspace with `spec`: created, or a clone of one (its source alive beside it)."""
+    """A bridged workspace with `spec`: created, a clone of one (its source alive beside it), or
+    one paused to disk and resumed (on a routed link of its own, as a clone)."""
     with Workspace.create(network="bridge", **spec) as src:
-        if kind == "created":
+        if kind != "clone":
+            if kind == "resumed":
+                src.pause_to_disk()
+                src.resume_from_disk()
             yield src
             return
         kid = forked(src.fork(1, "copy"))[0]
