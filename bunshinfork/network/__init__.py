@@ -28,6 +28,11 @@ Forking a bridged workspace (clones.py has the details):
   source's flow and each clone's new ones. Forks of forks and of saved snapshots do the same
   (the capture travels with the snapshot: network.json).
 
+Every bridged workspace, clones included, gets the baseline of guard.py before its link
+exists: no host service, no 169.254/16 (and no private range when asked), anti-spoofing on
+its port, port isolation when asked; IPv6 is off on both ends of every link, and ping works
+without CAP_NET_RAW through each namespace's ping_group_range (PING_GROUPS).
+
 Published ports (ports.py) and egress policies (egress.py) work per workspace, clones
 included; domain rules add a host-side Host/SNI proxy per workspace (sniproxy.py, proxies.py).
 The census (bunshinfork.census) counts their rules, forwarders and proxies.
