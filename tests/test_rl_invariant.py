@@ -220,3 +220,61 @@ def test_nothing_speculates_on_a_diverged_workspace(monkeypatch: pytest.MonkeyPa
             cache.close()
 
     asyncio.run(main())
+
+
+def test_the_cluster_driver_acts_again_on_a_rewound_history() -> None:
+    """The Ray driver steps a sample on a host; when the host's rollout rewinds (a served step
+    did not reproduce), the host answers with the history cut back and the driver's policy acts
+    again from there, the call that was cut off never recorded as a step."""
+    from bunshinrl.cluster import ClusterEngine
+    from bunshinrl.rollout.timeline import SampleTimeline
+
+    fresh = [Step(C("bump", {"n": 1}), "1", 0), Step(C("liar"), "tick fresh", 1)]
+
+    class Host:
+        def __init__(self) -> None:
+            self.steps: list[Step] = []
+            self.rewound = False
+
+        async def calls_left(self, rid: str) -> int:
+            return 10
+
+        async def call(self, rid: str, call: ToolCall, decision: int) -> tuple[Step | None, int, list[Step] | None]:
+            if len(self.steps) == 4 and not self.rewound:  # the miss at touch: step 1 did not reproduce
+                self.rewound, self.steps = True, list(fresh)
+                return None, 10, list(self.steps)
+            self.steps.append(Step(call, f"obs {call.key}", decision))
+            return self.steps[-1], 10, None
+
+        async def finish(self, rid: str, answer: str | None) -> tuple[float | None, list[Step] | None]:
+            return 1.0, None
+
+        async def close(self, rid: str) -> tuple[SampleTimeline, list[str]]:
+            return SampleTimeline("task", 0, 1, steps=list(self.steps)), []
+
+    class Remote:
+        def __init__(self, fn: Any) -> None:
+            self.remote = fn
+
+    class Actor:
+        def __init__(self, host: Host) -> None:
+            self.host = host
+
+        def __getattr__(self, name: str) -> Remote:
+            return Remote(getattr(self.host, name))
+
+    host = Host()
+
+    class Pool:
+        hosts = ["a"]
+
+        def actor(self, name: str) -> Actor:
+            return Actor(host)
+
+    policy = PlanPolicy()
+    engine = ClusterEngine(policy, Pool(), max_steps=16)  # type: ignore[arg-type]
+    engine._load["a"] = 1
+    timeline = asyncio.run(engine._run_sample(counter_task(), SampleContext("task", 0, 1), "a", "r0"))
+    assert [s.call for s in timeline.steps] == plan(1)
+    assert timeline.steps[:2] == fresh
+    assert policy.asked.count((1, 2)) == 2  # asked again at the rewound step

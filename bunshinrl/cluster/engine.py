@@ -237,7 +237,11 @@ class ClusterEngine:
                 if not done:
                     answer = await self._steps(ctx, host, rid, history)
                     done = True
-                await self._remote(host, "finish", rid, answer)
+                _reward, rewound = await self._remote(host, "finish", rid, answer)
+                if rewound is not None:
+                    history[:] = rewound  # a served step did not reproduce: act again from it
+                    done = False
+                    continue
                 timeline, _served = await self._remote(host, "close", rid)
                 self._load[host] -= 1
                 self._known[(task.id, ctx.sample)] = [s.call for s in timeline.steps]
@@ -260,7 +264,12 @@ class ClusterEngine:
                 return action.text
             decision = len(history)
             for c in calls_of(action)[:calls_left]:
-                step, calls_left = await self._remote(host, "call", rid, c, decision)
+                step, calls_left, rewound = await self._remote(host, "call", rid, c, decision)
+                if rewound is not None:
+                    # A served step did not reproduce: the host cut the history back to it, with
+                    # what its call observed afresh; the policy acts again from there.
+                    history[:] = rewound
+                    break
                 history.append(step)
                 self.stats.steps += 1
         return None

@@ -44,7 +44,7 @@ from ..calls.signature import ToolCall
 from ..calls.task import Task
 from ..prefix.cache import ToolPrefixCache
 from ..prefix.tree import Node
-from ..rollout.core import Rollout, RolloutCore
+from ..rollout.core import Rewound, Rollout, RolloutCore
 from ..rollout.timeline import SampleTimeline
 from ..rollout.wiring import CoreConfig, build_core
 from ..speculation.selector import ToolSelector
@@ -316,22 +316,35 @@ class WorkspaceHost:
         r = await self.core.start(self.tasks[task_id], ctx)
         rid = self._keep(r)
         for s in replay:
-            await r.call(s.call, s.decision)
+            try:
+                await r.call(s.call, s.decision)
+            except Rewound:
+                break  # a step did not reproduce: the history returned ends at it
         return rid, list(r.history)
 
-    async def call(self, rid: str, call: ToolCall, decision: int) -> tuple[Step, int]:
-        """The step the call made, and how many calls the task's budget has left."""
+    async def call(self, rid: str, call: ToolCall, decision: int) -> tuple[Step | None, int, list[Step] | None]:
+        """The step the call made, how many calls the task's budget has left, and None; or, when
+        a served step did not reproduce (Rewound), None, the budget and the history cut back to
+        it, on which the driver's policy acts again."""
         r = self.rollouts[rid]
-        await r.call(call, decision)
-        return r.history[-1], r.calls_left
+        try:
+            await r.call(call, decision)
+        except Rewound:
+            return None, r.calls_left, list(r.history)
+        return r.history[-1], r.calls_left, None
 
     async def calls_left(self, rid: str) -> int:
         return self.rollouts[rid].calls_left
 
-    async def finish(self, rid: str, answer: str | None) -> float | None:
+    async def finish(self, rid: str, answer: str | None) -> tuple[float | None, list[Step] | None]:
+        """The reward and None; or None and the history cut back when the verifier's state had to
+        be rebuilt and a served step did not reproduce (the driver's policy acts again)."""
         r = self.rollouts[rid]
-        await r.finish(answer)
-        return r.reward
+        try:
+            await r.finish(answer)
+        except Rewound:
+            return None, list(r.history)
+        return r.reward, None
 
     async def close(self, rid: str) -> tuple[SampleTimeline, list[str]]:
         r = self.rollouts.pop(rid)
