@@ -78,9 +78,9 @@ def check_netlink() -> Check:
 
 def check_nftables() -> Check:
     if nft_available():
-        return Check("nftables", True, "python3-nftables importable; nat=True available", required=False)
+        return Check("nftables", True, "python3-nftables importable; network='bridge' available", required=False)
     return Check("nftables", False, "nftables' Python binding is not importable (apt-get install python3-nftables, "
-                 "venv with --system-site-packages); nat=True is unavailable", required=False)
+                 "venv with --system-site-packages); network='bridge' is unavailable", required=False)
 
 
 # Root inside has no CAP_NET_RAW (csrc/native.c), as in podman: ping uses ICMP datagram

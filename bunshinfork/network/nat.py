@@ -33,7 +33,7 @@ def nft_module() -> Any:
         import nftables  # Debian's python3-nftables: only a system-site-packages venv sees it
     except ImportError:
         raise NetworkError(
-            "nat=True, forks of bridged workspaces and egress policies need nftables' Python binding: "
+            "network='bridge' (its guard rules, nat=True, forks, egress policies) needs nftables' Python binding: "
             "apt-get install python3-nftables and use a venv created with --system-site-packages "
             "(or create the workspace without them)"
         ) from None
