@@ -74,7 +74,7 @@ _hardened: set[str] = set()
 def harden() -> None:
     """Once per process: the layer store's mount nosuid,nodev and its modes, and the paused
     workspaces' root (beside it) 0700."""
-    if str(STORE) in _hardened:
+    if str(STORE) in _hardened or os.geteuid() != 0:  # only root changes them (doctor may run as anyone)
         return
     if mounted():
         seal(STORE)
