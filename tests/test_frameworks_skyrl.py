@@ -118,6 +118,7 @@ def test_a_repeated_trajectory_is_served_from_the_prefix_cache() -> None:
     assert first[0]["metrics"]["executed"] == 2 and first[0]["metrics"]["cache_hits"] == 0
     repeat, deviate = again
     assert repeat["metrics"]["cache_hits"] == 2 and repeat["metrics"]["executed"] == 0  # nothing ran
+    assert (repeat["metrics"]["divergences"], repeat["metrics"]["rewound"]) == (0, 0)  # every hit reproduced
     assert repeat["observations"] == fresh[0]["observations"] and repeat["reward"] == fresh[0]["reward"] == 1.0
     # The deviating sample shares the first call's prefix, then leaves the tree: forked from the
     # cached state after it, and the state it observes is exactly a fresh run's.

@@ -281,11 +281,13 @@ def task_options(config: Mapping[str, Any]) -> tuple[str, dict[str, Any] | None]
 def rollout_metrics(r: Rollout) -> dict[str, Any]:
     """What a framework logs per trajectory: the agent's tool calls by what served them (run for
     real, skipped by the prefix cache, adopted from speculation, rejected before running),
-    speculative branches rolled back, and the verifier's reward."""
+    speculative branches rolled back, the verifier's reward, and the invariant's counters
+    (replays that diverged, rewinds, re-rolls and their seconds: SampleTimeline.invariant)."""
     agent = [kind for s, kind in zip(r.history, r.served, strict=True) if s.call.name != REWARD_TOOL]
     return {"tool_calls": len(agent), "executed": agent.count("executed"), "cache_hits": agent.count("cache"),
             "spec_hits": agent.count("speculation"), "rejected": agent.count("rejected"),
-            "spec_misses": r.timeline.count("spec_miss"), "reward": r.reward, "errors": len(r.timeline.errors)}
+            "spec_misses": r.timeline.count("spec_miss"), "reward": r.reward, "errors": len(r.timeline.errors),
+            **r.timeline.invariant()}
 
 
 __all__ = ["Runtime", "RuntimeConfig", "plain", "register_task", "resolve_task", "rollout_metrics", "task_options"]

@@ -131,7 +131,8 @@ class BunshinEnv(BaseTextEnv):
         calls served without running them (cache hits and adopted speculation)."""
         if not metrics:
             return {}
-        keys = ("tool_calls", "executed", "cache_hits", "spec_hits", "rejected", "spec_misses", "errors")
+        keys = ("tool_calls", "executed", "cache_hits", "spec_hits", "rejected", "spec_misses", "errors",
+                "divergences", "rewound", "rerolled")
         out: dict[str, Any] = {k: sum(int(m.get(k, 0)) for m in metrics) for k in keys}
         out["reward"] = sum(float(m.get("reward") or 0.0) for m in metrics) / len(metrics)
         out["served_without_running"] = (out["cache_hits"] + out["spec_hits"]) / out["tool_calls"] \
