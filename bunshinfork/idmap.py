@@ -82,7 +82,7 @@ def of(pid: int) -> IdMap:
 
 def shift_tree(top: Path, m: IdMap = WORKSPACE) -> None:
     """Give `top` and everything under it to the ids `m` maps theirs to: a rootfs's copy, or
-    what the host wrote into a new layer's upper (the init, the identity and lifetime files).
+    what the host wrote into a new layer's upper (the init and the identity files).
     Entries already in the range keep their owners."""
     _shift_one(str(top), m)
     for dirpath, dirnames, filenames in os.walk(top):

@@ -278,7 +278,7 @@ def _release(held: Held) -> None:
 def gc() -> dict[str, list[str]]:
     """Remove what crashed creators left behind: workspaces whose init is gone, snapshots whose
     owner is gone, then each part's own leftovers. Returns what was removed, by kind."""
-    # Past their deadline but still running (a lifetime file rewritten from inside), then the
+    # Past their deadline but still running (an init that did not end them), then the
     # records whose init is gone.
     # A CRIU whose caller died goes first: it may still be restoring into what follows removes.
     removed = {"process": part("process").gc()}
