@@ -1,11 +1,13 @@
 """ws.files: E2B's file-system module (read, write, list, stat, rename, remove, make_dir,
 watch_dir) inside a workspace.
 
-Every path is resolved with openat2(RESOLVE_IN_ROOT) against the workspace's root, so
-absolute symlinks and ".." planted inside the workspace can never reach the host. Relative
-paths start in the user's home. An operation for a user other than root runs with that
-user's file-system identity (users.fs_identity): the kernel checks its permissions and new
-files belong to it. Works on a paused workspace too: nothing runs inside it.
+Every path is resolved with openat2(RESOLVE_IN_ROOT) against the workspace's root (inroot),
+so absolute symlinks and ".." planted inside the workspace can never reach the host. Relative
+paths start in the user's home. An operation runs with the credentials the user has inside
+(users.as_sandbox: its ids, and for root only root's file capabilities, never the server's
+others): the kernel checks its permissions, new files belong to it, and /proc and /sys show
+what the workspace sees (kallsyms zeroed). Reads and writes open regular files only: opening
+a device or a FIFO is an act of its own. Works on a paused workspace too: nothing runs inside it.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ import stat
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import IO, Literal, TypedDict
 
-from . import idmap, inroot, native, users
+from . import idmap, inroot, users
 from .entries import EntryInfo, FileType, WriteInfo
 from .errors import FileOperationError, InvalidArgumentException, WorkspaceFileNotFound
 from .watch import Inotify, WatchHandle
 
 HOME = "/root"
+MAX_SYMLINKS = 40  # the kernel's own limit, for the dangling symlinks a write follows by hand
 CHUNK = 1 << 20
 METADATA_PREFIX = "user.e2b."  # E2B keeps file metadata in these extended attributes
 
@@ -124,6 +127,7 @@ class Files:
         self._init_pid = init_pid
         self._default_user = default_user
         self._idmap: tuple[int, idmap.IdMap] = (0, idmap.IDENTITY)  # (init pid, its namespace's map)
+        self._caps: tuple[int, int] = (0, 0)  # (init pid, root's capabilities inside)
         self.accounts = users.Accounts(self._stamp, self._read_as_root)
 
     # ---- users and paths ----
@@ -146,6 +150,12 @@ class Files:
             self._idmap = (pid, idmap.of(pid))
         return self._idmap[1]
 
+    def _root_caps(self, pid: int) -> int:
+        """Root's capabilities inside the workspace whose init is `pid`, read once per init."""
+        if self._caps[0] != pid:
+            self._caps = (pid, users.init_caps(pid))
+        return self._caps[1]
+
     @property
     def _map(self) -> idmap.IdMap:
         """The map _root read: every operation that describes or makes a file is inside one,
@@ -154,19 +164,26 @@ class Files:
 
     @contextlib.contextmanager
     def _root(self, who: users.User = users.ROOT) -> Iterator[int]:
-        # The workspace's root is opened with root's identity: the user's would not be let in.
-        pid = self._init_pid()
-        ids = self._ids(pid)
-        # In a user namespace a user is the host's shifted ids; its root stays the host's
-        # (the namespace's root has no capability over this thread's files), and what it
-        # creates is given to the namespace's root (_own).
-        with inroot.root(pid) as fd, users.fs_identity(who if who.is_root else who.shifted(ids.to_host)):
-            yield fd
+        # The host's credentials find the workspace and open its root: a user's would not be let
+        # in (a root's block nested in a user's, the accounts' read, comes here as the user).
+        with users.as_host():
+            pid = self._init_pid()
+            ids = self._ids(pid)
+            caps = self._root_caps(pid)
+            fd = inroot.open_root(pid)
+        try:
+            # The block runs as the user does inside: in a user namespace with the host's
+            # shifted ids, and root with root's capabilities inside only.
+            with users.as_sandbox(users.credentials(who, ids.to_host, caps)):
+                yield fd
+        finally:
+            os.close(fd)
 
     def _own(self, fd: int) -> None:
-        """A file the host's root just made in a userns workspace belongs to the namespace's
+        """A file made in a userns workspace by an id it does not map belongs to the namespace's
         root, as if root inside had made it (a host id shows inside as nobody). Only for files
-        this process made: an existing one may be the host's own."""
+        this process made: an existing one may be the host's own. (as_sandbox makes them with
+        the shifted ids already: this is the guard, not the rule.)"""
         ids = self._map
         if ids.shifted and not ids.maps_host(os.fstat(fd).st_uid):
             os.fchown(fd, ids.to_host(0), ids.to_host(0))
@@ -247,17 +264,7 @@ class Files:
             with self._root(who) as root:
                 # Devices, fifos and sockets are refused: /dev/zero would never end, and a fifo
                 # would wait for a writer that may never come.
-                fd = native.openat2(root, p, os.O_RDONLY | os.O_NONBLOCK)
-                try:
-                    mode = os.fstat(fd).st_mode
-                    if stat.S_ISDIR(mode):
-                        raise FileOperationError(errno.EISDIR, f"read {p} in workspace: is a directory", p)
-                    if not stat.S_ISREG(mode):
-                        raise FileOperationError(errno.EINVAL, f"read {p} in workspace: not a regular file", p)
-                    os.set_blocking(fd, True)
-                except BaseException:
-                    os.close(fd)
-                    raise
+                fd = self._open_regular(root, p, os.O_RDONLY, "read")
                 if format == "stream":
                     return FileStreamReader(fd)
                 try:
@@ -272,6 +279,26 @@ class Files:
             raise _error(e, "read", p) from e
         return data if format == "bytes" else data.decode()
 
+    def _open_regular(self, root: int, p: str, flags: int, what: str) -> int:
+        """`p` opened with `flags` if it is a regular file (symlinks followed inside the root). A
+        FIFO, a device or a socket is refused before anything opens it: the path is found as an
+        O_PATH fd, checked, and that very inode reopened through /proc/self/fd, so nothing put
+        there meanwhile is opened instead."""
+        with self._open(root, p, os.O_PATH) as found:
+            mode = os.fstat(found).st_mode
+            if stat.S_ISDIR(mode):
+                raise FileOperationError(errno.EISDIR, f"{what} {p} in workspace: is a directory", p)
+            if not stat.S_ISREG(mode):
+                raise FileOperationError(errno.EINVAL, f"{what} {p} in workspace: not a regular file", p)
+            return os.open(f"/proc/self/fd/{found}", flags | os.O_CLOEXEC | os.O_NOCTTY)
+
+    def _link_target(self, root: int, p: str) -> str:
+        """Where the symlink `p` points, as a path a following openat2 resolves as the kernel would
+        (a relative target from the link's own directory, unnormalised)."""
+        with self._open(root, posixpath.dirname(p), os.O_PATH | os.O_DIRECTORY) as parent:
+            link = os.readlink(posixpath.basename(p), dir_fd=parent)
+        return link if link.startswith("/") else posixpath.join(posixpath.dirname(p), link)
+
     # ---- writing ----
 
     def _make_dirs(self, root: int, path: str) -> None:
@@ -279,7 +306,7 @@ class Files:
         for i in range(1, len(parts) + 1):
             prefix = "/" + "/".join(parts[:i])
             try:
-                os.close(native.openat2(root, prefix, os.O_PATH | os.O_DIRECTORY))
+                os.close(inroot.named(root, prefix, os.O_PATH | os.O_DIRECTORY))
                 continue
             except OSError as e:
                 if e.errno != errno.ENOENT:
@@ -293,23 +320,33 @@ class Files:
             with self._open(root, prefix, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW) as made:
                 self._own(made)
 
-    @contextlib.contextmanager
-    def _create_or_truncate(self, root: int, p: str, mode: int) -> Iterator[int]:
-        """The file opened for writing, made if missing; only a file this call made is given
-        to the namespace's root (_own): an existing one keeps its owner, and may be the host's
-        (a /dev node bound in)."""
-        flags = os.O_WRONLY | os.O_NONBLOCK  # O_NONBLOCK: a fifo without a reader is ENXIO, not a wait
-        try:
-            fd = native.openat2(root, p, flags | os.O_CREAT | os.O_EXCL, mode)
-        except FileExistsError:
-            # O_CREAT again: a dangling symlink's target is made, as a plain open would.
-            fd = native.openat2(root, p, flags | os.O_CREAT | os.O_TRUNC, mode)
-        else:
+    def _create_regular(self, root: int, p: str, mode: int) -> int:
+        """The regular file at `p` opened for writing and truncated, made if missing; only a file
+        this call made is given to the namespace's root (_own): an existing one keeps its owner.
+        Anything but a regular file is refused unopened (_open_regular). A dangling symlink's
+        target is made, as a plain open would, by following the link here: an O_CREAT without
+        O_EXCL would open whatever a workspace process put there meanwhile, a FIFO included."""
+        target = p
+        for _ in range(MAX_SYMLINKS):
+            try:
+                fd = inroot.named(root, target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOCTTY, mode)
+            except FileExistsError:
+                try:
+                    return self._open_regular(root, target, os.O_WRONLY | os.O_TRUNC, "write")
+                except FileNotFoundError:
+                    target = self._link_target(root, target)  # dangling: make what it names
+                    continue
             try:
                 self._own(fd)
             except BaseException:
                 os.close(fd)
                 raise
+            return fd
+        raise FileOperationError(errno.ELOOP, f"write {p} in workspace: too many levels of symbolic links", p)
+
+    @contextlib.contextmanager
+    def _create_or_truncate(self, root: int, p: str, mode: int) -> Iterator[int]:
+        fd = self._create_regular(root, p, mode)
         try:
             yield fd
         finally:
@@ -318,7 +355,6 @@ class Files:
     def _write_one(self, root: int, p: str, data: WriteData, mode: int, metadata: dict[str, str] | None) -> EntryInfo:
         self._make_dirs(root, posixpath.dirname(p))
         with self._create_or_truncate(root, p, mode) as fd:
-            os.set_blocking(fd, True)
             for chunk in _chunks(data):
                 view = memoryview(chunk)
                 while view:
@@ -354,6 +390,8 @@ class Files:
                 p = self._abs(entry["path"], who)
                 try:
                     out.append(self._write_one(root, p, entry["data"], mode, metadata))
+                except FileOperationError:
+                    raise
                 except OSError as e:
                     raise _error(e, "write", p) from e
         return out

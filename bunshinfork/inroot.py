@@ -39,11 +39,17 @@ class NotBunshins(WorkspaceStateError, OSError):
     caller that copes with a missing path copes with this one the same way."""
 
 
+def open_root(init_pid: int) -> int:
+    """An O_PATH fd of the root directory of the workspace whose init is `init_pid`, for fixed()
+    and named(); the caller closes it. Opened with the caller's credentials: the host's root
+    may; a workspace's user may not."""
+    return os.open(f"/proc/{init_pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
 @contextlib.contextmanager
 def root(init_pid: int) -> Iterator[int]:
-    """An O_PATH fd of the root directory of the workspace whose init is `init_pid`, for fixed()
-    and named(). Opened with the caller's credentials: the host's root may; a workspace's user may not."""
-    fd = os.open(f"/proc/{init_pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    """open_root() for the block."""
+    fd = open_root(init_pid)
     try:
         yield fd
     finally:

@@ -2,9 +2,10 @@
 
 Names resolve through the workspace's own /etc/passwd and /etc/group, never the host's. A
 command switches to the user inside the workspace (the init does setgroups/setgid/setuid
-before exec); a file operation done from the host takes the user's file-system identity for
-the calling thread only (setfsuid, setfsgid and a per-thread setgroups), so the kernel checks
-permissions and gives new files the owner it would give them inside.
+before exec); a file operation done from the host takes the user's credentials for the
+calling thread only (as_sandbox: per-thread setresuid, setresgid, setgroups and capset), so
+the kernel checks permissions, gives new files the owner, and shows /proc and /sys as it
+would inside.
 """
 
 from __future__ import annotations
@@ -18,9 +19,21 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-# Raw system call numbers: glibc's setgroups() would change every thread of this process.
-_SYSCALLS = {"x86_64": (122, 123, 116), "aarch64": (151, 152, 159)}  # setfsuid, setfsgid, setgroups
+# Raw system call numbers: glibc's set*id() and setgroups() change every thread of the process
+# (it signals each one); the system calls themselves change the calling thread only.
+_SYSCALLS = {"x86_64": {"setgroups": 116, "setresuid": 117, "setresgid": 119, "capget": 125, "capset": 126},
+             "aarch64": {"setgroups": 159, "setresuid": 147, "setresgid": 149, "capget": 90, "capset": 91}}
 _libc = ctypes.CDLL(None, use_errno=True)
+
+# The most a file operation as root inside a workspace holds: Docker's default capability set
+# (CHOWN, DAC_OVERRIDE, FOWNER, FSETID, KILL, SETGID, SETUID, SETPCAP, NET_BIND_SERVICE, NET_RAW,
+# SYS_CHROOT, MKNOD, AUDIT_WRITE, SETFCAP), cut to what the workspace's init holds. Nothing else
+# of the server's: CAP_SYSLOG reads kernel addresses, CAP_SYS_PTRACE any process's /proc files,
+# CAP_SYS_ADMIN much more. The whole set and not only the file capabilities: the kernel lets a
+# caller into another process's /proc entries when its capabilities cover that process's, so
+# root's /proc/1/... answers as it does inside.
+ROOT_CAPS_MAX = sum(1 << c for c in (0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 27, 29, 31))
+_CAP_V3 = 0x20080522
 
 
 @dataclass(frozen=True)
@@ -117,62 +130,152 @@ def names_by_id(text: str, field: int) -> dict[int, str]:
     return out
 
 
-def _syscall(nr: int, *args: object) -> int:
+def _syscall(name: str, *args: object) -> int:
+    try:
+        nr = _SYSCALLS[platform.machine()][name]
+    except KeyError:
+        raise OSError(errno.ENOSYS, f"per-thread credentials are not wired up for {platform.machine()}") from None
     rc = _libc.syscall(nr, *args)
     if rc == -1:
         e = ctypes.get_errno()
-        raise OSError(e, os.strerror(e))
+        raise OSError(e, f"{name}: {os.strerror(e)}")
     return int(rc)
 
 
-def _numbers() -> tuple[int, int, int]:
-    try:
-        return _SYSCALLS[platform.machine()]
-    except KeyError:
-        raise OSError(errno.ENOSYS, f"per-thread credentials are not wired up for {platform.machine()}") from None
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
 
 
-def _set_groups(groups: tuple[int, ...] | list[int]) -> None:
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def _capget() -> tuple[int, int, int]:
+    """The calling thread's (effective, permitted, inheritable) capability sets."""
+    data = (_CapData * 2)()
+    _syscall("capget", ctypes.byref(_CapHeader(_CAP_V3, 0)), data)
+    effective, permitted, inheritable = ((getattr(data[1], f) << 32) | getattr(data[0], f)
+                                         for f in ("effective", "permitted", "inheritable"))
+    return effective, permitted, inheritable
+
+
+def _capset(effective: int, permitted: int, inheritable: int) -> None:
+    data = (_CapData * 2)()
+    for i in (0, 1):
+        data[i].effective, data[i].permitted, data[i].inheritable = (
+            (v >> (32 * i)) & 0xFFFFFFFF for v in (effective, permitted, inheritable))
+    _syscall("capset", ctypes.byref(_CapHeader(_CAP_V3, 0)), data)
+
+
+def _set_groups(groups: tuple[int, ...]) -> None:
     arr = (ctypes.c_uint * max(len(groups), 1))(*groups)
-    _syscall(_numbers()[2], ctypes.c_size_t(len(groups)), arr)
+    _syscall("setgroups", ctypes.c_size_t(len(groups)), arr)
 
 
-_current = threading.local()  # the identity fs_identity gave this thread, if any
+@dataclass(frozen=True)
+class Credentials:
+    """A thread's identity for a file operation: host ids, and the effective capabilities kept."""
+
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+    caps: int
 
 
-def _take(user: User) -> None:
-    setfsuid, setfsgid, _ = _numbers()
-    if user.is_root:
-        _libc.syscall(setfsuid, 0)
-        _libc.syscall(setfsgid, 0)
-        _set_groups(getattr(_current, "saved_groups", [0]))
+def credentials(user: User, to_host: Callable[[int], int], root_caps: int) -> Credentials:
+    """What `user` of a workspace is on the host: its ids through the namespace's map, and
+    `root_caps` (root's effective set inside) within ROOT_CAPS_MAX for root, none for anyone else."""
+    shifted = user.shifted(to_host)
+    return Credentials(shifted.uid, shifted.gid, shifted.groups, root_caps & ROOT_CAPS_MAX if user.is_root else 0)
+
+
+def init_caps(pid: int) -> int:
+    """The effective capability set of process `pid` (a workspace's init: root's inside), 0 if unknown."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return int(line.split()[1], 16)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+@dataclass(frozen=True)
+class _Host:
+    """The thread's own credentials, put back when it leaves the workspace's."""
+
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+    caps: tuple[int, int, int]
+
+    @classmethod
+    def now(cls) -> _Host:
+        return cls(os.geteuid(), os.getegid(), tuple(os.getgroups()), _capget())
+
+
+_thread = threading.local()  # .host: _Host, .current: the Credentials taken (None: the host's)
+
+
+def _take(c: Credentials | None) -> None:
+    """Give the calling thread `c` (None: its host credentials). The real and saved uids stay the
+    host's root, so the permitted set is kept and the way back is open to this thread only;
+    the effective set, the euid (which the kernel's checks of /proc/sys and ptrace use, not
+    only the fsuid) and the groups are the workspace's."""
+    host: _Host = _thread.host
+    was: Credentials | None = getattr(_thread, "current", None)
+    if was is not None:
+        # Back to the host first: euid 0 gives the effective set back (cap_emulate_setxuid), and
+        # only then may the gids and groups change again.
+        if was.uid != host.uid:
+            _syscall("setresuid", -1, host.uid, -1)
+        _capset(*host.caps)
+        if was.gid != host.gid:
+            _syscall("setresgid", -1, host.gid, -1)
+        if was.groups != host.groups:
+            _set_groups(host.groups)
+    _thread.current = None
+    if c is None:
         return
-    _set_groups(user.groups)
-    _libc.syscall(setfsgid, user.gid)
-    _libc.syscall(setfsuid, user.uid)
+    _thread.current = c  # set first: a failure half-way is undone from here
+    if c.groups != host.groups:
+        _set_groups(c.groups)
+    if c.gid != host.gid:
+        _syscall("setresgid", -1, c.gid, -1)
+    if c.uid != host.uid:
+        _syscall("setresuid", -1, c.uid, -1)  # the fsuid follows; a non-zero euid clears the effective set
+    _, permitted, inheritable = host.caps
+    _capset(c.caps & permitted, permitted, inheritable)
 
 
 @contextlib.contextmanager
-def fs_identity(user: User) -> Iterator[None]:
-    """Take `user`'s file-system identity in the calling thread for the block (nested blocks
-    included: root's inside a user's is root's again).
-
-    Leaving fsuid 0 drops CAP_DAC_OVERRIDE and the other file capabilities from the thread's
-    effective set, and going back to 0 restores them, so the block is checked as the user is.
-    """
-    outer: User = getattr(_current, "user", ROOT)
-    if outer == user:
+def _switched(c: Credentials | None) -> Iterator[None]:
+    outer: Credentials | None = getattr(_thread, "current", None)
+    if outer == c:
         yield
         return
-    if outer.is_root:
-        _current.saved_groups = os.getgroups()
-    _take(user)
-    _current.user = user
+    if outer is None:
+        _thread.host = _Host.now()
     try:
+        _take(c)
         yield
     finally:
         _take(outer)
-        _current.user = outer
+
+
+def as_sandbox(c: Credentials) -> contextlib.AbstractContextManager[None]:
+    """Run the block in the calling thread with credentials `c` only: what the kernel lets the
+    block do is what it lets the workspace's user do (its ids, root's capabilities at most),
+    on files and on /proc and /sys alike (kallsyms is zeroed, another user's process files are
+    closed). Nested blocks take theirs and give the outer one back."""
+    return _switched(c)
+
+
+def as_host() -> contextlib.AbstractContextManager[None]:
+    """The thread's own credentials for the block, inside an as_sandbox block: opening a
+    workspace's root needs the host's (a no-op outside one)."""
+    return _switched(None) if getattr(_thread, "current", None) is not None else contextlib.nullcontext()
 
 
 class Accounts:

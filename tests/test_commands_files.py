@@ -362,6 +362,8 @@ def test_proc_magic_links_are_not_followed(ws: Workspace) -> None:
     try:
         content = ws.files.read("/root/magic")
     except FileOperationError as e:
-        assert e.errno == errno.ELOOP
+        # ELOOP: the magic link is refused; EACCES: the init's /proc entries are closed to the
+        # files API, as they are to root inside (it has no CAP_SYS_PTRACE).
+        assert e.errno in (errno.ELOOP, errno.EACCES)
     else:
         assert content != Path("/etc/passwd").read_text()

@@ -17,7 +17,7 @@ from helpers import run_ok
 from test_rootfs import _minimal_bash_rootfs
 
 from bunshinfork import idmap, pipeline
-from bunshinfork.errors import SpecError
+from bunshinfork.errors import FileOperationError, SpecError
 from bunshinfork.fs import rootfs
 from bunshinfork.memory import cow
 from bunshinfork.workspace import Snapshot, Workspace
@@ -184,9 +184,11 @@ def test_the_files_api_creates_files_as_the_users_inside() -> None:
         # Inside's own nobody (host uid 165534) is a user like any other, not a host id.
         assert ws.files.write("/tmp/by-nobody", "x", user="nobody").owner == "nobody"
         assert os.stat(f"/proc/{ws.init_pid}/root/tmp/by-nobody").st_uid == idmap.BASE + idmap.OVERFLOW
-        # Writing to an existing file keeps its owner: /dev/null is the host's own node.
+        # A device is never opened for writing (only regular files are), and keeps its owner:
+        # /dev/null is the host's own node.
         before = os.stat("/dev/null")
-        ws.files.write("/dev/null", "discarded")
+        with pytest.raises(FileOperationError, match="not a regular file"):
+            ws.files.write("/dev/null", "discarded")
         assert os.stat("/dev/null")[4:6] == before[4:6]
         assert ws.files.get_info("/dev/null").owner == "nobody"  # a host id: the overflow id
 
