@@ -25,12 +25,17 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 
 def storage_root(storage_dir: str | None) -> Path:
+    """Where layers live (made, with its modes, if missing): a layer, a frozen layer or a saved
+    snapshot's imported one goes nowhere else."""
     if storage_dir is None:
-        return store.default_root()
-    p = Path(storage_dir)
-    if not p.is_dir():
-        raise SpecError(f"storage_dir {storage_dir} does not exist; create it or use setup_btrfs_loop()")
-    return p / "bunshin-layers"
+        root = store.default_root()
+    else:
+        p = Path(storage_dir)
+        if not p.is_dir():
+            raise SpecError(f"storage_dir {storage_dir} does not exist; create it or use setup_btrfs_loop()")
+        root = p / "bunshin-layers"
+    _prepare(root)
+    return root
 
 
 _swept: set[str] = set()
@@ -53,7 +58,6 @@ def create_layer(ws_id: str, storage_dir: str | None, disk_limit: int | None = N
     """A new empty layer, held to `disk_limit` bytes: a qgroup limit on btrfs, a tmpfs of that
     size on a tmpfs root (the state root's, where there is no layer store)."""
     root = storage_root(storage_dir)
-    _prepare(root)
     path = root / ws_id
     if is_btrfs(root):
         btrfsutil.create_subvolume(str(path))
