@@ -16,7 +16,7 @@ from pathlib import Path
 from .. import state
 from ..contract import Build, Capture, Check, Held, Part
 from ..errors import CgroupError
-from . import cgroup
+from . import cgroup, devices
 from .cgroup import Cgroup, detect, leftover_cgroups
 
 __all__ = ["Cgroup", "CgroupsPart", "detect", "leftover_cgroups"]
@@ -62,9 +62,31 @@ def check_cgroups() -> Check:
     return Check("cgroups", True, detail, required=True)
 
 
+def check_device_allowlist() -> Check:
+    """Whether this kernel runs cgroup BPF device programs (CONFIG_CGROUP_BPF), which every
+    non-privileged workspace's cgroup gets (devices.py): tried on a cgroup of its own."""
+    root = cgroup.CGROUP_ROOT
+    try:
+        base = root if detect(root) == "v2" else cgroup.unified_root(root)
+        probe = base / f"bunshin-devices-probe-{os.getpid()}"
+        probe.mkdir()
+    except (CgroupError, OSError) as e:
+        return Check("device allowlist", False, f"no cgroup2 directory to try it on: {e}", required=True)
+    try:
+        devices.restrict(str(probe))
+    except OSError as e:
+        return Check("device allowlist", False, f"a BPF device program does not attach ({e.strerror}): "
+                     "workspaces cannot be created; the kernel needs CONFIG_CGROUP_BPF", required=True)
+    finally:
+        with contextlib.suppress(OSError):
+            probe.rmdir()
+    return Check("device allowlist", True, "BPF device programs attach: workspaces open only the standard nodes",
+                 required=True)
+
+
 class CgroupsPart(Part):
     name = "cgroups"
-    probes = (check_cgroups,)
+    probes = (check_cgroups, check_device_allowlist)
 
     def prepare(self, b: Build) -> None:
         self._create(b, b.rec.spec.cgroup)
