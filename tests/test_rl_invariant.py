@@ -198,7 +198,7 @@ def test_nothing_speculates_on_a_diverged_workspace(monkeypatch: pytest.MonkeyPa
             recorded = await a.call(C("liar"))
         finally:
             await a.close()
-        b = await core.start(task, SampleContext(task.id, 1, 0))
+        b = await core.start(task, SampleContext(task.id, 1, 0), rewinds=True)
         try:
             assert await b.call(C("bump", {"n": 1})) == "1"
             chain.append(C("state"))  # from now on the selector predicts a chain
@@ -214,6 +214,39 @@ def test_nothing_speculates_on_a_diverged_workspace(monkeypatch: pytest.MonkeyPa
             assert b.history[1].observation != recorded
             await b.call(C("state"))
             _assert_state_is_the_history(b.history)
+        finally:
+            await b.close()
+            await core.close()
+            cache.close()
+
+    asyncio.run(main())
+
+
+def test_a_driver_that_cannot_rewind_gets_the_trajectory_refused() -> None:
+    """verl's and SkyRL's conversations cannot be cut back: their rollouts (rewinds=False) are
+    refused at a step that does not reproduce, never continued on a state their history does
+    not describe: the call fails, every later call fails, and nothing is scored."""
+    cache = _cache()
+    core = RolloutCore(cache=cache, prefetch=False, critical_path_captures=False)
+    task = counter_task()
+
+    async def main() -> None:
+        a = await core.start(task, SampleContext(task.id, 0, 0))
+        try:
+            await a.call(C("bump", {"n": 1}))
+            await a.call(C("liar"))
+        finally:
+            await a.close()
+        b = await core.start(task, SampleContext(task.id, 1, 0))
+        try:
+            await b.call(C("bump", {"n": 1}))
+            await b.call(C("liar"))  # served
+            with pytest.raises(Exception, match="did not reproduce"):
+                await b.call(C("bump", {"n": 2}))  # a miss: the rebuild replays liar
+            with pytest.raises(RuntimeError, match="refused"):
+                await b.call(C("state"))
+            assert b.refused and await b.finish("done") is None
+            assert b.timeline.rewound == 1
         finally:
             await b.close()
             await core.close()

@@ -313,7 +313,7 @@ class WorkspaceHost:
     async def start(self, task_id: str, ctx: SampleContext, replay: Sequence[Step] = ()) -> tuple[str, list[Step]]:
         """One sample's rollout; `replay`: the steps it had taken on a host that died, issued
         again here (the cache serves what this shard holds). Returns the steps as observed here."""
-        r = await self.core.start(self.tasks[task_id], ctx)
+        r = await self.core.start(self.tasks[task_id], ctx, rewinds=True)
         rid = self._keep(r)
         for s in replay:
             try:

@@ -296,11 +296,12 @@ class RolloutCore:
         return out
 
     async def start(self, task: Task, ctx: SampleContext, *, group: str | None = None,
-                    origin: float | None = None) -> Rollout:
+                    origin: float | None = None, rewinds: bool = False) -> Rollout:
         """One sample's rollout, for drivers that see samples one by one (verl, SkyRL). Samples
         started with the same `group` key (verl's uid) while another member is still open fork
         one snapshot of the task's initialized workspace; with a cache every sample of the task
-        stands on the cache's root state."""
+        stands on the cache's root state. rewinds: whether the driver acts again on a history cut
+        back by Rewound (see Rollout.rewinds)."""
         origin = time.monotonic() if origin is None else origin
         tl = self._timeline(ctx, origin)
         t0 = time.monotonic() - origin
@@ -328,6 +329,7 @@ class RolloutCore:
             r = Rollout(self, task, ctx, tl, origin, None, ws, group=key)
             await r._note_fork(ws)
         r.timeline.add("setup", t0, r.now())
+        r.rewinds = rewinds
         return r
 
     def _leave(self, key: tuple[str, str]) -> None:
@@ -468,6 +470,11 @@ class Rollout:
         self.node = node
         self.state: State = Live(ws) if ws is not None else Idle()
         self.history: list[Step] = []
+        # Whether the driver acts again on a history cut back by Rewound (RolloutEngine, the Ray
+        # cluster). A driver that cannot (its model's conversation goes on) gets the trajectory
+        # refused instead: after a rewind every call fails and finish() scores nothing.
+        self.rewinds = True
+        self.refused = False
         # Per step, the prefix-tree node it moved the sample to (None: off the tree), so that a
         # replay diverging at a node names the step to rewind to.
         self._nodes: list[Node | None] = []
@@ -521,6 +528,9 @@ class Rollout:
         async with self._lock:
             if self.closed:
                 raise RuntimeError(f"rollout {self.ctx.task_id}/{self.ctx.sample} is closed")
+            if self.refused:
+                raise RuntimeError(f"rollout {self.ctx.task_id}/{self.ctx.sample} is refused: a step it was served "
+                                   "did not reproduce, and its driver cannot rewind")
             self._served = "executed"
             started = self.now()
             step = Step(call, await self._step(call), len(self.history) if decision is None else decision)
@@ -536,7 +546,7 @@ class Rollout:
         """The agent is done (answer: its final text; None when its budget ended the episode).
         With a verifier, the task's reward is read from the state the trajectory built."""
         self.timeline.answer = answer
-        if self.task.verify is None:
+        if self.task.verify is None or self.refused:
             return None
         obs = await self.call(ToolCall(REWARD_TOOL))
         try:
@@ -793,6 +803,7 @@ class Rollout:
         self._started[j:] = [self._started[j]]
         self.timeline.steps[j:] = [fresh]
         self.timeline.errors.append(f"rewound to step {j}: {e}")
+        self.refused = not self.rewinds
         raise Rewound(j, e.fresh, dropped)
 
     async def _execute(self, call: ToolCall, tool: Tool, reusable: bool) -> str:
