@@ -54,6 +54,34 @@ class H(http.server.BaseHTTPRequestHandler):
         pass
 http.server.ThreadingHTTPServer(("0.0.0.0", 8000), H).serve_forever()
 """
+# One WebSocket message echoed with the path it came to (a server with nothing but the socket
+# module, as the sandbox's python has no WebSocket library).
+WS_ECHO = r"""
+import base64, hashlib, socket
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", 8001))
+s.listen()
+while True:
+    c, _ = s.accept()
+    req = b""
+    while b"\r\n\r\n" not in req and (chunk := c.recv(4096)):
+        req += chunk
+    if b"\r\n\r\n" not in req:  # a readiness probe
+        c.close()
+        continue
+    lines = req.split(b"\r\n")
+    key = [v.split(b":", 1)[1].strip() for v in lines if v.lower().startswith(b"sec-websocket-key:")][0]
+    accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+    c.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+              b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n")
+    head = c.recv(2)
+    mask = c.recv(4)
+    data = bytes(b ^ mask[i % 4] for i, b in enumerate(c.recv(head[1] & 0x7F)))
+    reply = lines[0].split(b" ")[1] + b" " + data
+    c.sendall(bytes([0x81, len(reply)]) + reply)
+    c.close()
+"""
 
 
 class Listener:
@@ -124,8 +152,11 @@ def sandboxes(served: support.Served) -> Iterator[dict[str, e2b.Sandbox]]:
         made.append(victim)
         victim.files.write("/tmp/echo.py", ECHO)
         victim.commands.run("python3 /tmp/echo.py", background=True)
-        victim.commands.run("for i in $(seq 200); do python3 -c 'import socket; socket.create_connection("
-                            "(\"127.0.0.1\", 8000), 1)' 2>/dev/null && exit 0; sleep 0.05; done; exit 1")
+        victim.files.write("/tmp/ws.py", WS_ECHO)
+        victim.commands.run("python3 /tmp/ws.py", background=True)
+        victim.commands.run("for p in 8000 8001; do for i in $(seq 200); do python3 -c 'import socket, sys; "
+                            "socket.create_connection((\"127.0.0.1\", int(sys.argv[1])), 1)' $p 2>/dev/null "
+                            "&& continue 2; sleep 0.05; done; exit 1; done")
         yield {"created": created, "fork": fork, "resumed": resumed, "victim": victim}
     finally:
         for s in made:
@@ -225,6 +256,23 @@ def test_proxy_targets_stay_in_the_sandbox(served: support.Served, sandboxes: di
     assert ws in (400, 403), ws
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_proxy_reaches_each_sandboxs_own_port(served: support.Served, sandboxes: dict[str, e2b.Sandbox],
+                                              kind: str) -> None:
+    """What the proxy is for still works from parts: each sandbox's own port (a fork's through
+    the server's forwarder into its namespace), with the path and query as sent."""
+    sbx = sandboxes[kind]
+    sbx.files.write(f"/tmp/www-{kind}/a@b/index.html", f"hello from {sbx.sandbox_id}")
+    server = sbx.commands.run(f"python3 -m http.server 8002 -d /tmp/www-{kind}", background=True)
+    try:
+        sbx.commands.run("for i in $(seq 200); do python3 -c 'import socket; socket.create_connection("
+                         "(\"127.0.0.1\", 8002), 1)' 2>/dev/null && exit 0; sleep 0.05; done; exit 1")
+        r = httpx.get(served.url + "/a%40b/index.html?x=@y", headers={"Host": sbx.get_host(8002)}, timeout=30)
+        assert r.status_code == 200 and r.text == f"hello from {sbx.sandbox_id}", r.text
+    finally:
+        server.kill()
+
+
 def test_proxy_strips_e2bs_headers(served: support.Served, sandboxes: dict[str, e2b.Sandbox]) -> None:
     victim = sandboxes["victim"]
     token = victim.traffic_access_token
@@ -235,6 +283,35 @@ def test_proxy_strips_e2bs_headers(served: support.Served, sandboxes: dict[str, 
     assert r.status_code == 200, r.text
     seen = set(r.json())
     assert "x-kept" in seen and not seen & E2B_HEADERS, seen
+
+
+def test_proxy_relays_websockets(served: support.Served, sandboxes: dict[str, e2b.Sandbox]) -> None:
+    """A WebSocket through the proxy still reaches the sandbox's port, its path as sent, with the
+    traffic token; without the token it is refused before it reaches the sandbox."""
+    victim = sandboxes["victim"]
+    host, port = served.url.removeprefix("http://").rsplit(":", 1)
+    for token, want in ((victim.traffic_access_token, b"/chat?x=%40y hello"), (None, None)):
+        with socket.create_connection((host, int(port)), 15) as s:
+            s.settimeout(15)
+            auth = f"e2b-traffic-access-token: {token}\r\n" if token else ""
+            s.sendall(f"GET /chat?x=%40y HTTP/1.1\r\nHost: {victim.get_host(8001)}\r\nUpgrade: websocket\r\n"
+                      "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                      f"Sec-WebSocket-Version: 13\r\n{auth}\r\n".encode())
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += s.recv(1)
+            if want is None:
+                assert head.startswith(b"HTTP/1.1 403"), head
+                continue
+            assert head.startswith(b"HTTP/1.1 101"), head
+            mask, data = os.urandom(4), b"hello"
+            s.sendall(bytes([0x81, 0x80 | len(data)]) + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(data)))
+            frame = s.recv(2)
+            assert frame[0] == 0x81
+            got = b""
+            while len(got) < frame[1]:
+                got += s.recv(frame[1] - len(got))
+            assert got == want
 
 
 # ---- the Hypothesis test: random targets, Host names and repeated headers ----
