@@ -30,7 +30,7 @@ from bunshinfork.e2b.sandbox import ensure_default_user
 from bunshinfork.errors import FileOperationError, WorkspaceStateError
 from bunshinfork.workspace import Workspace
 
-KINDS = ["created", "clone", "resumed"]
+KINDS = ["created", "clone", "resumed", "userns"]
 # Holds /tmp/fifo open for reading (and writing, so that it never reads an end) and keeps what
 # arrives up to "done".
 READER = """
@@ -46,11 +46,11 @@ open("/tmp/got", "wb").write(got)
 
 @contextlib.contextmanager
 def _subject(kind: str, setup: Callable[[Workspace], object] = lambda ws: None) -> Iterator[Workspace]:
-    """A workspace of `kind`: created, a clone of a created one, or one paused to disk and
-    resumed; `setup` runs in it first (before the fork or the pause)."""
-    with Workspace.create() as src:
+    """A workspace of `kind`: created, a clone of a created one, one paused to disk and resumed,
+    or one in a user namespace; `setup` runs in it first (before the fork or the pause)."""
+    with Workspace.create(rootfs="debian", userns=True) if kind == "userns" else Workspace.create() as src:
         setup(src)
-        if kind == "created":
+        if kind in ("created", "userns"):
             yield src
         elif kind == "clone":
             with fork_of(src, 1) as clones:
