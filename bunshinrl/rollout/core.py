@@ -113,8 +113,8 @@ class Rewound(RuntimeError):
     the deepest captured state on the sample's path, its call observed `observation` instead.
     The rollout's history is cut back to that step with the fresh observation and its workspace
     is in the state after it; the driver's policy acts again on `rollout.history` (the call that
-    raised this did not run). Drivers that cannot restart their conversation let it fail the
-    sample rather than continue on a state the history does not describe."""
+    raised this did not run). A driver that cannot cut its conversation back (Rollout.rewinds
+    False) gets the trajectory refused: every later call fails and nothing is scored."""
 
     def __init__(self, step: int, observation: str, dropped: int) -> None:
         super().__init__(f"step {step} did not reproduce on replay: history cut back ({dropped} steps dropped)")
