@@ -85,10 +85,10 @@ def bunshin_socket(init_pid: int, path: str) -> Iterator[str]:
         fd = fixed(r, path, os.O_PATH)
     try:
         st = os.fstat(fd)
-        # The init and its shims run as the namespace's root; CRIU binds a clone's sockets as
-        # the host's root. Nobody else can have made bunshin's sockets.
-        ours = st.st_uid == 0 or st.st_uid == idmap.of(init_pid).to_host(0)
-        if not stat.S_ISSOCK(st.st_mode) or not ours:
+        # The init and its shims bind as the namespace's root (and CRIU restores a clone's and a
+        # resumed workspace's sockets with that owner): in a user namespace no one inside but
+        # root could have made this one.
+        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != idmap.of(init_pid).to_host(0):
             raise NotBunshins(errno.EPERM, f"{path} in the workspace is not bunshin's socket (mode "
                                            f"{st.st_mode:o}, owner {st.st_uid}): refusing to connect")
         yield f"/proc/self/fd/{fd}"
