@@ -205,7 +205,8 @@ def test_only_native_imports_the_compiled_module() -> None:
 
 PUBLIC_MODULES = ("bunshinfork.aio", "bunshinfork.aio.commands", "bunshinfork.aio.files", "bunshinfork.aio.pool",
                   "bunshinfork.aio.workspace", "bunshinfork.commands", "bunshinfork.files",
-                  "bunshinfork.images.templates", "bunshinfork.images.warm", "bunshinfork.users")
+                  "bunshinfork.images.reference", "bunshinfork.images.templates", "bunshinfork.images.warm",
+                  "bunshinfork.users")
 
 
 def _public_sdk() -> dict[str, set[str] | None]:
@@ -215,7 +216,8 @@ def _public_sdk() -> dict[str, set[str] | None]:
     allowed: dict[str, set[str] | None] = {"bunshinfork": None, "bunshinfork.errors": None}
     # The SDK's other public modules: the asyncio tree, and those whose objects a Workspace's
     # public attributes hand out (ws.commands, ws.pty, ws.files, the accounts files the
-    # commands run as), and the template store (`bunshin template`); any of their public names.
+    # commands run as), the template store (`bunshin template`), and the image reference grammar
+    # (serve's template allowlist compares names as it parses them); any of their public names.
     allowed |= dict.fromkeys(PUBLIC_MODULES)
     for name in bunshinfork.__all__:
         obj = getattr(bunshinfork, name)
