@@ -5,7 +5,7 @@ One step = one epoch:
 1. check that the rollout backend serves the learner's current weight version;
 2. roll out every task `group_size` times with RolloutEngine (Base, Spec or Full); the reward is
    read from each rollout's final workspace state;
-3. rebuild each episode's token sequences from the backend's recorded turns (turns.py): the loss
+3. rebuild each episode's token sequences from the backend's recorded turns (policies/turns.py): the loss
    mask is 1 on the tokens the policy generated only;
 4. group-relative advantages per episode; the learner recomputes every generated token's
    log-prob (their distance to the backend's is `logprob_drift`); `updates_per_epoch` clipped
