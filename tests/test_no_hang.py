@@ -50,8 +50,9 @@ def _count(ws: Workspace, path: str) -> int:
 
 
 def _tty(ws: Workspace, keys: str) -> None:
-    """Type into the interactive shell's terminal (a pty that `script` runs it on)."""
-    ws.files.write("/root/tty.in", keys)
+    """Type into the interactive shell's terminal (a pty that `script` runs it on), from inside:
+    the files API writes regular files only (a FIFO planted by the sandbox could block the host)."""
+    ws.commands.run(["sh", "-c", 'printf %s "$1" > /root/tty.in', "sh", keys])
 
 
 def _jobs(ws: Workspace) -> str:
