@@ -222,6 +222,38 @@ def test_nothing_speculates_on_a_diverged_workspace(monkeypatch: pytest.MonkeyPa
     asyncio.run(main())
 
 
+def test_adopting_a_speculative_call_a_sibling_recorded_otherwise_leaves_the_tree(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A speculative branch ran the sample's next call; by the time the sample issues it, a
+    sibling has recorded that call under the same node with another observation. The sample
+    adopts its own branch's observation and may not stand on the sibling's node."""
+    cache = ToolPrefixCache(SnapshotBackend(), 1 << 40, background=False)
+    spec = Speculator(depth=1)
+    core = RolloutCore(cache=cache, speculator=spec, prefetch=False, critical_path_captures=False)
+    task = counter_task()
+    nxt = C("touch", {"name": "a"})
+    monkeypatch.setattr(spec, "predict", lambda *a, **k: [nxt] if len(a[2]) == 1 else [])
+
+    async def main() -> None:
+        r = await core.start(task, SampleContext(task.id, 0, 0), rewinds=True)
+        try:
+            await r.call(C("bump", {"n": 1}))  # runs for real; the branch then runs touch
+            parent = r.node
+            assert parent is not None
+            sibling, created = cache.begin(parent, nxt)
+            assert created
+            cache.complete(sibling, "what a sibling saw", 0.1)
+            assert await r.call(nxt) == "a\n" and r.served[-1] == "speculation"
+            assert r.node is not sibling, "placed on a node whose observation it was not shown"
+            assert r.node is None and r.timeline.divergences == 1
+        finally:
+            await r.close()
+            await core.close()
+            cache.close()
+
+    asyncio.run(main())
+
+
 def test_a_driver_that_cannot_rewind_gets_the_trajectory_refused() -> None:
     """verl's and SkyRL's conversations cannot be cut back: their rollouts (rewinds=False) are
     refused at a step that does not reproduce, never continued on a state their history does
