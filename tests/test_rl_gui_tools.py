@@ -28,8 +28,8 @@ def test_launch_app_and_open_page_then_the_task_is_solved() -> None:
         assert env.call(ws, "launch_app", app="editor") == "started editor"
         listing = env.call(ws, "list_windows")
         assert "Mousepad" in listing and "'Editor help - Chromium'" in listing, listing
-        # The workspace's hostname (its id: a fork's differs) is no part of what the agent sees,
-        # or a replay of the listing in another workspace never matches what was recorded.
+        # The workspace's id (its hostname before clones kept their source's) is no part of what
+        # the agent sees, or a replay of the listing in another workspace never matches.
         assert ws.id not in listing, listing
         assert env.call(ws, "activate_window", title="Mousepad").startswith("activated")
         env.call(ws, "key", combo="ctrl+a")

@@ -175,7 +175,8 @@ class GuiWorkspace(Desktop):
             # id, desktop, pid, x, y, width, height, client host, title (may hold spaces). The
             # WM_CLASS column is read apart (_instance): an instance may hold spaces, and a split
             # of wmctrl -x's line put Chromium's client host (the workspace's hostname, which
-            # differs in every fork) into its title, so a replayed listing never matched.
+            # differed in every fork before clones kept their source's) into its title, so a
+            # replayed listing never matched.
             parts = line.split(None, 8)
             if len(parts) < 8:
                 continue
