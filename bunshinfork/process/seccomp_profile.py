@@ -1,7 +1,7 @@
 """The workspaces' seccomp filter: Docker's default profile, built with libseccomp's bindings.
 
 Docker renders its profile for a container's capabilities and the host's architecture; this
-is that rendering for a workspace: Docker's default capability set without CAP_MKNOD (see
+is that rendering for a workspace: Docker's default capability set without CAP_MKNOD and CAP_NET_RAW (see
 `kept_caps` in csrc/native.c) on x86-64, with its i386 and x32 sub-architectures. What is
 not allowed fails with EPERM (Docker's default action), clone3 with ENOSYS (so that glibc
 falls back to clone, whose namespace flags are refused). Among what it refuses: mount,
