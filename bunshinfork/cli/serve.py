@@ -17,6 +17,28 @@ from typing import Any
 from .common import Verb
 
 DEFAULT_ROOT = Path(os.environ.get("BUNSHIN_SERVE_ROOT", "/var/lib/bunshin/serve"))
+MAX_CONNECTIONS = 1024
+
+
+class DEFAULTS:
+    """serve.limits.Limits()'s defaults, here so that building the CLI imports no server (a test
+    checks they agree)."""
+
+    max_sandboxes = 100
+    memory_mb = 512
+    pids = 1024
+    max_upload_bytes = 256 << 20
+    header_timeout = 10.0
+
+KEEP_ALIVE_S = 5
+MAX_HEAD_BYTES = 64 * 1024  # a request's head (line and headers) at most: h11 answers 431 past it
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -41,6 +63,25 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "private or link-local)")
     p.add_argument("--allow-registry", action="append", default=[], metavar="HOST[:PORT]",
                    help="offer any registry:REF from this registry, loopback or private ones too (repeatable)")
+    limits = DEFAULTS
+    p.add_argument("--max-sandboxes", type=_positive, default=limits.max_sandboxes, metavar="N",
+                   help=f"running sandboxes at once, forks included (default {limits.max_sandboxes}); past it "
+                        "creates and forks are answered 429")
+    p.add_argument("--sandbox-memory-mb", type=_positive, default=limits.memory_mb, metavar="MB",
+                   help=f"each sandbox's memory limit (default {limits.memory_mb}, E2B's base template's)")
+    p.add_argument("--sandbox-pids", type=_positive, default=limits.pids, metavar="N",
+                   help=f"each sandbox's process and thread limit (default {limits.pids})")
+    p.add_argument("--max-upload-bytes", type=_positive, default=limits.max_upload_bytes, metavar="BYTES",
+                   help=f"the largest /files upload or envd request body (default {limits.max_upload_bytes}, "
+                        "256 MiB); control-plane bodies are held to 1 MiB")
+    p.add_argument("--block-private", action="store_true",
+                   help="sandboxes reach no private address (10/8, 172.16/12, 192.168/16, 100.64/10); "
+                        "169.254/16, the host's services and the other sandboxes are refused always")
+    p.add_argument("--header-timeout", type=float, default=limits.header_timeout, metavar="SECONDS",
+                   help=f"close a connection that has not sent a request's headers within this time "
+                        f"(default {limits.header_timeout:g})")
+    p.add_argument("--max-connections", type=_positive, default=MAX_CONNECTIONS, metavar="N",
+                   help=f"connections served at once; past it, 503 (default {MAX_CONNECTIONS})")
     p.add_argument("--state-dir", type=Path, default=DEFAULT_ROOT,
                    help=f"where paused sandboxes and the registry are kept (default {DEFAULT_ROOT})")
 
@@ -81,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..serve import make_app
     from ..serve.allow import TemplatePolicy
+    from ..serve.limits import Limits, header_timeout_protocol
 
     policy = TemplatePolicy(tuple(args.allow_template), args.allow_images, tuple(args.allow_registry))
     key = _key(args.api_key_file)
@@ -106,10 +148,18 @@ def run(args: argparse.Namespace) -> int:
             f"export E2B_API_URL={url}\nexport E2B_SANDBOX_URL={url}"
         print(f"{where}\nexport E2B_API_KEY={shown_key}", flush=True)
 
-    app = make_app(key, args.state_dir, args.domain, on_ready=ready, public_domain=public_domain, policy=policy)
+    limits = Limits(max_sandboxes=args.max_sandboxes, memory_mb=args.sandbox_memory_mb, pids=args.sandbox_pids,
+                    max_upload_bytes=args.max_upload_bytes, block_private=args.block_private,
+                    header_timeout=args.header_timeout)
+    app = make_app(key, args.state_dir, args.domain, on_ready=ready, public_domain=public_domain, policy=policy,
+                   limits=limits)
     # h11, whatever else is installed: it hands the request-target over as sent (httptools would
-    # turn an absolute-form target into its path), so the router can refuse what is not a path.
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=10, http="h11",
+    # turn an absolute-form target into its path), so the router can refuse what is not a path;
+    # with a deadline on each request's head, which uvicorn lacks.
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=10,
+                            http=header_timeout_protocol(limits.header_timeout),
+                            timeout_keep_alive=KEEP_ALIVE_S, limit_concurrency=args.max_connections,
+                            h11_max_incomplete_event_size=MAX_HEAD_BYTES,
                             ssl_certfile=tls[0] if tls else None, ssl_keyfile=tls[1] if tls else None)
     _server(config).run(sockets=[sock])
     sys.stdout.flush()

@@ -211,6 +211,7 @@ class Sandbox:
         volume_mounts: dict[str, Any] | None = None,
         logger: logging.Logger | None = None,
         idempotency_key: str | None = None,
+        spec: dict[str, Any] | None = None,
         **opts: Any,
     ) -> S:
         """Create a sandbox and start it.
@@ -233,11 +234,15 @@ class Sandbox:
         ignored. mcp, iam and volume_mounts are E2B cloud services: refused.
         lifecycle={"on_timeout": "pause"} pauses it to disk at its deadline (this process keeps
         that deadline; any later call on it by id from another does too, if overdue).
+        spec (bunshin's, not E2B's): WorkspaceSpec fields on top of the sandbox's own, what
+        `bunshin serve` sets for its sandboxes (port_isolation, block_private, memory_limit,
+        pids_limit); a sandbox from a saved snapshot keeps the snapshot's.
         """
         cycle = check_create_options(mcp, network, iam, lifecycle, volume_mounts)
         policy = e2b_network.create_policy(network, allow_internet_access)  # refused before anything is built
         life = cls.default_sandbox_timeout if timeout is None else timeout
         net = {"network": "bridge", "nat": True, "egress": policy.to_dict() if policy is not None else None}
+        net.update({k: v for k, v in (spec or {}).items() if k not in net})  # the rules above are E2B's
         sbx = cls(templates.start(template, life if cycle.on_timeout == "kill" else 0, dict(envs or {}), net), logger)
         try:
             deadline = rules.deadline_after(life) if cycle.on_timeout == "pause" else float("inf")

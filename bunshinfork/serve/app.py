@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import time
@@ -23,6 +24,7 @@ from ..e2b import lifecycle
 from ..errors import BunshinError
 from . import authority, envd, ports
 from .allow import TemplatePolicy
+from .limits import REST_BODY_BYTES, Limits, limit_body
 from .rest import ApiError, Rest, error_response, status_of
 from .store import Entry, Store
 
@@ -37,16 +39,23 @@ class Server:
 
     def __init__(self, api_key: str, root: Path, domain: str = "localhost",
                  on_ready: Callable[[], None] | None = None, public_domain: str | None = None,
-                 policy: TemplatePolicy | None = None) -> None:
+                 policy: TemplatePolicy | None = None, limits: Limits | None = None) -> None:
         self.api_key = api_key
+        self.limits = limits or Limits()
         self.on_ready = on_ready
         self.domain = domain  # what Host headers are matched against
         self.store = Store(root)
         # The domain sandboxes are announced with, which the SDKs put in every envd and get_host
         # URL: `domain:PORT` when TLS is served on a port other than 443.
-        self.rest = Rest(self.store, public_domain or domain, self.schedule, policy)
+        self.rest = Rest(self.store, public_domain or domain, self.schedule, policy, self.limits)
         self.process_app, self.fs_app, self.fs_service = envd.apps(self.lookup)
         self.rest_app = Starlette(routes=self.rest.routes(self._guard), lifespan=self._lifespan)
+        # Bodies counted as they arrive, each route with its cap: a control-plane body is a small
+        # JSON object; an upload or an envd call, what the operator allows.
+        self.rest_limited = limit_body(self.rest_app, REST_BODY_BYTES, lambda m: error_response(413, m))
+        upload = self.limits.max_upload_bytes
+        self.process_limited = limit_body(self.process_app, upload, _rpc_too_large)
+        self.fs_limited = limit_body(self.fs_app, upload, _rpc_too_large)
         self._tasks: set[asyncio.Task[None]] = set()
 
     # ---- lifetime of the server ----
@@ -166,7 +175,7 @@ class Server:
             sandbox_id = signed.sandbox_id if signed is not None else None
         if sandbox_id is None:
             if scope["type"] == "http":
-                await self.rest_app(scope, receive, send)
+                await self.rest_limited(scope, receive, send)
             else:
                 await send({"type": "websocket.close", "code": 1008})
             return
@@ -228,9 +237,9 @@ class Server:
         # From here on the request acts on this sandbox, and on no other: handlers read it from here.
         authority.authorize(scope, sandbox_id)
         if path.startswith("/process.Process/"):
-            await self.process_app(scope, receive, send)
+            await self.process_limited(scope, receive, send)
         elif path.startswith("/filesystem.Filesystem/"):
-            await self.fs_app(scope, receive, send)
+            await self.fs_limited(scope, receive, send)
         elif path == "/health":
             if not await e.sbx.is_running():
                 # Dead before its deadline's timer (its init ended it, or it was killed outside):
@@ -243,17 +252,32 @@ class Server:
                 return
             await envd.health()(scope, receive, send)
         elif path == "/files":
-            request = Request(scope, receive)
-            if request.method == "GET":
-                response = await envd.files_get(e.sbx, request)
-            elif request.method == "POST":
-                # A URL signed for one path writes that path, and nothing else.
-                response = await envd.files_post(e.sbx, request, signed=via == "signature")
-            else:
-                response = envd.http_error(405, "GET or POST")
-            await response(scope, receive, send)
+            files = functools.partial(self._files, e.sbx, via)
+            await limit_body(files, self.limits.max_upload_bytes, _files_too_large)(scope, receive, send)
         else:
             await envd.http_error(404, f"no envd route {path}")(scope, receive, send)
+
+
+    @staticmethod
+    async def _files(sbx: AsyncSandbox, via: str, scope: Scope, receive: Any, send: Any) -> None:
+        request = Request(scope, receive)
+        if request.method == "GET":
+            response = await envd.files_get(sbx, request)
+        elif request.method == "POST":
+            # A URL signed for one path writes that path, and nothing else.
+            response = await envd.files_post(sbx, request, signed=via == "signature")
+        else:
+            response = envd.http_error(405, "GET or POST")
+        await response(scope, receive, send)
+
+
+def _files_too_large(message: str) -> Response:
+    return envd.http_error(413, message)
+
+
+def _rpc_too_large(message: str) -> Response:
+    """Connect's error for a body past its cap."""
+    return JSONResponse({"code": "resource_exhausted", "message": message}, status_code=413)
 
 
 def _paused_to_disk(workspace_id: str) -> bool:
@@ -279,11 +303,11 @@ def _same(given: str | None, want: str) -> bool:
 
 def make_app(api_key: str, root: Path, domain: str = "localhost",
              on_ready: Callable[[], None] | None = None, public_domain: str | None = None,
-             policy: TemplatePolicy | None = None) -> Server:
+             policy: TemplatePolicy | None = None, limits: Limits | None = None) -> Server:
     """The application; on_ready runs once it has taken over what a previous server left.
     public_domain (default: domain) is the one sandboxes are announced with; policy, the
     templates offered beyond base, debian, snapshots and warm templates (default: none)."""
-    return Server(api_key, root, domain, on_ready, public_domain, policy)
+    return Server(api_key, root, domain, on_ready, public_domain, policy, limits)
 
 
 __all__ = ["JSONResponse", "Server", "make_app"]

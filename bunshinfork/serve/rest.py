@@ -10,7 +10,7 @@ import os
 import secrets
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from starlette.requests import Request
@@ -25,6 +25,7 @@ from ..e2b.lifecycle import Lifecycle, ListQuery
 from ..errors import BunshinError, InvalidArgumentException, NotFoundException
 from ..images import templates as store_templates
 from .allow import TemplatePolicy
+from .limits import Limits, SandboxCap
 from .store import Entry, Store
 
 ENVD_VERSION = "0.5.7"  # the envd protocol level served (commands' stdin and close, octet-stream uploads)
@@ -80,9 +81,11 @@ class Rest:
     """The control plane's handlers over the store (see app.py for auth and routing)."""
 
     def __init__(self, store: Store, domain: str, reaper: Callable[[Entry], None],
-                 policy: TemplatePolicy | None = None) -> None:
+                 policy: TemplatePolicy | None = None, limits: Limits | None = None) -> None:
         self.store = store
         self.policy = policy or TemplatePolicy()
+        self.limits = limits or Limits()
+        self.cap = SandboxCap(self.limits.max_sandboxes)
         self.domain = domain
         self.schedule = reaper  # (re)arms an entry's deadline
 
@@ -99,7 +102,8 @@ class Rest:
         return {"templateID": e.template, "alias": e.template, "sandboxID": e.sandbox_id, "clientID": CLIENT_ID,
                 "startedAt": _iso(e.started_at),
                 "endAt": _iso(e.deadline if e.deadline != float("inf") else time.time() + lifecycle.MAX_TIMEOUT),
-                "cpuCount": os.cpu_count() or 1, "memoryMB": _host_mb(), "diskSizeMB": 0,
+                "cpuCount": min(self.limits.cpu_count, os.cpu_count() or 1), "memoryMB": self.limits.memory_mb,
+                "diskSizeMB": 0,
                 "metadata": dict(e.metadata), "state": e.state, "envdVersion": ENVD_VERSION, "volumeMounts": []}
 
     def detail_json(self, e: Entry) -> dict[str, Any]:
@@ -153,6 +157,19 @@ class Rest:
 
     # ---- create, connect ----
 
+    @contextlib.contextmanager
+    def slots(self, n: int) -> Iterator[None]:
+        """Room for n more running sandboxes, held while they start (429 past the cap, E2B's
+        answer to a team past its concurrent sandboxes: the SDK's RateLimitException)."""
+        running = sum(1 for e in self.store.entries.values() if not e.paused)
+        if not self.cap.reserve(running, n):
+            raise ApiError(429, f"this server runs at most {self.cap.limit} sandboxes at once "
+                                f"({running} running): kill some or wait")
+        try:
+            yield
+        finally:
+            self.cap.release(n)
+
     async def create(self, request: Request) -> Response:
         body = await body_of(request)
         template = body.get("templateID")
@@ -183,9 +200,10 @@ class Rest:
             start = template
         else:
             start = await asyncio.to_thread(self.stored, template)
-        sbx = await AsyncSandbox.create(start, timeout=lifecycle.workspace_lifetime(life, deadline),
-                                        metadata=metadata, envs=envs, allow_internet_access=internet,
-                                        network=_snake(network))
+        with self.slots(1):
+            sbx = await AsyncSandbox.create(start, timeout=lifecycle.workspace_lifetime(life, deadline),
+                                            metadata=metadata, envs=envs, allow_internet_access=internet,
+                                            network=_snake(network), spec=self.limits.spec())
         e = Entry(sandbox_id=sbx.sandbox_id, template=template, metadata=dict(metadata), started_at=time.time(),
                   deadline=deadline, lifecycle=life, envd_token=secrets.token_hex(16),
                   traffic_token=None if public else secrets.token_hex(16), allow_internet_access=internet,
@@ -203,7 +221,8 @@ class Rest:
         async with e.lock:
             resumed = e.paused
             if e.paused:
-                await self.resume(e, timeout)
+                with self.slots(1):
+                    await self.resume(e, timeout)
             e.deadline = lifecycle.extended(e.deadline, timeout)
             await self.apply_deadline(e)
         return JSONResponse(self.sandbox_json(e), status_code=201 if resumed else 200)
@@ -322,7 +341,8 @@ class Rest:
         src = self.entry(request.path_params["sandbox_id"])
         async with src.lock:
             sbx = await self.running(src)
-            children = await sbx.fork(timeout, count)
+            with self.slots(count):
+                children = await sbx.fork(timeout, count)
         out: list[dict[str, Any]] = []
         for child in children:
             if isinstance(child, BaseException):
@@ -424,10 +444,6 @@ def _snake(network: dict[str, Any]) -> dict[str, Any]:
 
 def _str_map(d: Any) -> bool:
     return isinstance(d, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in d.items())
-
-
-def _host_mb() -> int:
-    return (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) >> 20
 
 
 def _ts(text: str | None) -> float | None:

@@ -1,0 +1,211 @@
+"""What one client of `bunshin serve`, or the code in one of its sandboxes, can take from the
+others (issue 36 #9, #14): each drives the real server (a child process on loopback) with the
+real `e2b` SDK, httpx or raw sockets.
+
+- sandboxes of one server reach each other by no path (port isolation), and get memory and
+  pids limits, reported as cpuCount/memoryMB;
+- running sandboxes are capped per server (429, the SDK's RateLimitException);
+- bodies: a control-plane body past 1 MiB, an upload past --max-upload-bytes are refused with
+  413, the port proxy streams a body through instead of holding it;
+- a connection that does not send a request head in time is closed, and others are answered
+  meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import e2b
+import e2b_server_support as support
+import httpx
+import pytest
+
+from bunshinfork import Workspace
+from bunshinfork.cli import serve as cli_serve
+from bunshinfork.serve.limits import Limits
+
+pytestmark = pytest.mark.timeout(240)
+
+MAX_SANDBOXES = 3
+UPLOAD_CAP = 1 << 20
+HEADER_TIMEOUT = 1.0
+COUNT_SERVER = r"""
+import http.server
+class H(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        left, n = int(self.headers.get("Content-Length") or 0), 0
+        while left:
+            got = self.rfile.read(min(left, 1 << 20))
+            if not got:
+                break
+            left -= len(got)
+            n += len(got)
+        body = str(n).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+http.server.ThreadingHTTPServer(("0.0.0.0", 8000), H).serve_forever()
+"""
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[support.Served]:
+    key_file = tmp_path_factory.mktemp("serve") / "key"
+    key_file.write_text("test-key-" + os.urandom(8).hex() + "\n")
+    s = support.start(tmp_path_factory.mktemp("serve-state"), key_file,
+                      extra=("--max-sandboxes", str(MAX_SANDBOXES), "--max-upload-bytes", str(UPLOAD_CAP),
+                             "--header-timeout", str(HEADER_TIMEOUT), "--block-private"))
+    try:
+        with support.env(s):
+            yield s
+    finally:
+        assert s.stop() == 0, "".join(s.log)
+
+
+@pytest.fixture(scope="module")
+def pair(served: support.Served) -> Iterator[tuple[e2b.Sandbox, e2b.Sandbox]]:
+    """A sandbox serving port 8000 (it counts the bytes of a POST), and its neighbour."""
+    made: list[e2b.Sandbox] = []
+    try:
+        server = e2b.Sandbox.create(timeout=300)
+        made.append(server)
+        neighbour = e2b.Sandbox.create(timeout=300)
+        made.append(neighbour)
+        server.files.write("/tmp/count.py", COUNT_SERVER)
+        server.commands.run("python3 /tmp/count.py", background=True)
+        server.commands.run("for i in $(seq 200); do python3 -c 'import socket; socket.create_connection("
+                            "(\"127.0.0.1\", 8000), 1)' 2>/dev/null && exit 0; sleep 0.05; done; exit 1")
+        yield server, neighbour
+    finally:
+        for s in made:
+            with contextlib.suppress(Exception):
+                s.kill()
+
+
+def _api(served: support.Served, method: str, path: str, **kw: Any) -> httpx.Response:
+    return httpx.request(method, served.url + path, headers={"X-API-KEY": served.key, **kw.pop("headers", {})},
+                         timeout=60, **kw)
+
+
+def _addr(served: support.Served) -> tuple[str, int]:
+    host, port = served.url.removeprefix("http://").rsplit(":", 1)
+    return host, int(port)
+
+
+def test_sandboxes_of_one_server_do_not_reach_each_other(pair: tuple[e2b.Sandbox, e2b.Sandbox]) -> None:
+    server, neighbour = pair
+    ip = str(Workspace.connect(server.sandbox_id).info().network["ip"]).split("/")[0]
+    probe = (f"python3 -c 'import socket; socket.create_connection((\"{ip}\", 8000), 3); print(\"reached\")' "
+             "2>&1 || true")
+    assert "reached" in server.commands.run(probe.replace(ip, "127.0.0.1")).stdout  # the port is served
+    assert "reached" not in neighbour.commands.run(probe, timeout=30).stdout
+    for sbx in pair:  # what the server asked for is what the workspace has
+        spec = Workspace.connect(sbx.sandbox_id)._rec.spec
+        assert spec.port_isolation and spec.block_private
+
+
+def test_sandboxes_get_limits_reported_in_their_info(served: support.Served,
+                                                     pair: tuple[e2b.Sandbox, e2b.Sandbox]) -> None:
+    info = Workspace.connect(pair[0].sandbox_id).info()
+    assert info.memory_limit == 512 << 20 and info.pids_limit == 1024
+    got = _api(served, "GET", f"/sandboxes/{pair[0].sandbox_id}").json()
+    assert got["memoryMB"] == 512 and got["cpuCount"] == min(2, os.cpu_count() or 1)
+    assert pair[0].get_info().memory_mb == 512
+
+
+def test_cli_defaults_are_the_limits_defaults() -> None:
+    want, d = Limits(), cli_serve.DEFAULTS
+    assert (d.max_sandboxes, d.memory_mb, d.pids, d.max_upload_bytes, d.header_timeout) == (
+        want.max_sandboxes, want.memory_mb, want.pids, want.max_upload_bytes, want.header_timeout)
+
+
+def test_running_sandboxes_are_capped(served: support.Served, pair: tuple[e2b.Sandbox, e2b.Sandbox]) -> None:
+    running = len(_api(served, "GET", "/sandboxes").json())
+    extra = [e2b.Sandbox.create(timeout=120) for _ in range(MAX_SANDBOXES - running)]
+    try:
+        with pytest.raises(e2b.RateLimitException):
+            extra.append(e2b.Sandbox.create(timeout=120))
+        r = _api(served, "POST", "/v2/sandboxes", json={"templateID": "base"})
+        assert r.status_code == 429 and r.json()["code"] == 429, r.text
+        r = _api(served, "POST", f"/sandboxes/{pair[0].sandbox_id}/fork", json={"count": 1})
+        assert r.status_code == 429 and r.json()["code"] == 429, r.text
+    finally:
+        for s in extra:
+            s.kill()
+    fresh = e2b.Sandbox.create(timeout=60)  # room again once they are gone
+    fresh.kill()
+
+
+def test_control_plane_bodies_are_capped(served: support.Served) -> None:
+    big = b"{" + b" " * (2 << 20) + b"}"
+    r = _api(served, "POST", "/v2/sandboxes", content=big, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["code"] == 413, r.text
+    # Without a Content-Length (chunked), counted as it arrives.
+    r = _api(served, "POST", "/v2/sandboxes", content=iter([big[i:i + 65536] for i in range(0, len(big), 65536)]))
+    assert r.status_code == 413 and r.json()["code"] == 413, r.text
+    # Without the key, refused before a byte of it is read (by its length, or for the key).
+    r = httpx.post(served.url + "/v2/sandboxes", content=big, timeout=60)
+    assert r.status_code in (401, 413)
+    r = httpx.post(served.url + "/v2/sandboxes", content=iter([big[i:i + 65536] for i in range(0, len(big), 65536)]),
+                   timeout=60)
+    assert r.status_code == 401
+
+
+def test_uploads_are_capped(pair: tuple[e2b.Sandbox, e2b.Sandbox]) -> None:
+    sbx = pair[1]
+    sbx.files.write("/tmp/small", b"x" * (UPLOAD_CAP // 2))
+    with pytest.raises(Exception, match="larger than") as err:
+        sbx.files.write("/tmp/large", b"x" * (UPLOAD_CAP * 2))
+    assert "413" in repr(err.value) or "larger than" in str(err.value)
+    assert not sbx.files.exists("/tmp/large")
+
+
+def _peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError("no VmHWM")
+
+
+def test_proxy_streams_bodies(served: support.Served, pair: tuple[e2b.Sandbox, e2b.Sandbox]) -> None:
+    size = 256 << 20
+    chunk = b"x" * (1 << 20)
+    before = _peak_rss(served.proc.pid)
+    host = pair[0].get_host(8000)
+    r = httpx.post(served.url + "/", headers={"Host": host, "Content-Length": str(size)},
+                   content=iter([chunk] * (size // len(chunk))), timeout=120)
+    assert r.status_code == 200 and r.text == str(size), r.text
+    # No key, no such sandbox: answered without reading the body.
+    r = httpx.post(served.url + "/", headers={"Host": "8000-nosuchsandbox.localhost", "Content-Length": str(size)},
+                   content=iter([chunk] * (size // len(chunk))), timeout=120)
+    assert r.status_code == 502
+    grown = _peak_rss(served.proc.pid) - before
+    assert grown < 64 << 20, f"the server's peak RSS grew by {grown >> 20} MiB for a {size >> 20} MiB body"
+
+
+def test_slow_request_heads_are_closed(served: support.Served) -> None:
+    conns = []
+    try:
+        for i in range(100):
+            s = socket.create_connection(_addr(served), 5)
+            if i % 2:  # half send part of a head, half nothing at all
+                s.sendall(b"GET /sandboxes HTTP/1.1\r\nHost: localhost\r\nX-Slow: ")
+            conns.append(s)
+        t0 = time.monotonic()
+        assert _api(served, "GET", "/sandboxes").status_code == 200  # the others are answered
+        for s in conns:  # closed by the server (before: held open for ever)
+            s.settimeout(max(0.1, t0 + HEADER_TIMEOUT + 10 - time.monotonic()))
+            with contextlib.suppress(ConnectionResetError):
+                assert s.recv(4096) == b""
+    finally:
+        for s in conns:
+            s.close()
