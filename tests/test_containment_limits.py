@@ -209,3 +209,34 @@ def test_slow_request_heads_are_closed(served: support.Served) -> None:
     finally:
         for s in conns:
             s.close()
+
+
+def test_watchers_are_capped(pair: tuple[e2b.Sandbox, e2b.Sandbox]) -> None:
+    from bunshinfork.serve.envd import MAX_WATCHERS_PER_SANDBOX
+
+    sbx = pair[1]
+    handles = []
+    try:
+        for _ in range(MAX_WATCHERS_PER_SANDBOX):
+            handles.append(sbx.files.watch_dir("/tmp"))
+        with pytest.raises(Exception, match="too many watchers"):
+            handles.append(sbx.files.watch_dir("/tmp"))
+    finally:
+        for h in handles:
+            h.stop()
+    sbx.files.watch_dir("/tmp").stop()  # given back
+
+
+def test_forwarded_ports_of_a_fork_are_capped(served: support.Served, pair: tuple[e2b.Sandbox, e2b.Sandbox]) -> None:
+    from bunshinfork.serve.ports import MAX_FORWARDED_PORTS
+
+    (fork,) = pair[0].fork(count=1)
+    assert not isinstance(fork, Exception), fork
+    try:
+        codes = [httpx.get(served.url + "/", headers={"Host": fork.get_host(9000 + i)}, timeout=30).status_code
+                 for i in range(MAX_FORWARDED_PORTS + 1)]
+        assert codes[:MAX_FORWARDED_PORTS] == [502] * MAX_FORWARDED_PORTS and codes[-1] == 429, codes
+        # A port it forwards already is still served.
+        assert httpx.get(served.url + "/", headers={"Host": fork.get_host(9000)}, timeout=30).status_code == 502
+    finally:
+        fork.kill()

@@ -288,10 +288,36 @@ class ProcessService(Base):
         return process_pb.CloseStdinResponse()
 
 
+# Each watcher is an inotify instance of the host's root, of which the host allows 128
+# (fs.inotify.max_user_instances) for every root process: a server keeps most for itself.
+MAX_WATCHERS_PER_SANDBOX = 16
+MAX_WATCHERS = 64
+
+
 class FilesystemService(Base):
     def __init__(self, lookup: Lookup) -> None:
         super().__init__(lookup)
         self._watchers: dict[str, tuple[str, WatchHandle]] = {}
+        self._watching: dict[str, int] = {}  # sandbox id: its live watchers (both kinds)
+
+    def _take_watcher(self) -> str:
+        for sid in {sid for sid, _ in self._watchers.values()}:
+            if self._lookup(sid) is None:  # killed or paused since: its watchers are gone
+                self.forget(sid)
+        sandbox_id = authority.authorized() or ""
+        mine = self._watching.get(sandbox_id, 0)
+        if mine >= MAX_WATCHERS_PER_SANDBOX or sum(self._watching.values()) >= MAX_WATCHERS:
+            raise ConnectError(Code.RESOURCE_EXHAUSTED, f"too many watchers: at most {MAX_WATCHERS_PER_SANDBOX} "
+                                                        f"per sandbox, {MAX_WATCHERS} per server")
+        self._watching[sandbox_id] = mine + 1
+        return sandbox_id
+
+    def _give_watcher(self, sandbox_id: str) -> None:
+        left = self._watching.get(sandbox_id, 0) - 1
+        if left > 0:
+            self._watching[sandbox_id] = left
+        else:
+            self._watching.pop(sandbox_id, None)
 
     async def _call(self, ctx: RequestContext[Any, Any], op: str, *args: Any, **kwargs: Any) -> Any:
         sbx = self.sandbox(ctx)
@@ -321,8 +347,13 @@ class FilesystemService(Base):
     async def watch_dir(self, request: filesystem_pb.WatchDirRequest,
                         ctx: RequestContext[Any, Any]) -> AsyncIterator[filesystem_pb.WatchDirResponse]:
         queue: asyncio.Queue[FilesystemEvent] = asyncio.Queue()
-        handle = await self._call(ctx, "watch_dir", request.path, on_event=queue.put_nowait, timeout=0,
-                                  recursive=request.recursive, include_entry=request.include_entry)
+        held = self._take_watcher()
+        try:
+            handle = await self._call(ctx, "watch_dir", request.path, on_event=queue.put_nowait, timeout=0,
+                                      recursive=request.recursive, include_entry=request.include_entry)
+        except BaseException:
+            self._give_watcher(held)
+            raise
         try:
             yield filesystem_pb.WatchDirResponse(event=Oneof("start", filesystem_pb.WatchDirResponse.StartEvent()))
             keepalive = _keepalive(ctx)
@@ -335,13 +366,19 @@ class FilesystemService(Base):
                     continue
                 yield filesystem_pb.WatchDirResponse(event=Oneof("filesystem", _event_pb(ev)))
         finally:
+            self._give_watcher(held)
             await handle.stop()
 
     async def create_watcher(self, request: filesystem_pb.CreateWatcherRequest, ctx: RequestContext[Any, Any]) -> Any:
         sbx = self.sandbox(ctx)
-        with rpc_errors():
-            handle = await asyncio.to_thread(sbx.workspace.files.watch_dir, request.path, self.user(ctx),
-                                             recursive=request.recursive, include_entry=request.include_entry)
+        held = self._take_watcher()
+        try:
+            with rpc_errors():
+                handle = await asyncio.to_thread(sbx.workspace.files.watch_dir, request.path, self.user(ctx),
+                                                 recursive=request.recursive, include_entry=request.include_entry)
+        except BaseException:
+            self._give_watcher(held)
+            raise
         watcher_id = secrets.token_hex(8)
         self._watchers[watcher_id] = (authority.authorized() or "", handle)
         return filesystem_pb.CreateWatcherResponse(watcher_id=watcher_id)
@@ -361,7 +398,8 @@ class FilesystemService(Base):
 
     async def remove_watcher(self, request: filesystem_pb.RemoveWatcherRequest, ctx: RequestContext[Any, Any]) -> Any:
         handle = self._watcher(ctx, request.watcher_id)
-        self._watchers.pop(request.watcher_id, None)
+        if self._watchers.pop(request.watcher_id, None) is not None:
+            self._give_watcher(authority.authorized() or "")
         await asyncio.to_thread(handle.stop)
         return filesystem_pb.RemoveWatcherResponse()
 
@@ -370,6 +408,7 @@ class FilesystemService(Base):
         for wid, (sid, handle) in list(self._watchers.items()):
             if sid == sandbox_id:
                 self._watchers.pop(wid, None)
+                self._give_watcher(sid)
                 with contextlib.suppress(Exception):
                     handle.stop()
 

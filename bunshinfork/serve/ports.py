@@ -81,18 +81,32 @@ class PeerRefused(Exception):
     """The address a port resolved to is not the sandbox's own."""
 
 
+class TooManyPorts(Exception):
+    """The sandbox has its share of forwarded ports (a fork's, a loopback-only one's)."""
+
+
+# A fork shares its source's address, so each of its ports asked for is a forwarder (a thread
+# and a listening socket of this server), made by whoever sends a request to that port's URL.
+MAX_FORWARDED_PORTS = 32
+
+
 def peer(e: Entry, port: int) -> tuple[str, int]:
     """(address, port) at which the host reaches the sandbox's `port`, checked to be the
     sandbox's: its own address on the bridge at `port`, or a forwarder this server runs into its
     network namespace for `port`. An address literal, never a name (nothing to resolve)."""
     assert e.sbx is not None
+    ws = e.sbx.workspace
+    net = ws.info().network
+    if not (net.get("ip") and net.get("zone") is None):
+        forwarded_now = ws.ports.list()
+        if port not in forwarded_now and len(forwarded_now) >= MAX_FORWARDED_PORTS:
+            raise TooManyPorts(f"at most {MAX_FORWARDED_PORTS} ports of a sandbox are forwarded")
     host, _, text = e.sbx.get_host(port).rpartition(":")
     try:
         ip, at = ipaddress.ip_address(host.strip("[]")), int(text)
     except ValueError:
         raise PeerRefused(f"port {port}: not an address") from None
-    ws = e.sbx.workspace
-    own = str(ws.info().network.get("ip") or "").split("/")[0]
+    own = str(net.get("ip") or "").split("/")[0]
     if ip.is_unspecified or not ((str(ip) == own and at == port) or ws.ports.list().get(port) == (str(ip), at)):
         raise PeerRefused(f"port {port}: {ip} is not the sandbox's")
     return str(ip), at
@@ -135,6 +149,10 @@ async def serve(store: Store, target: tuple[int, str], scope: dict[str, Any], re
                            "port": port}, status_code=502)
     try:
         ip, at = peer(e, port)
+    except TooManyPorts as err:
+        await JSONResponse({"code": 429, "message": str(err), "sandboxId": sandbox_id, "port": port},
+                           status_code=429)(scope, receive, send)
+        return
     except (BunshinError, PeerRefused) as err:
         log.warning("sandbox %s port %d: %s", sandbox_id, port, err)
         await closed(scope, receive, send)
@@ -186,7 +204,7 @@ async def _websocket(e: Entry | None, port: int, scope: dict[str, Any], receive:
     if token_ok and e is not None and e.sbx is not None and not e.paused:
         try:
             addr = peer(e, port)
-        except (BunshinError, PeerRefused) as err:
+        except (BunshinError, PeerRefused, TooManyPorts) as err:
             log.warning("sandbox %s port %d: %s", e.sandbox_id, port, err)
     if addr is None:
         await send({"type": "websocket.close", "code": 1008 if e is not None and not token_ok else 1011})
