@@ -5,6 +5,7 @@ speculative tool execution (Speculator with a ToolSelector), driven by RolloutEn
 also works on its own inside another trainer; see bunshinrl/README.md.
 """
 
+from .calls.determinism import FamilyNotDeterministic, FamilyReport, ToolDifference, check_family, check_family_async
 from .calls.guard import DeterminismGuard
 from .calls.policy import Action, FinalAnswer, Policy, SampleContext, Step
 from .calls.replies import parse_message, parse_reply, render_call
@@ -22,10 +23,11 @@ from .states.backend import SharedSnapshot, SnapshotBackend, StateBackend
 from .states.store import BlobStore
 
 __all__ = [
-    "INVALID_TOOL", "REWARD_TOOL", "Action", "BlobStore", "DeterminismGuard", "EpochResult", "FinalAnswer", "Plan",
-    "Policy", "ReplayDiverged", "Rewound", "Rollout", "RolloutCore", "RolloutEngine", "SampleContext", "SampleTimeline",
-    "SelectorContext", "SelectorReport", "SharedSnapshot", "SnapshotBackend", "SpecHit", "SpeculationError",
-    "SpeculativeBranch", "Speculator", "StateBackend", "Step", "TailPolicy", "Task", "Tool", "ToolCall",
-    "ToolPrefixCache", "ToolSelector", "ToolSet", "Trajectory", "parse_message", "parse_reply", "prefix_signature",
+    "INVALID_TOOL", "REWARD_TOOL", "Action", "BlobStore", "DeterminismGuard", "EpochResult", "FamilyNotDeterministic",
+    "FamilyReport", "FinalAnswer", "Plan", "Policy", "ReplayDiverged", "Rewound", "Rollout", "RolloutCore",
+    "RolloutEngine", "SampleContext", "SampleTimeline", "SelectorContext", "SelectorReport", "SharedSnapshot",
+    "SnapshotBackend", "SpecHit", "SpeculationError", "SpeculativeBranch", "Speculator", "StateBackend", "Step",
+    "TailPolicy", "Task", "Tool", "ToolCall", "ToolDifference", "ToolPrefixCache", "ToolSelector", "ToolSet",
+    "Trajectory", "check_family", "check_family_async", "parse_message", "parse_reply", "prefix_signature",
     "render_call", "shell_tool", "string_params", "template_digest", "train_selector",
 ]
