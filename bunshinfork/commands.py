@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .errors import BunshinError, CommandError, CommandTimeout, NotFoundException
-from .files import Files
+from .files import Files, FileStreamReader
 from .process import control, protocol
 from .process.tree import tree
 
@@ -112,6 +112,11 @@ def no_limit(timeout: float | None) -> bool:
     return timeout is None or timeout == 0
 
 
+# The most of a command's stdout (and of its stderr) one poll reads: a flood is read in slices
+# of this size, as it is consumed, never whole.
+READ_SLICE = 1 << 20
+
+
 class Utf8Stream:
     """Incremental decoding: a multi-byte character split across frames is not mangled."""
 
@@ -194,7 +199,9 @@ class CommandHandle:
         return f"{protocol.CMD_DIR}/{self.cmd_id}"
 
     def _read_new(self) -> tuple[list[bytes], int | None]:
-        """New bytes of stdout and stderr, and the wait status once the command has exited."""
+        """New bytes of stdout and stderr (at most READ_SLICE of each: the file is read from
+        where the last read ended, never again from its start, so a flood costs its size once),
+        and the wait status once the command has exited and all its output was read."""
         with self._lock:
             files = self._files
             base = self._dir()
@@ -203,10 +210,14 @@ class CommandHandle:
                 status_text = files.read(f"{base}/exit", user="root")
             new = []
             for i, name in enumerate(("stdout", "stderr")):
-                data = files.read(f"{base}/{name}", format="bytes", user="root")
-                assert isinstance(data, bytearray)
-                new.append(bytes(data[self._offsets[i]:]))
-                self._offsets[i] = len(data)
+                reader = files.read(f"{base}/{name}", format="stream", user="root")
+                assert isinstance(reader, FileStreamReader)
+                with reader:
+                    data = reader.read_at(self._offsets[i], READ_SLICE)
+                new.append(data)
+                self._offsets[i] += len(data)
+            if any(len(d) == READ_SLICE for d in new):
+                status_text = None  # more to read first: the status comes with the last of it
             return new, int(str(status_text).strip()) if status_text is not None else None
 
     @property
@@ -244,14 +255,14 @@ class CommandHandle:
         delay = 0.01
         while self._result is None and not self._disconnected.is_set():
             try:
-                status = self._poll_once()[1]
+                events, status = self._poll_once()
             except Exception:
                 return
             if status is not None:
                 self._finish(status)
                 return
             time.sleep(delay)
-            delay = min(delay * 1.5, 0.2)
+            delay = 0.01 if events else min(delay * 1.5, 0.2)  # output flowing: read again soon
 
     def _finish(self, status: int) -> CommandResult:
         if self._result is None:
@@ -286,6 +297,8 @@ class CommandHandle:
                 if status is not None:
                     self._finish(status)
                     return
+                if events:
+                    delay = 0.005 / 1.5  # output flowing: read again soon
                 time.sleep(delay)
             if self._result is None and deadline is not None and time.monotonic() > deadline:
                 raise CommandTimeout(

@@ -109,6 +109,10 @@ class FileStreamReader(Iterator[bytes]):
             os.close(self._fd)
             self._fd = None
 
+    def read_at(self, offset: int, size: int) -> bytes:
+        """Up to `size` bytes from `offset` (the stream's own position unmoved)."""
+        return b"" if self._fd is None else os.pread(self._fd, size, offset)
+
     def __enter__(self) -> FileStreamReader:
         return self
 

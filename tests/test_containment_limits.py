@@ -240,3 +240,29 @@ def test_forwarded_ports_of_a_fork_are_capped(served: support.Served, pair: tupl
         assert httpx.get(served.url + "/", headers={"Host": fork.get_host(9000)}, timeout=30).status_code == 502
     finally:
         fork.kill()
+
+
+def _read_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar")
+
+
+def test_output_is_read_once(served: support.Served, pair: tuple[e2b.Sandbox, e2b.Sandbox]) -> None:
+    """A command writing 32 MiB over about 2 s: the server reads it about once (it re-read the
+    whole output file at every poll: 400 MB of output cost it 20 s of CPU and 1.3 GiB)."""
+    size = 32 << 20
+    before = _read_bytes(served.proc.pid)
+    flood = ("python3 -c 'import sys, time\nfor _ in range(64):\n    sys.stdout.write(\"x\" * (1 << 19)); "
+             "sys.stdout.flush(); time.sleep(0.03)'")
+    got = 0
+
+    def seen(text: str) -> None:
+        nonlocal got
+        got += len(text)
+
+    pair[1].commands.run(flood, on_stdout=seen, timeout=60)
+    assert got == size
+    read = _read_bytes(served.proc.pid) - before
+    assert read < 3 * size, f"the server read {read >> 20} MiB for {size >> 20} MiB of output"

@@ -2,7 +2,9 @@
 
 A foreground command streams over the init's socket on asyncio streams, a background
 command's exit is awaited on its pidfd (a reader of the event loop), and stdin goes over
-asyncio connections to the command's shim: no thread is used for any of them.
+asyncio connections to the command's shim: no thread is used for any of them. A background
+command's output files are read a bounded slice at a time, from where the last read ended, so
+that a flood of output holds the event loop no more than one slice's read per poll.
 """
 
 from __future__ import annotations
@@ -106,6 +108,8 @@ class AsyncCommandHandle:
         delay = 0.005
         try:
             while True:
+                # On the loop, as no thread is used: a poll reads at most READ_SLICE of each
+                # output file from where the last ended (about a millisecond from tmpfs).
                 events, result = h.poll()
                 for out, err, pty in events:
                     if out is not None:
@@ -126,7 +130,7 @@ class AsyncCommandHandle:
                 else:
                     # Streaming output, or exited and its shim is writing the status: pace a poll.
                     await asyncio.sleep(delay if left is None else min(delay, left))
-                    delay = min(delay * 1.5, 0.1)
+                    delay = 0.005 if events else min(delay * 1.5, 0.1)  # output flowing: read again soon
         finally:
             if exited is not None and not exited.done():
                 exited.cancel()

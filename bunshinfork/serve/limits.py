@@ -10,6 +10,9 @@ from typing import Any
 
 REST_BODY_BYTES = 1 << 20  # a control-plane body is a small JSON object
 MiB = 1 << 20
+# A body a little past its cap is read to its end (and dropped) before the 413, so that the
+# client, still sending, reads the answer instead of a reset; a larger one is cut off.
+DRAIN_BYTES = 4 * MiB
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,8 @@ def limit_body(app: Any, cap: int, shape: Any) -> Any:
         too_large = shape(f"the request body is larger than {cap} bytes")
         for k, v in scope.get("headers", []):
             if k == b"content-length" and (not v.isdigit() or int(v) > cap):
+                if v.isdigit() and int(v) <= cap + DRAIN_BYTES:
+                    await _drain(receive, DRAIN_BYTES + cap)
                 await too_large(scope, receive, send)
                 return
         seen = 0
@@ -74,9 +79,22 @@ def limit_body(app: Any, cap: int, shape: Any) -> Any:
         except BodyTooLarge:
             tripped = True
         if tripped and not started:
+            await _drain(receive, DRAIN_BYTES)
             await too_large(scope, receive, send)
 
     return wrapped
+
+
+async def _drain(receive: Any, limit: int) -> None:
+    """Read and drop the rest of the body, up to `limit` bytes."""
+    seen = 0
+    while seen <= limit:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            return
+        seen += len(msg.get("body", b""))
+        if not msg.get("more_body", False):
+            return
 
 
 class SandboxCap:
