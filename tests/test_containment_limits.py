@@ -145,6 +145,26 @@ def test_running_sandboxes_are_capped(served: support.Served, pair: tuple[e2b.Sa
     fresh.kill()
 
 
+def test_traffic_resumes_within_the_cap(served: support.Served) -> None:
+    """Auto-resume (traffic to a paused sandbox wakes it) counts against the cap too."""
+    r = _api(served, "POST", "/v2/sandboxes", json={"templateID": "base", "timeout": 120, "autoPause": True,
+                                                    "autoResume": {"enabled": True}})
+    assert r.status_code == 201, r.text
+    paused = r.json()["sandboxID"]
+    extra: list[e2b.Sandbox] = []
+    try:
+        assert _api(served, "POST", f"/sandboxes/{paused}/pause").status_code == 204
+        running = len(_api(served, "GET", "/v2/sandboxes?state=running").json())
+        extra = [e2b.Sandbox.create(timeout=120) for _ in range(MAX_SANDBOXES - running)]
+        r = httpx.get(served.url + "/health", headers={"Host": f"49983-{paused}.localhost"}, timeout=30)
+        assert r.status_code == 429 and r.json()["code"] == 429, r.text
+        assert _api(served, "GET", f"/sandboxes/{paused}").json()["state"] == "paused"
+    finally:
+        for s in extra:
+            s.kill()
+        _api(served, "DELETE", f"/sandboxes/{paused}")
+
+
 def test_control_plane_bodies_are_capped(served: support.Served) -> None:
     big = b"{" + b" " * (2 << 20) + b"}"
     r = _api(served, "POST", "/v2/sandboxes", content=big, headers={"Content-Type": "application/json"})

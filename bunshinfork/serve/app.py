@@ -218,7 +218,13 @@ class Server:
         if e is not None and e.paused and e.lifecycle.auto_resume:
             async with e.lock:  # E2B's auto-resume: traffic to a paused sandbox resumes it
                 if e.paused:
-                    await self.rest.resume(e, None)
+                    try:
+                        with self.rest.slots(1):  # within the server's cap, as a connect is
+                            await self.rest.resume(e, None)
+                    except ApiError as err:
+                        await JSONResponse({"code": err.status, "message": err.message, "sandboxId": sandbox_id},
+                                           status_code=err.status)(scope, receive, send)
+                        return
                     await self.rest.apply_deadline(e)
         rpc = path.startswith(("/process.Process/", "/filesystem.Filesystem/"))
         if e is None or e.paused or e.sbx is None:
