@@ -286,3 +286,20 @@ def test_output_is_read_once(served: support.Served, pair: tuple[e2b.Sandbox, e2
     assert got == size
     read = _read_bytes(served.proc.pid) - before
     assert read < 3 * size, f"the server read {read >> 20} MiB for {size >> 20} MiB of output"
+
+
+def test_output_is_not_held_by_the_server(served: support.Served, pair: tuple[e2b.Sandbox, e2b.Sandbox]) -> None:
+    """96 MiB of output passes through the server in bounded buffers (it kept all of a
+    command's output for the command's result, which envd never sends)."""
+    size = 96 << 20
+    before = _peak_rss(served.proc.pid)
+    got = 0
+
+    def seen(text: str) -> None:
+        nonlocal got
+        got += len(text)
+
+    pair[1].commands.run(f"head -c {size} /dev/zero | tr '\\0' x", on_stdout=seen, timeout=120)
+    assert got == size
+    grown = _peak_rss(served.proc.pid) - before
+    assert grown < 48 << 20, f"the server's peak RSS grew by {grown >> 20} MiB for {size >> 20} MiB of output"

@@ -153,6 +153,10 @@ async def _result(handle: AsyncCommandHandle) -> CommandResult:
         return e
 
 
+# Output events held for a client at most (each at most a 1 MiB slice of a stream, commands.READ_SLICE).
+OUTPUT_QUEUE = 16
+
+
 async def _follow(handle: AsyncCommandHandle, queue: asyncio.Queue[tuple[str, bytes]],
                   keepalive: float | None) -> AsyncIterator[process_pb.ProcessEvent]:
     """The command's events until it exits (keepalives while it is quiet). A client that goes
@@ -210,18 +214,20 @@ class ProcessService(Base):
             if request.pty is not None:
                 size = request.pty.size or process_pb.PTY.Size(cols=80, rows=24)
                 return await sbx.pty.create(PtySize(rows=size.rows or 24, cols=size.cols or 80),
-                                            on_data=lambda b: queue.put_nowait(("pty", bytes(b))), user=user,
+                                            on_data=lambda b: queue.put(("pty", bytes(b))), user=user,
                                             cwd=cwd, envs=envs, timeout=0)
+            # Output goes to the client only (retained nowhere here), through a bounded queue:
+            # a client slower than the command holds its reads, and the rest waits in the file.
             handle = await sbx.commands.run(
                 [cfg.cmd, *cfg.args], background=True, envs=envs, user=user, cwd=cwd, stdin=bool(request.stdin),
-                timeout=0, on_stdout=lambda s: queue.put_nowait(("stdout", s.encode())),
-                on_stderr=lambda s: queue.put_nowait(("stderr", s.encode())))
+                timeout=0, on_stdout=lambda s: queue.put(("stdout", s.encode())),
+                on_stderr=lambda s: queue.put(("stderr", s.encode())), retain_output=False)
         assert isinstance(handle, AsyncCommandHandle)
         return handle
 
     async def start(self, request: process_pb.StartRequest,
                     ctx: RequestContext[Any, Any]) -> AsyncIterator[process_pb.StartResponse]:
-        queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(OUTPUT_QUEUE)
         handle = await self._start(request, ctx, queue)
         start = process_pb.ProcessEvent.StartEvent(pid=handle.pid)
         yield process_pb.StartResponse(event=process_pb.ProcessEvent(event=Oneof("start", start)))
@@ -231,11 +237,12 @@ class ProcessService(Base):
     async def connect(self, request: process_pb.ConnectRequest,
                       ctx: RequestContext[Any, Any]) -> AsyncIterator[process_pb.ConnectResponse]:
         sbx, pid = self.sandbox(ctx), _selected_pid(request.process)
-        queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(OUTPUT_QUEUE)
         with rpc_errors():
             handle = await sbx.commands.connect(pid, timeout=0,
-                                                on_stdout=lambda s: queue.put_nowait(("stdout", s.encode())),
-                                                on_stderr=lambda s: queue.put_nowait(("stderr", s.encode())))
+                                                on_stdout=lambda s: queue.put(("stdout", s.encode())),
+                                                on_stderr=lambda s: queue.put(("stderr", s.encode())),
+                                                retain_output=False)
         start = process_pb.ProcessEvent.StartEvent(pid=pid)
         yield process_pb.ConnectResponse(event=process_pb.ProcessEvent(event=Oneof("start", start)))
         async for ev in _follow(handle, queue, _keepalive(ctx)):
