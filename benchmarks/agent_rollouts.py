@@ -3,6 +3,7 @@
 python benchmarks/agent_rollouts.py [--quick] --out DIR [--seeds 3 | --seed S] [--families code,shop]
                                     [--regime paper|local] [--exploration decaying|constant]
                                     [--placements live,fork_first] [--snapshot-policies cost,depth]
+                                    [--audit all|sample|off]
 python benchmarks/agent_rollouts.py --merge DIR0 DIR1 DIR2 --out DIR   (per-seed runs -> one result)
 
 The headline (docs/rl_rollouts_method.md), fixed before any run: --regime paper (every step
@@ -41,6 +42,11 @@ cache's root, the others through keep_initial) and forks while the first step is
 (the paper's epoch); the teardown after it and the cache's persistence (deferred to the gap
 between epochs, the trainer's update phase) are reported beside it, and persistence is waited
 for before the next epoch starts, so it is shown done before the next epoch needs it.
+The trajectory audit (--audit; all in the headline, sample in --quick and CI): after every epoch of a
+Full configuration, each sample's history (all, or one per task) is re-executed from the task's
+root in a fresh fork (bunshinrl.rollout.audit), every observation it was shown and its reward
+compared; it runs in the gap between epochs, outside epoch_seconds. Its result per epoch is the
+row's `audit` (audited, passed, mismatches, not_auditable, errors, seconds, the failing samples).
 Hit rates count the agents' tool calls only (the hidden verifier call is none); a call served by
 waiting for a sibling's running call is counted apart (sibling_waits) and is no hit.
 
@@ -97,6 +103,7 @@ from bunshinrl import (
     ToolPrefixCache,
 )
 from bunshinrl.envs import coding, gui, webshop
+from bunshinrl.rollout.audit import AUDIT_MODES, TrajectoryAuditor, cache_roots
 from bunshinrl.rollout.reasoning import ReasoningClock
 from bunshinrl.rollout.wiring import CoreConfig, build_core
 from bunshinrl.speculation.speculator import PLACEMENTS
@@ -115,9 +122,10 @@ REGIMES = {"paper": PAPER_IN_FLIGHT, "local": None}  # requests in flight a step
 # seeds 0-2; Spec and CRIU at seed 0 in epochs 1-2).
 HEADLINE = {"families": "code,shop,gui", "code_tasks": 1, "group_size": 8, "epochs": 5, "seeds": 3, "rollouts": 24,
             "regime": "paper", "exploration": "decaying", "short_configs": "CRIU,Spec", "short_epochs": 2,
-            "short_seeds": "0"}
+            "short_seeds": "0", "audit": "all"}
 QUICK = {"families": "code,shop", "code_tasks": 1, "group_size": 3, "epochs": 3, "seeds": 1, "regime": "local",
-         "exploration": "decaying", "short_configs": "CRIU,Spec", "short_epochs": 2, "short_seeds": "0"}
+         "exploration": "decaying", "short_configs": "CRIU,Spec", "short_epochs": 2, "short_seeds": "0",
+         "audit": "sample"}
 PAPER_ROLLOUTS_PER_THREAD = 2  # the paper's host: 128 rollouts on 64 hardware threads
 GUI_HELP = "/root/Desktop/help.html"
 GUI_HELP_PAGE = ("<html><head><title>Editor help</title></head><body><h1>Editing notes</h1>"
@@ -208,13 +216,14 @@ class ConfigRun:
     server: Server
     tasks: list[Task]
     cache: ToolPrefixCache | None
+    auditor: TrajectoryAuditor | None = None  # Full's: --audit
     epochs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     results: list[EpochResult] = dataclasses.field(default_factory=list)
 
 
 def make_config(name: str, tasks: list[Task], cands: dict[str, Any], agent_cfg: AgentConfig, model: LatencyModel,
                 store: Path, cache_mib: int, spec_depth: int, slow_seconds: float, share: str = "ksm",
-                in_flight: int | None = None) -> ConfigRun:
+                in_flight: int | None = None, audit: str = "off", seed: int = 0) -> ConfigRun:
     """name: one of CONFIGS, or Spec@PLACEMENT, Full@POLICY. The core is built by build_core, as
     every driver's is; its reasoning prediction is the latency model's step at the server's load."""
     kind, _, variant = name.partition("@")
@@ -235,7 +244,11 @@ def make_config(name: str, tasks: list[Task], cands: dict[str, Any], agent_cfg: 
     # CRIU: processes stay out of KSM, so restored copies are really private.
     own = [t.with_spec(ksm=False) for t in tasks] if name == "CRIU" else tasks
     engine = RolloutEngine(agent, core=core)
-    return ConfigRun(name, engine, server, own, core.cache)
+    # The audit re-executes Full's trajectories from a fresh fork of the cache's root (the state
+    # every sample started from): what caching and speculation served must be what a plain run sees.
+    auditor = TrajectoryAuditor(own, mode=audit, root=cache_roots(core), seed=seed) \
+        if kind == "Full" and audit != "off" else None
+    return ConfigRun(name, engine, server, own, core.cache, auditor)
 
 
 PHASES = ("setup", "reason", "tool", "cache_hit", "sibling_wait", "audit", "materialize", "post_wait", "spec_hit",
@@ -274,6 +287,7 @@ async def run_epoch(run: ConfigRun, group: int, epoch: int) -> dict[str, Any]:
     persist_wait = time.monotonic() - tp
     if run.engine.speculator is not None:
         run.engine.fit_selector()
+    audit = (await run.auditor.audit(r)).summary() if run.auditor is not None else None
     run.results.append(r)
     reason = [s for (e, _t, _s), s in run.server.reasoning_seconds.items() if e == epoch]
     rewards = {f"{s.task_id}/{s.sample}": s.reward for s in r.samples}
@@ -302,6 +316,7 @@ async def run_epoch(run: ConfigRun, group: int, epoch: int) -> dict[str, Any]:
         "wasted_speculation_seconds": round(r.wasted_seconds, 3),
         **r.invariant(),  # divergences, rewound, rerolled and the seconds they cost
         "phases": phases(r, r.seconds + r.teardown_seconds),
+        "audit": audit,
     }
     run.epochs.append(row)
     print(f"  {run.name:4s} epoch {epoch}: {r.seconds:6.1f} s (oracle {row['oracle_seconds']:5.1f} s, median "
@@ -311,6 +326,10 @@ async def run_epoch(run: ConfigRun, group: int, epoch: int) -> dict[str, Any]:
           flush=True)
     print(f"        beside it: teardown {r.teardown_seconds:.1f} s, persistence {persist:.1f} s (done before the "
           f"next epoch: yes)", flush=True)
+    if audit is not None:
+        print(f"        audit ({audit['mode']}): {audit['audited']} samples, {audit['steps']} steps re-executed in "
+              f"{audit['seconds']:.1f} s: {audit['mismatches']} mismatches, {audit['not_auditable']} not auditable, "
+              f"{audit['errors']} errors", flush=True)
     if row["phases"]:
         path = row["phases"]["critical_path"]
         print("        last rollout: " + "  ".join(f"{k} {v:.1f}" for k, v in path.items() if v), flush=True)
@@ -340,6 +359,8 @@ def summarize(run: ConfigRun) -> dict[str, Any]:
         "invariant_per_epoch": [{k: e[k] for k in ("divergences", "divergence_seconds", "rewound", "rewound_steps",
                                                    "rewound_seconds", "rerolled")} for e in ep],
         "phases_per_epoch": [e["phases"] for e in ep],
+        # The trajectory audit per epoch (Full's; None where it did not run).
+        "audit_per_epoch": [e["audit"] for e in ep],
         "cache": run.results[-1].cache if run.results else None,
         "speculation": run.results[-1].speculation if run.results else None,
     }
@@ -355,7 +376,7 @@ async def run_seed(seed: int, args: argparse.Namespace, agent_cfg: AgentConfig, 
     names = [n for n in args.configs if n not in short or seed in args.short_seeds]
     runs = {n: make_config(n, tasks, cands, dataclasses.replace(agent_cfg, seed=seed), model, store,
                            args.cache_mib, args.spec_depth, args.slow_seconds, args.share_engine,
-                           REGIMES[args.regime])
+                           REGIMES[args.regime], args.audit, seed)
             for n in names}
     try:
         for e in range(args.epochs):
@@ -366,6 +387,8 @@ async def run_seed(seed: int, args: argparse.Namespace, agent_cfg: AgentConfig, 
                 await run_epoch(runs[n], args.group_size, e)
     finally:
         for r in runs.values():
+            if r.auditor is not None:
+                await r.auditor.close()
             await r.engine.close()
             if r.cache is not None:
                 await asyncio.to_thread(r.cache.close)
@@ -373,6 +396,10 @@ async def run_seed(seed: int, args: argparse.Namespace, agent_cfg: AgentConfig, 
     trio = [n for n in runs if n.partition("@")[0] in ("Base", "Spec", "Full")]
     out["rewards_identical"] = all(runs[trio[0]].epochs[e]["rewards"] == runs[n].epochs[e]["rewards"]
                                    for n in trio for e in range(min(len(runs[n].epochs), len(runs[trio[0]].epochs))))
+    audits = [e["audit"] for r in runs.values() for e in r.epochs if e["audit"] is not None]
+    out["audit"] = {"mode": args.audit, **{k: sum(a[k] for a in audits)
+                                           for k in ("audited", "mismatches", "not_auditable", "errors")},
+                    "seconds": round(sum(a["seconds"] for a in audits), 3)}
     out["_series"] = {n: {"memory": [x["memory"] for x in r.epochs], "running": [x["running"] for x in r.epochs]}
                       for n, r in runs.items()}
     return out
@@ -556,6 +583,14 @@ def targets(seeds: dict[int, dict[str, Any]], epochs: int, share: str = "ksm") -
         out["spec_speedup_vs_base"] = _spread([1 / x for x in _epoch_ratios(seeds, "Spec", "Base", later)])
     out["rewards_identical"] = {"value": all(s["rewards_identical"] for s in seeds.values()),
                                 "met": all(s["rewards_identical"] for s in seeds.values())}
+    audits = [s["audit"] for s in seeds.values() if s.get("audit") and s["audit"]["audited"]]
+    if audits:
+        # Merged runs from before the audit have none: the target is then not reported.
+        out["audit_mismatches"] = {"value": sum(a["mismatches"] for a in audits), "target_at_most": 0,
+                                   "audited": sum(a["audited"] for a in audits),
+                                   "not_auditable": sum(a["not_auditable"] for a in audits),
+                                   "errors": sum(a["errors"] for a in audits),
+                                   "met": all(a["mismatches"] == 0 and a["errors"] == 0 for a in audits)}
     return out
 
 
@@ -749,6 +784,10 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--spec-depth", type=int, default=2)
     ap.add_argument("--share-engine", default="ksm", help="fork engine of Base, Spec and Full (cow in a guest)")
     ap.add_argument("--slow-seconds", type=float, default=1.0, help="a call this slow is a 'slow tool'")
+    ap.add_argument("--audit", choices=AUDIT_MODES,
+                    help="re-execute Full's trajectories after each epoch from a fresh fork of the root and compare "
+                         "every observation and the reward: all samples (the headline's default), one per task "
+                         "(sample: --quick's and CI's) or off")
     a = ap.parse_args()
     for k, v in (QUICK if a.quick else HEADLINE).items():
         if hasattr(a, k) and getattr(a, k) is None:
@@ -900,7 +939,7 @@ async def main() -> int:
         "size": {"seeds": args.seed_list, "families": args.families, "code_tasks": args.code_tasks,
                  "group_size": args.group_size, "epochs": args.epochs, "quick": args.quick,
                  "configs": args.configs, "short_configs": args.short_configs, "short_epochs": args.short_epochs,
-                 "short_seeds": args.short_seeds},
+                 "short_seeds": args.short_seeds, "audit": args.audit},
         "host": {"cpus": os.cpu_count(), "load_average": os.getloadavg()},
         "wall_seconds": round(time.monotonic() - t0, 1),
     }

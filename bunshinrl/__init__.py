@@ -13,6 +13,7 @@ from .calls.signature import ToolCall, prefix_signature, template_digest
 from .calls.task import INVALID_TOOL, REWARD_TOOL, Task
 from .calls.tools import Tool, ToolSet, shell_tool, string_params
 from .prefix.cache import Plan, ReplayDiverged, ToolPrefixCache
+from .rollout.audit import AuditReport, TrajectoryAuditor
 from .rollout.core import Rewound, Rollout, RolloutCore
 from .rollout.engine import RolloutEngine
 from .rollout.timeline import EpochResult, SampleTimeline
@@ -23,11 +24,12 @@ from .states.backend import SharedSnapshot, SnapshotBackend, StateBackend
 from .states.store import BlobStore
 
 __all__ = [
-    "INVALID_TOOL", "REWARD_TOOL", "Action", "BlobStore", "DeterminismGuard", "EpochResult", "FamilyNotDeterministic",
-    "FamilyReport", "FinalAnswer", "Plan", "Policy", "ReplayDiverged", "Rewound", "Rollout", "RolloutCore",
-    "RolloutEngine", "SampleContext", "SampleTimeline", "SelectorContext", "SelectorReport", "SharedSnapshot",
-    "SnapshotBackend", "SpecHit", "SpeculationError", "SpeculativeBranch", "Speculator", "StateBackend", "Step",
-    "TailPolicy", "Task", "Tool", "ToolCall", "ToolDifference", "ToolPrefixCache", "ToolSelector", "ToolSet",
-    "Trajectory", "check_family", "check_family_async", "parse_message", "parse_reply", "prefix_signature",
-    "render_call", "shell_tool", "string_params", "template_digest", "train_selector",
+    "INVALID_TOOL", "REWARD_TOOL", "Action", "AuditReport", "BlobStore", "DeterminismGuard", "EpochResult",
+    "FamilyNotDeterministic", "FamilyReport", "FinalAnswer", "Plan", "Policy", "ReplayDiverged", "Rewound", "Rollout",
+    "RolloutCore", "RolloutEngine", "SampleContext", "SampleTimeline", "SelectorContext", "SelectorReport",
+    "SharedSnapshot", "SnapshotBackend", "SpecHit", "SpeculationError", "SpeculativeBranch", "Speculator",
+    "StateBackend", "Step", "TailPolicy", "Task", "Tool", "ToolCall", "ToolDifference", "ToolPrefixCache",
+    "ToolSelector", "ToolSet", "Trajectory", "TrajectoryAuditor", "check_family", "check_family_async", "parse_message",
+    "parse_reply", "prefix_signature", "render_call", "shell_tool", "string_params", "template_digest",
+    "train_selector",
 ]

@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float)
     ap.add_argument("--max-new-tokens", type=int, help="bound on each reply (a reply cut there is an invalid call)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--audit", default="off", choices=("all", "sample", "off"),
+                    help="after each trained epoch, re-execute every sample's history (all) or one per task "
+                         "(sample) from a fresh fork of the root and compare observations and rewards")
     ap.add_argument("--no-learning-target", action="store_true",
                     help="exit 0 even if the trained model does not beat the untrained one (tiny sizes)")
     args = ap.parse_args(argv)
@@ -139,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         random = experiment.run(lab, "Random", tasks, untrained_epochs, grpo, args.seed, log, policy=policy)
         print(f"\n2. GRPO training with {args.config} ({epochs} epochs: rollouts, then the update)", flush=True)
         progress.t = time.monotonic()
-        trained = experiment.run(lab, args.config, tasks, epochs, grpo, args.seed, log, policy=policy)
+        trained = experiment.run(lab, args.config, tasks, epochs, grpo, args.seed, log, policy=policy,
+                                 audit=args.audit)
     verdict = experiment.learning([trained], [random], tail=TAIL)
     summary = {"Random": experiment.config_summary(random, None), args.config: experiment.config_summary(trained, None)}
     s = summary[args.config]

@@ -46,7 +46,7 @@ def _row(m: Any) -> dict[str, Any]:
             "spec_hits": m.spec_hits, "tool_calls": m.tool_calls, "peak_memory_bytes": m.peak_memory_bytes,
             "trajectory_digest": m.trajectory_digest, "params_digest": m.params_digest, "errors": m.errors,
             "loss": m.loss, "clip_fraction": m.clip_fraction, "kl": m.kl, "tokens_trained": m.tokens_trained,
-            "sequences": m.sequences, "logprob_drift": m.logprob_drift}
+            "sequences": m.sequences, "logprob_drift": m.logprob_drift, "audit": m.extra.get("audit")}
 
 
 class Lab:

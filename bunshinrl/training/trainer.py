@@ -35,6 +35,7 @@ from ..calls.policy import Policy
 from ..calls.task import Task
 from ..policies.hf_policy import HFPolicy
 from ..policies.turns import TokenSequence, Turn, TurnKey, stitch
+from ..rollout.audit import TrajectoryAuditor, cache_roots
 from ..rollout.timeline import EpochResult
 from .episodes import Config, EngineBundle, Episode, episodes, make_engine, trajectory_digest
 from .objective import LOSS_AGG_MODES, group_advantages, grpo_loss
@@ -110,13 +111,16 @@ class GRPOTrainer:
     OpenAIPolicy on a vLLM server); weight_sync makes it serve the learner's weights
     (VLLMServerSync) and is checked before every rollout. By default the learner rolls out
     itself, in process. learn=False rolls out without updating (the untrained baseline).
+    audit: "all", "sample" (one sample per task) or "off": after every epoch the trajectory
+    audit re-executes those samples' histories from a fresh fork of the root and compares every
+    observation and the reward (StepMetrics.extra["audit"]; bunshinrl.rollout.audit).
     """
 
     def __init__(self, policy: HFPolicy, tasks: Sequence[Task], *, config: GRPOConfig | None = None,
                  engine: Config = "Base", rollout_policy: Policy | None = None,
                  weight_sync: WeightSync | None = None, engine_factory: Callable[[Policy], EngineBundle] | None = None,
                  checkpoint_dir: str | os.PathLike[str] | None = None, store_dir: str | os.PathLike[str] | None = None,
-                 learn: bool = True, keep_episodes: bool = False,
+                 learn: bool = True, keep_episodes: bool = False, audit: str = "off",
                  torch_threads: int | None = 1, update_threads: int | None = None, **engine_kwargs: Any) -> None:
         if torch_threads is not None:
             # Intra-op threads spinning next to the workspaces take the cores the rollout runs on.
@@ -147,6 +151,11 @@ class GRPOTrainer:
         if missing:
             raise ValueError(f"tasks {missing} have no verifier: GRPO needs a reward")
         self.engine_name = engine
+        # The trajectory audit (rollout/audit.py): each epoch's histories (all, or one sample
+        # per task) re-executed from a fresh fork of the root, every observation and the reward
+        # compared; its summary is the step's extra["audit"].
+        self.auditor = TrajectoryAuditor(self.tasks, mode=audit, root=cache_roots(self.bundle.engine.core),
+                                         seed=self.config.seed) if audit != "off" else None
         self.learn = learn
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.keep_episodes = keep_episodes
@@ -211,6 +220,8 @@ class GRPOTrainer:
             # speculated, never what is sampled.
             self.bundle.engine.fit_selector(held_out_epochs=())
         m = self._metrics(epoch, result, eps, stats, update_seconds, sync_seconds, served)
+        if self.auditor is not None:
+            m.extra["audit"] = (await self.auditor.audit(result)).summary()
         m.extra["rollout_wall_seconds"] = rollout_wall
         m.extra["teardown_seconds"] = result.teardown_seconds
         # The cache's persistence ran beside the update (the gap between epochs): its seconds, and
@@ -240,6 +251,8 @@ class GRPOTrainer:
         return self.history
 
     async def aclose(self) -> None:
+        if self.auditor is not None:
+            await self.auditor.close()
         await self.bundle.aclose()
         close = getattr(self.rollout_policy, "aclose", None)
         if callable(close):
