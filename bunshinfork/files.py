@@ -51,6 +51,17 @@ def _kind(mode: int) -> FileType | None:
     return None
 
 
+def go_filemode(mode: int) -> str:
+    """What envd reports as `permissions`: Go's os.FileMode(...).String() of the lstat (type and
+    setuid/setgid/sticky as letters before rwx: -rw-r--r--, drwxr-xr-x, Lrwxrwxrwx, Dcrw-rw-rw-)."""
+    fmt = stat.S_IFMT(mode)
+    flags = {"d": fmt == stat.S_IFDIR, "L": fmt == stat.S_IFLNK, "D": fmt in (stat.S_IFBLK, stat.S_IFCHR),
+             "p": fmt == stat.S_IFIFO, "S": fmt == stat.S_IFSOCK, "u": bool(mode & stat.S_ISUID),
+             "g": bool(mode & stat.S_ISGID), "c": fmt == stat.S_IFCHR, "t": bool(mode & stat.S_ISVTX)}
+    kind = "".join(letter for letter, on in flags.items() if on) or "-"
+    return kind + "".join(c if mode & (1 << (8 - i)) else "-" for i, c in enumerate("rwxrwxrwx"))
+
+
 def _error(e: OSError, what: str, path: str) -> FileOperationError:
     cls = WorkspaceFileNotFound if e.errno == errno.ENOENT else FileOperationError
     return cls(e.errno, f"{what} {path} in workspace: {os.strerror(e.errno or 0)}", path)
@@ -200,10 +211,36 @@ class Files:
         finally:
             os.close(fd)
 
-    def _entry(self, dirfd: int, name: str, path: str) -> EntryInfo:
+    def _entry(self, dirfd: int, name: str, path: str, root: int | None = None) -> EntryInfo:
         st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
         target = os.readlink(name, dir_fd=dirfd) if stat.S_ISLNK(st.st_mode) else None
-        return self._describe(st, name, path, target, f"/proc/self/fd/{dirfd}/{name}")
+        info = self._describe(st, name, path, target, f"/proc/self/fd/{dirfd}/{name}")
+        if target is not None and root is not None:
+            self._follow(root, path, info)
+        return info
+
+    def _follow(self, root: int, path: str, info: EntryInfo) -> None:
+        """envd's view of a symlink (e2b-dev/infra packages/shared/pkg/filesystem/entry.go): the
+        type and mode of what it resolves to, resolved inside the workspace's root, and that
+        absolute path as its target; a dangling one has no type, mode 0 and its own path as
+        target (Go's EvalSymlinks failing). permissions stay the link's own (Lrwxrwxrwx)."""
+        try:
+            fd = inroot.named(root, path, os.O_PATH)
+        except OSError:
+            info.type, info.mode, info.symlink_target = None, 0, path
+            return
+        try:
+            st = os.fstat(fd)
+            found, top = os.readlink(f"/proc/self/fd/{fd}"), os.readlink(f"/proc/self/fd/{root}")
+        finally:
+            os.close(fd)
+        info.type, info.mode = _kind(st.st_mode), stat.S_IMODE(st.st_mode)
+        if top == "/":
+            info.symlink_target = found
+        elif found == top or found.startswith(top + "/"):
+            info.symlink_target = found[len(top):] or "/"
+        else:  # not under the root's name as this process sees it: the link's text, made absolute
+            info.symlink_target = posixpath.normpath(posixpath.join(posixpath.dirname(path), info.symlink_target or ""))
 
     def _describe(self, st: os.stat_result, name: str, path: str, target: str | None,
                   xattrs: str | int) -> EntryInfo:
@@ -212,7 +249,7 @@ class Files:
         uid, gid = ids.from_host(st.st_uid), ids.from_host(st.st_gid)
         return EntryInfo(
             name=name, type=_kind(st.st_mode), path=path, size=st.st_size, mode=stat.S_IMODE(st.st_mode),
-            permissions=stat.filemode(st.st_mode)[1:], owner=owners.get(uid, str(uid)),
+            permissions=go_filemode(st.st_mode), owner=owners.get(uid, str(uid)),
             group=groups.get(gid, str(gid)),
             modified_time=datetime.datetime.fromtimestamp(st.st_mtime, datetime.UTC),
             symlink_target=target, metadata=_metadata(xattrs),
@@ -222,7 +259,7 @@ class Files:
         # The root has no parent inside the workspace to stat it from: "." of itself stands in.
         parent, name = (p, ".") if p == "/" else (posixpath.dirname(p), posixpath.basename(p))
         with self._open(root, parent, os.O_PATH | os.O_DIRECTORY) as fd:
-            info = self._entry(fd, name, p)
+            info = self._entry(fd, name, p, root)
         if p == "/":
             info.name = "/"
         return info
@@ -364,6 +401,11 @@ class Files:
                 while view:
                     n = os.write(fd, view)
                     view = view[n:]
+            # An upload replaces the file's metadata (envd: what the last upload sent, nothing
+            # of an earlier one's); a rename keeps it, as the xattrs move with the inode.
+            for name in os.listxattr(fd):
+                if name.startswith(METADATA_PREFIX):
+                    os.removexattr(fd, name)
             for key, value in (metadata or {}).items():
                 os.setxattr(fd, METADATA_PREFIX + key.lower(), value.encode())
             # Described from the fd written, not by path: a workspace process may consume the file
@@ -445,10 +487,10 @@ class Files:
 
     def _list_into(self, root: int, p: str, depth: int, out: list[EntryInfo]) -> None:
         with self._open(root, p, os.O_RDONLY | os.O_DIRECTORY) as fd:
-            entries = [self._entry(fd, name, posixpath.join(p, name)) for name in sorted(os.listdir(fd))]
+            entries = [self._entry(fd, name, posixpath.join(p, name), root) for name in sorted(os.listdir(fd))]
         for e in entries:
             out.append(e)
-            if depth > 1 and e.type == FileType.DIR:
+            if depth > 1 and e.type == FileType.DIR and e.symlink_target is None:  # envd's walk follows none
                 self._list_into(root, e.path, depth - 1, out)
 
     def exists(self, path: str, user: str | None = None, request_timeout: float | None = None) -> bool:
@@ -484,12 +526,14 @@ class Files:
                     self._open(root, posixpath.dirname(old), os.O_PATH | os.O_DIRECTORY) as src, \
                     self._open(root, posixpath.dirname(new), os.O_PATH | os.O_DIRECTORY) as dst:
                 os.rename(posixpath.basename(old), posixpath.basename(new), src_dir_fd=src, dst_dir_fd=dst)
-                return self._entry(dst, posixpath.basename(new), new)
+                return self._entry(dst, posixpath.basename(new), new, root)
         except OSError as e:
             raise _error(e, "rename", old) from e
 
     def remove(self, path: str, user: str | None = None, request_timeout: float | None = None) -> None:
-        """Remove a file, a symlink, or a directory with everything in it."""
+        """Remove a file, a symlink, or a directory with everything in it; a path that is not
+        there is no error (envd's Remove is Go's os.RemoveAll: e2b-dev/infra
+        packages/envd/internal/services/filesystem/remove.go)."""
         who = self._user(user)
         p = self._abs(path, who)
         if p == "/":
@@ -504,6 +548,8 @@ class Files:
                     shutil.rmtree(name, dir_fd=parent)
                 else:
                     os.unlink(name, dir_fd=parent)
+        except FileNotFoundError:
+            return
         except OSError as e:
             raise _error(e, "remove", p) from e
 

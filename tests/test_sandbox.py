@@ -145,7 +145,7 @@ def test_files(sbx: Sandbox) -> None:
     assert (info.name, info.path, info.type) == ("a.txt", "/home/user/notes/a.txt", FileType.FILE)
     sbx.files.write_files([{"path": "notes/b.txt", "data": "b"}, {"path": "notes/c.bin", "data": iter([b"c", b"d"])}])
     entry = sbx.files.get_info("notes/a.txt")
-    assert (entry.owner, entry.group, entry.size, entry.permissions) == ("user", "user", 18, "rw-r--r--")
+    assert (entry.owner, entry.group, entry.size, entry.permissions) == ("user", "user", 18, "-rw-r--r--")
     assert entry.metadata == {"kind": "note"}
     assert sbx.files.read("notes/c.bin", format="bytes") == bytearray(b"cd")
     assert [e.name for e in sbx.files.list("notes")] == ["a.txt", "b.txt", "c.bin"]

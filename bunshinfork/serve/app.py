@@ -170,7 +170,7 @@ class Server:
             query = Request(scope).query_params
             signed = ports.signed_entry(self.store, query, scope.get("method", "GET"))
             if signed is None and "signature" in query:
-                await envd.http_error(401, "invalid or expired signature")(scope, receive, send)
+                await envd.http_error(401, envd.signature_refusal(query))(scope, receive, send)
                 return
             sandbox_id = signed.sandbox_id if signed is not None else None
         if sandbox_id is None:

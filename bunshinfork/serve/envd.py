@@ -10,7 +10,9 @@ import contextlib
 import datetime
 import errno
 import logging
+import posixpath
 import secrets
+import zlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -193,6 +195,14 @@ def _keepalive(ctx: RequestContext[Any, Any]) -> float | None:
     return None
 
 
+def _home_path(sbx: AsyncSandbox, user: str, path: str) -> str:
+    """A relative or `~` path as envd resolves it, against the user's home (e2b-dev/infra
+    packages/envd/internal/permissions/path.go, ExpandAndResolve)."""
+    home = sbx.workspace.files.accounts.resolve(user).home
+    rest = path[1:].lstrip("/") if path == "~" or path.startswith("~/") else path
+    return posixpath.normpath(posixpath.join(home, rest))
+
+
 class ProcessService(Base):
     async def list(self, request: process_pb.ListRequest, ctx: RequestContext[Any, Any]) -> process_pb.ListResponse:
         sbx = self.sandbox(ctx)
@@ -211,6 +221,8 @@ class ProcessService(Base):
         cwd = cfg.cwd if cfg.has_field("cwd") and cfg.cwd else None
         envs = dict(cfg.envs)
         with rpc_errors():
+            if cwd is not None and not cwd.startswith("/"):
+                cwd = await asyncio.to_thread(_home_path, sbx, user, cwd)
             if request.pty is not None:
                 size = request.pty.size or process_pb.PTY.Size(cols=80, rows=24)
                 return await sbx.pty.create(PtySize(rows=size.rows or 24, cols=size.cols or 80),
@@ -464,6 +476,37 @@ async def files_get(sbx: AsyncSandbox, request: Request) -> Response:
     return StreamingResponse(chunks(), media_type="application/octet-stream")
 
 
+# A gzip body's decompressed size: a few KiB of gzip can expand a thousandfold, so the body
+# caps (counted as it arrives) say nothing of it. Past this, 413 (envd's answer to a body too big).
+MAX_GUNZIPPED_BYTES = 256 << 20
+METADATA_HEADER = "x-metadata-"  # envd >= 0.6.2: X-Metadata-<key>: <value>, the key lowercased
+
+
+class UploadTooLarge(ValueError):
+    """A decompressed upload past MAX_GUNZIPPED_BYTES."""
+
+
+def gunzip(body: bytes, limit: int = MAX_GUNZIPPED_BYTES) -> bytes:
+    """A `Content-Encoding: gzip` upload's bytes (envd decompresses them: e2b-dev/infra
+    packages/envd/internal/api/upload.go), never more than `limit` of them in memory."""
+    d = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    try:
+        out = d.decompress(body, limit + 1)
+    except zlib.error as e:
+        raise InvalidArgumentException(f"the gzip body is corrupt: {e}") from None
+    if len(out) > limit:
+        raise UploadTooLarge(f"the upload decompresses to more than {limit} bytes")
+    if not d.eof:
+        raise InvalidArgumentException("the gzip body is truncated")
+    return out
+
+
+def upload_metadata(headers: Any) -> dict[str, str] | None:
+    """The file metadata an upload's X-Metadata-* headers carry (applied to every file of it)."""
+    out = {k[len(METADATA_HEADER):].lower(): v for k, v in headers.items() if k.lower().startswith(METADATA_HEADER)}
+    return out or None
+
+
 async def files_post(sbx: AsyncSandbox, request: Request, signed: bool = False) -> Response:
     """Write the uploaded files. `signed`: the request's only credential is a URL signed for
     the query's path: one file, written there (a second part would be a file nobody signed)."""
@@ -489,16 +532,31 @@ async def files_post(sbx: AsyncSandbox, request: Request, signed: bool = False) 
         else:
             if not path:
                 return http_error(400, "path is required")
-            if request.headers.get("content-encoding", "") not in ("", "identity"):
-                return http_error(400, "compressed uploads are not accepted")
-            uploads.append((path, await request.body()))
+            encoding = request.headers.get("content-encoding", "").strip().lower()
+            if encoding not in ("", "identity", "gzip"):
+                return http_error(400, f"unsupported Content-Encoding {encoding!r}: gzip or none")
+            body = await request.body()
+            uploads.append((path, gunzip(body) if encoding == "gzip" else body))
+        metadata = upload_metadata(request.headers)
         out = []
         for name, data in uploads:
-            info = await sbx.files.write(name, data, user=user)
-            out.append({"name": info.name, "type": info.type.value if info.type else "file", "path": info.path})
+            info = await sbx.files.write(name, data, user=user, metadata=metadata)
+            item = {"name": info.name, "type": info.type.value if info.type else "file", "path": info.path}
+            out.append({**item, "metadata": info.metadata} if info.metadata else item)
+    except UploadTooLarge as e:
+        return http_error(413, str(e))
     except Exception as e:  # not a cancel: a client gone mid-upload is no error to answer
         return http_error(_http_status(e), str(e))
     return JSONResponse(out)
+
+
+def signature_refusal(query: Any) -> str:
+    """Why a signed /files URL is refused, in envd's words (e2b-dev/infra
+    packages/envd/internal/api/auth.go: the expiration is checked before the signature)."""
+    with contextlib.suppress(TypeError, ValueError):
+        if int(query.get("signature_expiration") or "") < now().timestamp():
+            return "signature is already expired"
+    return "invalid signature"
 
 
 def health() -> Response:

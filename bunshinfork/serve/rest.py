@@ -28,7 +28,10 @@ from .allow import TemplatePolicy
 from .limits import Limits, SandboxCap
 from .store import Entry, Store
 
-ENVD_VERSION = "0.5.7"  # the envd protocol level served (commands' stdin and close, octet-stream uploads)
+# The envd protocol level served: commands' stdin and close, octet-stream and gzip uploads (0.5.7),
+# file metadata (0.6.2), watch events with their entry (0.6.3), allow_network_mounts (0.6.4: a
+# workspace has no network mount to refuse). The SDK gates each feature on this version.
+ENVD_VERSION = "0.6.4"
 CLIENT_ID = "bunshin"
 
 
@@ -177,7 +180,10 @@ class Rest:
             raise ApiError(400, "templateID is required")
         timeout = lifecycle.check_timeout(body.get("timeout"), Sandbox.default_sandbox_timeout)
         life = lifecycle.lifecycle_of(body.get("autoPause", False), body.get("autoResume"))
-        for name in ("mcp", "iam", "volumeMounts"):
+        # mcp is the SDK's to start (it runs mcp-gateway in the sandbox after create): accepted.
+        if body.get("mcp") is not None and not isinstance(body.get("mcp"), dict):
+            raise ApiError(400, "mcp must be an object")
+        for name in ("iam", "volumeMounts"):
             if body.get(name):
                 raise ApiError(400, f"{name} configures an E2B cloud service this server does not have")
         metadata, envs = body.get("metadata") or {}, body.get("envVars") or {}
@@ -258,7 +264,7 @@ class Rest:
         entries = [e for e in self.store.entries.values()
                    if query.matches(e.metadata, e.state, e.started_at, e.template)]
         items, token = lifecycle.page(entries, limit, q.get("nextToken"), key=lambda e: e.started_at,
-                                      order=q.get("order"))
+                                      order=q.get("order") or "desc")  # E2B's API: newest first
         headers = {"x-next-token": token} if token else {}
         return JSONResponse([self.listed_json(e) for e in items], headers=headers)
 
@@ -280,7 +286,9 @@ class Rest:
             start, end = _ts(q.get("start")), _ts(q.get("end"))
         except ValueError as err:
             raise ApiError(400, f"invalid query: {err}") from None
-        ts = m.timestamp.timestamp()
+        # E2B samples every 5 s from the sandbox's start and answers the samples inside
+        # [start, end]; no history is kept here, so the reading now stands for the latest tick.
+        ts = e.started_at + 5 * int(max(0.0, m.timestamp.timestamp() - e.started_at) // 5)
         if (start is not None and ts < start) or (end is not None and ts > end):
             return JSONResponse([])
         return JSONResponse([{"timestamp": _iso(ts), "timestampUnix": int(ts),
@@ -309,7 +317,9 @@ class Rest:
         timeout = lifecycle.check_timeout(body.get("timeout") if "timeout" in body else -1)
         e = self.entry(request.path_params["sandbox_id"])
         async with e.lock:
-            e.deadline = lifecycle.deadline_after(timeout)
+            # 0 is "now" here (E2B's API: the sandbox's end is now + timeout): a lifecycle that
+            # pauses pauses at once, one that kills kills.
+            e.deadline = time.time() if timeout == 0 else lifecycle.deadline_after(timeout)
             await self.apply_deadline(e)
         return Response(status_code=204)
 
