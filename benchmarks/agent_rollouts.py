@@ -3,7 +3,7 @@
 python benchmarks/agent_rollouts.py [--quick] --out DIR [--seeds 3 | --seed S] [--families code,shop]
                                     [--regime paper|local] [--exploration decaying|constant]
                                     [--placements live,fork_first] [--snapshot-policies cost,depth]
-                                    [--audit all|sample|off]
+                                    [--audit all|sample|off] [--check-families]
 python benchmarks/agent_rollouts.py --merge DIR0 DIR1 DIR2 --out DIR   (per-seed runs -> one result)
 
 The headline (docs/rl_rollouts_method.md), fixed before any run: --regime paper (every step
@@ -47,6 +47,8 @@ Full configuration, each sample's history (all, or one per task) is re-executed 
 root in a fresh fork (bunshinrl.rollout.audit), every observation it was shown and its reward
 compared; it runs in the gap between epochs, outside epoch_seconds. Its result per epoch is the
 row's `audit` (audited, passed, mismatches, not_auditable, errors, seconds, the failing samples).
+--check-families runs check_family (bunshinrl.calls.determinism) on each task first: the agent's
+first candidate calls, each in two forks of the initial state (per seed: check_family).
 Hit rates count the agents' tool calls only (the hidden verifier call is none); a call served by
 waiting for a sibling's running call is counted apart (sibling_waits) and is no hit.
 
@@ -100,7 +102,9 @@ from bunshinrl import (
     RolloutEngine,
     Speculator,
     Task,
+    ToolCall,
     ToolPrefixCache,
+    check_family_async,
 )
 from bunshinrl.envs import coding, gui, webshop
 from bunshinrl.rollout.audit import AUDIT_MODES, TrajectoryAuditor, cache_roots
@@ -366,9 +370,21 @@ def summarize(run: ConfigRun) -> dict[str, Any]:
     }
 
 
+async def check_tools(task: Task, candidates: Any) -> dict[str, Any]:
+    """check_family on the agent's first candidate calls (each in two forks of the initial state),
+    before the family meets the cache."""
+    calls = [c for c in candidates(task.id, []) if isinstance(c, ToolCall)]
+    t0 = time.monotonic()
+    report = await check_family_async(task, calls)
+    print(f"  check_family {task.id}: {len(report.checked)} calls in {time.monotonic() - t0:.1f} s, differing "
+          f"{report.differing_tools or 'none'}", flush=True)
+    return {**report.summary(), "seconds": round(time.monotonic() - t0, 3)}
+
+
 async def run_seed(seed: int, args: argparse.Namespace, agent_cfg: AgentConfig, model: LatencyModel,
                    store: Path) -> dict[str, Any]:
     tasks, cands = build_tasks(args.families, seed, args.code_tasks)
+    checks = [await check_tools(t, cands[t.id]) for t in tasks] if args.check_families else []
     print(f"seed {seed}: tasks {[t.id for t in tasks]} x {args.group_size} samples x {args.epochs} epochs", flush=True)
     # Spec and CRIU (--short-configs) run at the first seed and in the first --short-epochs only:
     # Spec for its memory figure, CRIU for Base's memory against it.
@@ -400,6 +416,8 @@ async def run_seed(seed: int, args: argparse.Namespace, agent_cfg: AgentConfig, 
     out["audit"] = {"mode": args.audit, **{k: sum(a[k] for a in audits)
                                            for k in ("audited", "mismatches", "not_auditable", "errors")},
                     "seconds": round(sum(a["seconds"] for a in audits), 3)}
+    if checks:
+        out["check_family"] = checks
     out["_series"] = {n: {"memory": [x["memory"] for x in r.epochs], "running": [x["running"] for x in r.epochs]}
                       for n, r in runs.items()}
     return out
@@ -784,6 +802,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--spec-depth", type=int, default=2)
     ap.add_argument("--share-engine", default="ksm", help="fork engine of Base, Spec and Full (cow in a guest)")
     ap.add_argument("--slow-seconds", type=float, default=1.0, help="a call this slow is a 'slow tool'")
+    ap.add_argument("--check-families", action="store_true",
+                    help="before the epochs, run check_family on each task (its agent's first candidate calls, "
+                         "each in two forks of the initial state) and record check_family per seed")
     ap.add_argument("--audit", choices=AUDIT_MODES,
                     help="re-execute Full's trajectories after each epoch from a fresh fork of the root and compare "
                          "every observation and the reward: all samples (the headline's default), one per task "
