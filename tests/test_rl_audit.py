@@ -114,3 +114,21 @@ def test_a_tool_declared_non_deterministic_makes_a_sample_not_auditable() -> Non
     assert report.summary()["samples"][0]["status"] == "not_auditable"  # reported, never passed
     # Unless its caller says it changes no state: its observation skipped, the rest compared.
     assert stateless.ok and [(s.status, s.steps) for s in stateless.samples] == [("ok", 2), ("ok", 2)]
+
+
+def test_the_trainer_audits_its_epochs(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """GRPOTrainer(audit=...): each epoch's audit in StepMetrics.extra["audit"]."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from bunshinrl.grpo import suite, testmodel
+    from bunshinrl.policies.hf_policy import HFPolicy
+    from bunshinrl.training.trainer import GRPOConfig, GRPOTrainer
+
+    tasks = [t for t in suite() if t.id == "files-ab"]
+    model = testmodel.make(tmp_path_factory.mktemp("tiny"))
+    trainer = GRPOTrainer(HFPolicy.from_pretrained(model, tasks), tasks, config=GRPOConfig(group_size=2),
+                          engine="Full", audit="all")
+    (m,) = trainer.run(1)
+    audit = m.extra["audit"]
+    assert (audit["mode"], audit["audited"], audit["mismatches"], audit["errors"]) == ("all", 2, 0, 0), audit
+    assert audit["steps"] >= 2  # every sample's calls and its verifier re-executed
