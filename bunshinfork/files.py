@@ -396,6 +396,11 @@ class Files:
     def _write_one(self, root: int, p: str, data: WriteData, mode: int, metadata: dict[str, str] | None) -> EntryInfo:
         self._make_dirs(root, posixpath.dirname(p))
         with self._create_or_truncate(root, p, mode) as fd:
+            # envd chowns each upload to its user between the create and the write, and watchers
+            # see CREATE, CHMOD, WRITE (e2b-dev/infra packages/envd/internal/api/upload.go): the
+            # same owner again, which an owner may always set, is that chown here.
+            with contextlib.suppress(OSError):
+                os.fchown(fd, os.fstat(fd).st_uid, -1)
             for chunk in _chunks(data):
                 view = memoryview(chunk)
                 while view:

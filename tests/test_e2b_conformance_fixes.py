@@ -1,6 +1,7 @@
 """Causes of issue 39 that E2B's own suite found, pinned where CI does not run that suite yet:
 envd's permissions string (Go's FileMode.String()), Remove as os.RemoveAll, a symlink's stat as
 envd's (the target's type and mode, the resolved absolute target), metadata an upload replaces,
+an upload's events (CREATE, CHMOD, WRITE),
 gzip uploads with a bounded decompressed size, X-Metadata-* headers, the expired signature's
 answer; and through `bunshin serve` with the e2b SDK: the list newest first, `mcp` accepted,
 set_timeout(0) as now, metrics inside a [start, end] window, relative and `~` cwds."""
@@ -79,6 +80,14 @@ def test_files_as_envd_reports_them() -> None:
         assert s.files.get_info("/home/user/d/u.txt").metadata == {"b": "2"}
         s.files.write("/home/user/d/u.txt", "plain")
         assert not s.files.get_info("/home/user/d/u.txt").metadata
+        # An upload is seen as envd's: created, chowned to its user, written.
+        s.files.make_dir("/home/user/w")
+        handle = s.files.watch_dir("/home/user/w")
+        try:
+            s.files.write("/home/user/w/new.txt", "x")
+            assert [e.type.value for e in handle.get_new_events()] == ["create", "chmod", "write"]
+        finally:
+            handle.stop()
 
 
 @pytest.fixture(scope="module")
