@@ -53,3 +53,17 @@ def test_a_wm_class_instance_with_spaces_is_read_whole() -> None:
                      "/root/notes.txt - Mousepad") == "mousepad"
     assert _instance("xterm.XTerm  N/A ", "N/A", "") == "xterm"
     assert _instance("mousepad.Mousepad  ws-1 *notes.txt - Mousepad", "ws-1", "notes.txt - Mousepad") == ""
+
+
+def test_windows_parse_while_the_first_window_maps() -> None:
+    """wmctrl -lpG can list nothing while -lx already lists a window (the first one mapping):
+    the class listing is never read as geometry; and a title holding a marker ends nothing."""
+    from bunshinfork.templates.gui import _ACTIVE, _CLASSES, _parse_windows
+    racing = f"{_CLASSES}\n0x00400003  0 chromium-browser.Chromium-browser  ws-1 Editor help\n{_ACTIVE}\n"
+    assert _parse_windows(racing) == []
+    title = f"page {_CLASSES}"
+    listing = (f"0x00400003  0 812 0 0 640 480 ws-1 {title}\n{_CLASSES}\n"
+               f"0x00400003  0 chromium-browser.Chromium-browser  ws-1 {title}\n{_ACTIVE}\n"
+               "_NET_ACTIVE_WINDOW(WINDOW): window id # 0x400003\n")
+    [w] = _parse_windows(listing)
+    assert w.title == title and w.focused and w.app_id == "chromium-browser"

@@ -40,6 +40,9 @@ APPS = ("terminal", "editor", "browser")
 EDITOR_FILE = "/root/Desktop/notes.txt"
 APP_TITLES = {"terminal": "Terminal", "editor": "Mousepad", "browser": "Chromium"}
 GSETTINGS_KEYFILE = f"/root/.config/{GSETTINGS_FILE}"  # XDG_CONFIG_HOME=/root/.config
+# Where windows()'s one shell call parts its listings (each marker a line of its own).
+_CLASSES = "--bunshin-wmctrl-classes--"
+_ACTIVE = "--bunshin-active-window--"
 
 
 @dataclass(frozen=True)
@@ -161,31 +164,15 @@ class GuiWorkspace(Desktop):
 
     def windows(self) -> list[Window]:
         """Managed top-level windows, as the window manager lists them."""
-        r = run(self.ws, "wmctrl -lpG; echo; wmctrl -lx; echo; xprop -root _NET_ACTIVE_WINDOW",
+        # Markers, not blank lines, part the three listings: while the first window maps, -lpG
+        # can list nothing when -lx already lists it, and a blank-line split then read the
+        # class listing as geometry.
+        r = run(self.ws, f"wmctrl -lpG; echo {_CLASSES}; wmctrl -lx; echo {_ACTIVE}; xprop -root _NET_ACTIVE_WINDOW",
                 env=self.env, check=False)
         # Before the first window maps, the WM has not set _NET_CLIENT_LIST and wmctrl fails.
         if not r.ok and "client list" not in r.stderr:
             raise TemplateError(f"wmctrl -lpG failed in {self.ws.id}: {r.stderr.strip()}")
-        listings, _, active_line = r.stdout.rpartition("\n_NET_ACTIVE_WINDOW")
-        active = active_line.rsplit(None, 1)[-1] if "0x" in active_line else ""
-        geometry, _, classes = listings.partition("\n\n")
-        classes_by_id = {f[0]: f[2] for f in (line.split(None, 2) for line in classes.splitlines()) if len(f) == 3}
-        out = []
-        for line in geometry.splitlines():
-            # id, desktop, pid, x, y, width, height, client host, title (may hold spaces). The
-            # WM_CLASS column is read apart (_instance): an instance may hold spaces, and a split
-            # of wmctrl -x's line put Chromium's client host (the workspace's hostname, which
-            # differed in every fork before clones kept their source's) into its title, so a
-            # replayed listing never matched.
-            parts = line.split(None, 8)
-            if len(parts) < 8:
-                continue
-            title = parts[8] if len(parts) > 8 else ""
-            out.append(Window(parts[0], int(parts[1]), int(parts[2]), int(parts[3]), int(parts[4]),
-                              int(parts[5]), int(parts[6]), title,
-                              app_id=_instance(classes_by_id.get(parts[0], ""), parts[7], title),
-                              focused=bool(active) and int(parts[0], 16) == int(active.rstrip(","), 16)))
-        return out
+        return _parse_windows(r.stdout)
 
     def find_window(self, title: str) -> Window | None:
         return next((w for w in self.windows() if title.lower() in w.title.lower()), None)
@@ -295,6 +282,36 @@ def gui_workspace(apps: Iterable[str] = APPS, width: int = 1280, height: int = 8
         with contextlib.suppress(BunshinError):
             ws.destroy()
         raise
+
+
+def _parse_windows(stdout: str) -> list[Window]:
+    """Window entries from windows()' three listings, as its one shell call prints them."""
+    lines = stdout.splitlines()
+    # A marker counts only as a whole line: wmctrl's own lines start with a window id, so a
+    # title (a web page's, say) holding a marker cannot end a listing early.
+    cut_classes = lines.index(_CLASSES) if _CLASSES in lines else len(lines)
+    cut_active = lines.index(_ACTIVE) if _ACTIVE in lines else len(lines)
+    geometry = "\n".join(lines[:cut_classes])
+    classes = "\n".join(lines[cut_classes + 1:cut_active])
+    active_line = " ".join(lines[cut_active + 1:])
+    active = active_line.rsplit(None, 1)[-1] if "0x" in active_line else ""
+    classes_by_id = {f[0]: f[2] for f in (line.split(None, 2) for line in classes.splitlines()) if len(f) == 3}
+    out = []
+    for line in geometry.splitlines():
+        # id, desktop, pid, x, y, width, height, client host, title (may hold spaces). The
+        # WM_CLASS column is read apart (_instance): an instance may hold spaces, and a split
+        # of wmctrl -x's line put Chromium's client host (the workspace's hostname, which
+        # differed in every fork before clones kept their source's) into its title, so a
+        # replayed listing never matched.
+        parts = line.split(None, 8)
+        if len(parts) < 8:
+            continue
+        title = parts[8] if len(parts) > 8 else ""
+        out.append(Window(parts[0], int(parts[1]), int(parts[2]), int(parts[3]), int(parts[4]),
+                          int(parts[5]), int(parts[6]), title,
+                          app_id=_instance(classes_by_id.get(parts[0], ""), parts[7], title),
+                          focused=bool(active) and int(parts[0], 16) == int(active.rstrip(","), 16)))
+    return out
 
 
 def _instance(body: str, host: str, title: str) -> str:
