@@ -133,3 +133,12 @@ def test_served_as_e2b_answers(served: support.Served) -> None:
     finally:
         for s in (first, second):
             s.kill()  # False for one already gone
+
+
+def test_started_after_its_own_start_lists_it() -> None:
+    from bunshinfork.e2b.lifecycle import ListQuery
+    from bunshinfork.serve import rest
+    for started in (1764800000.1234567, 1764800000.9999996, time.time()):
+        bound = rest._ts(rest._iso(started))  # what the SDK sends back: the startedAt it was given
+        assert bound is not None and ListQuery(started_after=bound).matches({}, "running", started, "base")
+        assert not ListQuery(started_after=bound + 1).matches({}, "running", started, "base")

@@ -95,7 +95,8 @@ def test_list_query() -> None:
     assert q.matches({"a": "1", "b": "2"}, "paused", 11.0, "base")
     assert not q.matches({"a": "2"}, "paused", 11.0, "base")
     assert not q.matches({"a": "1"}, "running", 11.0, "base")
-    assert not q.matches({"a": "1"}, "paused", 10.0, "base")
+    assert q.matches({"a": "1"}, "paused", 10.0, "base")  # inclusive, as E2B's
+    assert not q.matches({"a": "1"}, "paused", 9.999, "base")
     assert not q.matches({"a": "1"}, "paused", 11.0, "debian")
 
 

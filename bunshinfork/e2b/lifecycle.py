@@ -189,7 +189,9 @@ class ListQuery:
             return False
         if self.states and state not in self.states:
             return False
-        if self.started_after is not None and started_at <= self.started_after:
+        # The bound is inclusive, at the microseconds a startedAt carries: a client that sends a
+        # sandbox's own startedAt back lists that sandbox (E2B's test_list_sandboxes_started_after).
+        if self.started_after is not None and utc(started_at) < utc(self.started_after):
             return False
         return not (self.template and template != self.template)
 
