@@ -93,7 +93,7 @@ class Inotify:
         self._add(f"/proc/self/fd/{dirfd}", "")
         if recursive:
             for e in files.list(path, depth=64, user="root"):
-                if e.type == "dir":
+                if e.type == "dir" and e.symlink_target is None:  # as envd's walk: links unfollowed
                     with contextlib.suppress(OSError):
                         self._add_inside(e.path)
 
@@ -152,7 +152,9 @@ class Inotify:
 
     def _watch_new_dir(self, rel: str) -> list[FilesystemEvent]:
         """Watch a directory that just appeared, and report what was made in it before the
-        watch was in place (mkdir -p a/b && touch a/b/f can all happen in between)."""
+        watch was in place (mkdir -p a/b && touch a/b/f can all happen in between; a polled
+        watcher adds the watch only at its next poll): CREATE for each entry, and WRITE for a
+        file with content, which was written since (envd's watcher sees both)."""
         top = posixpath.join(self._path, rel)
         with contextlib.suppress(OSError):
             self._add_inside(top)
@@ -160,10 +162,12 @@ class Inotify:
         with contextlib.suppress(OSError):
             for e in self._files.list(top, depth=64, user="root"):
                 sub = posixpath.relpath(e.path, self._path)
-                if e.type == "dir":
+                if e.type == "dir" and e.symlink_target is None:
                     with contextlib.suppress(OSError):
                         self._add_inside(e.path)
                 out.append(self._event(sub, FilesystemEventType.CREATE))
+                if e.type == "file" and e.symlink_target is None and e.size > 0:
+                    out.append(self._event(sub, FilesystemEventType.WRITE))
         return out
 
     def close(self) -> None:

@@ -88,6 +88,14 @@ def test_files_as_envd_reports_them() -> None:
             assert [e.type.value for e in handle.get_new_events()] == ["create", "chmod", "write"]
         finally:
             handle.stop()
+        # A polled recursive watch: a directory made and written into between two polls.
+        handle = s.files.watch_dir("/home/user/w", recursive=True)
+        try:
+            s.files.write("/home/user/w/sub/f.txt", "y")
+            got = {(e.name, e.type.value) for e in handle.get_new_events()}
+            assert {("sub", "create"), ("sub/f.txt", "create"), ("sub/f.txt", "write")} <= got
+        finally:
+            handle.stop()
 
 
 @pytest.fixture(scope="module")
