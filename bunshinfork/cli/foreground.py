@@ -52,7 +52,9 @@ def _raw_terminal(fd: int) -> Iterator[None]:
         yield
         return
     saved = termios.tcgetattr(fd)
-    tty.setraw(fd)
+    # TCSANOW, not setraw's default TCSAFLUSH: that discards what was typed ahead, before the
+    # command started (the stdin thread races this call for it).
+    tty.setraw(fd, termios.TCSANOW)
     try:
         yield
     finally:
