@@ -72,6 +72,21 @@ def start(state_dir: Path, key_file: Path, port: int = 0, extra: tuple[str, ...]
 
 
 @contextlib.contextmanager
+def serving(workdir: Path, extra: tuple[str, ...] = ()) -> Iterator[Served]:
+    """A server with a key file of its own under `workdir`, its exports in the environment while
+    it runs (the SDKs read them), stopped cleanly at the end."""
+    key_file = workdir / "key"
+    key_file.write_text("test-key-" + os.urandom(8).hex() + "\n")
+    (workdir / "state").mkdir()
+    s = start(workdir / "state", key_file, extra=extra)
+    try:
+        with env(s):
+            yield s
+    finally:
+        assert s.stop() == 0, "".join(s.log)
+
+
+@contextlib.contextmanager
 def env(served: Served) -> Iterator[None]:
     saved = {k: os.environ.get(k) for k in served.env}
     os.environ.update(served.env)

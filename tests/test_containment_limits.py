@@ -59,16 +59,10 @@ http.server.ThreadingHTTPServer(("0.0.0.0", 8000), H).serve_forever()
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[support.Served]:
-    key_file = tmp_path_factory.mktemp("serve") / "key"
-    key_file.write_text("test-key-" + os.urandom(8).hex() + "\n")
-    s = support.start(tmp_path_factory.mktemp("serve-state"), key_file,
-                      extra=("--max-sandboxes", str(MAX_SANDBOXES), "--max-upload-bytes", str(UPLOAD_CAP),
-                             "--header-timeout", str(HEADER_TIMEOUT), "--block-private"))
-    try:
-        with support.env(s):
-            yield s
-    finally:
-        assert s.stop() == 0, "".join(s.log)
+    extra = ("--max-sandboxes", str(MAX_SANDBOXES), "--max-upload-bytes", str(UPLOAD_CAP),
+             "--header-timeout", str(HEADER_TIMEOUT), "--block-private")
+    with support.serving(tmp_path_factory.mktemp("serve"), extra) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

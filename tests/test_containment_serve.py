@@ -123,14 +123,8 @@ def listener() -> Iterator[Listener]:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[support.Served]:
-    key_file = tmp_path_factory.mktemp("serve") / "key"
-    key_file.write_text("test-key-" + os.urandom(8).hex() + "\n")
-    s = support.start(tmp_path_factory.mktemp("serve-state"), key_file)
-    try:
-        with support.env(s):
-            yield s
-    finally:
-        assert s.stop() == 0, "".join(s.log)
+    with support.serving(tmp_path_factory.mktemp("serve")) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import gzip
-import os
 import time
 from collections.abc import Iterator
 
@@ -100,14 +99,8 @@ def test_files_as_envd_reports_them() -> None:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[support.Served]:
-    key = tmp_path_factory.mktemp("serve") / "key"
-    key.write_text("test-key-" + os.urandom(8).hex() + "\n")
-    s = support.start(tmp_path_factory.mktemp("serve-state"), key)
-    try:
-        with support.env(s):
-            yield s
-    finally:
-        assert s.stop() == 0, "".join(s.log)
+    with support.serving(tmp_path_factory.mktemp("serve")) as s:
+        yield s
 
 
 def test_served_as_e2b_answers(served: support.Served) -> None:

@@ -194,23 +194,9 @@ def refused(ws_id: str, tag: str | None = None) -> int:
 def remove(owners: set[str] | None = None, keep: set[str] | None = None, tag: str | None = None) -> list[str]:
     """Delete the egress rules of `owners` (of every workspace not in `keep` when None); the
     tables once empty. Returns the owners whose rules went."""
-    from .nat import nft_json
-    gone: set[str] = set()
-    for fam, table in ((FAMILY, TABLE), ("bridge", BRIDGE_TABLE)):
-        rules = _rules(fam, table)
-        deletes = []
-        for r in rules:
-            ws = _owner(r, tag)
-            if ws is None or (owners is not None and ws not in owners) or (keep is not None and ws in keep):
-                continue
-            gone.add(ws)
-            deletes.append({"delete": {"rule": {"family": fam, "table": table, "chain": r["chain"],
-                                                "handle": r["handle"]}}})
-        if deletes:
-            nft_json(deletes)
-        if rules and len(deletes) == len(rules):
-            nft_json([{"delete": {"table": {"family": fam, "name": table}}}])
-    return sorted(gone)
+    from .nat import remove_owned
+    tables = ((FAMILY, TABLE), ("bridge", BRIDGE_TABLE))
+    return sorted(remove_owned(tables, _rules, lambda r: _owner(r, tag), owners, keep))
 
 
 def replace(ws_id: str, net: NetworkState | None, policy: EgressPolicy | None,

@@ -160,22 +160,6 @@ def remove(owners: set[str] | None = None, keep: set[str] | None = None,
            families: tuple[str, ...] | None = None) -> list[str]:
     """Delete the guard rules of `owners` (of every workspace not in `keep` when None), in the
     tables of `families` (all when None); each table once empty. Returns the owners whose rules went."""
-    from .nat import nft_json
-    gone: set[str] = set()
-    for fam, table in _tables():
-        if families is not None and fam not in families:
-            continue
-        rules = _rules(fam, table)
-        deletes = []
-        for r in rules:
-            ws = _owner(r)
-            if ws is None or (owners is not None and ws not in owners) or (keep is not None and ws in keep):
-                continue
-            gone.add(ws)
-            deletes.append({"delete": {"rule": {"family": fam, "table": table, "chain": r["chain"],
-                                                "handle": r["handle"]}}})
-        if deletes:
-            nft_json(deletes)
-        if rules and len(deletes) == len(rules):
-            nft_json([{"delete": {"table": {"family": fam, "name": table}}}])
-    return sorted(gone)
+    from .nat import remove_owned
+    tables = [(fam, t) for fam, t in _tables() if families is None or fam in families]
+    return sorted(remove_owned(tables, _rules, _owner, owners, keep))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import json
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,30 @@ def nft_json(commands: list[dict[str, Any]]) -> dict[str, Any]:
             "masquerade support (CONFIG_NFT_MASQ, CONFIG_NFT_NAT) in the kernel? see 'bunshin doctor'"
         )
     return out if isinstance(out, dict) else {}
+
+
+def remove_owned(tables: Iterable[tuple[str, str]], rules: Callable[[str, str], list[dict[str, Any]]],
+                 owner: Callable[[dict[str, Any]], str | None], owners: set[str] | None,
+                 keep: set[str] | None) -> set[str]:
+    """Delete, in each (family, table), the rules whose `owner` is in `owners` (every owner not in
+    `keep` when None), and the table once it holds nothing else; the owners whose rules went.
+    One deletion per table, so a workspace's rules never stand half removed in it."""
+    gone: set[str] = set()
+    for fam, table in tables:
+        found = rules(fam, table)
+        deletes = []
+        for r in found:
+            ws = owner(r)
+            if ws is None or (owners is not None and ws not in owners) or (keep is not None and ws in keep):
+                continue
+            gone.add(ws)
+            deletes.append({"delete": {"rule": {"family": fam, "table": table, "chain": r["chain"],
+                                                "handle": r["handle"]}}})
+        if deletes:
+            nft_json(deletes)
+        if found and len(deletes) == len(found):
+            nft_json([{"delete": {"table": {"family": fam, "name": table}}}])
+    return gone
 
 
 def _nat_table_exists() -> bool:
