@@ -307,7 +307,7 @@ def test_egress_policy_holds_between_ports_with_bridge_rules_alone() -> None:
 def _drop_ip_family_egress(egress: Any, ws_id: str) -> None:
     from bunshinfork.network.nat import nft_json
 
-    rules = [r for r in egress._rules(egress.FAMILY, egress.TABLE) if egress._owner(r) == ws_id]
+    rules = [r for r in egress.table_rules(egress.FAMILY, egress.TABLE) if egress._owner(r) == ws_id]
     assert rules
     nft_json([{"delete": {"rule": {"family": egress.FAMILY, "table": egress.TABLE, "chain": r["chain"],
                                    "handle": r["handle"]}}} for r in rules])

@@ -48,6 +48,7 @@ from typing import Any
 
 from ..errors import NetworkError
 from ..state import NetworkState
+from .nat import table_rules
 from .policy import ALL_TRAFFIC, CLOSED, E2B_KEYS, E2B_UNSUPPORTED, EgressPolicy, from_e2b, parse
 
 FAMILY = "ip"
@@ -121,15 +122,6 @@ _BRIDGE_FORWARD = (f"add chain bridge {BRIDGE_TABLE} forward {{ type filter hook
 _BRIDGED_NEW = ("tcp flags & (syn | ack) == syn", "ip protocol != tcp")
 
 
-def _rules(family: str, table: str) -> list[dict[str, Any]]:
-    from .nat import nft_json
-    tables = nft_json([{"list": {"tables": {"family": family}}}]).get("nftables", [])
-    if not any(t.get("table", {}).get("name") == table for t in tables):
-        return []
-    out = nft_json([{"list": {"table": {"family": family, "name": table}}}])
-    return [item["rule"] for item in out.get("nftables", []) if "rule" in item]
-
-
 def _owner(rule: dict[str, Any], tag: str | None = None) -> str | None:
     """The workspace a rule is for; with `tag`, only rules of a hold with that tag."""
     words = str(rule.get("comment") or "").split()
@@ -179,13 +171,13 @@ def all_rules() -> set[str]:
     and the guard's (guard.py), which every bridged workspace has."""
     from . import guard
     return {f"{fam} {t} {_owner(r)} {r['handle']}" for fam, t in ((FAMILY, TABLE), ("bridge", BRIDGE_TABLE))
-            for r in _rules(fam, t)} | guard.all_rules()
+            for r in table_rules(fam, t)} | guard.all_rules()
 
 
 def refused(ws_id: str, tag: str | None = None) -> int:
     """How many packets the workspace's reject rules (those of a hold with `tag`) have refused."""
     n = 0
-    for r in _rules(FAMILY, TABLE):
+    for r in table_rules(FAMILY, TABLE):
         if _owner(r, tag) == ws_id:
             n += sum(e["counter"]["packets"] for e in r["expr"] if isinstance(e, dict) and "counter" in e)
     return n
@@ -196,7 +188,7 @@ def remove(owners: set[str] | None = None, keep: set[str] | None = None, tag: st
     tables once empty. Returns the owners whose rules went."""
     from .nat import remove_owned
     tables = ((FAMILY, TABLE), ("bridge", BRIDGE_TABLE))
-    return sorted(remove_owned(tables, _rules, lambda r: _owner(r, tag), owners, keep))
+    return sorted(remove_owned(tables, table_rules, lambda r: _owner(r, tag), owners, keep))
 
 
 def replace(ws_id: str, net: NetworkState | None, policy: EgressPolicy | None,
@@ -210,7 +202,7 @@ def replace(ws_id: str, net: NetworkState | None, policy: EgressPolicy | None,
     if net is None or net.mode != "bridge" or not net.host_if or not net.ip:
         return
     old = [(fam, table, r) for fam, table in ((FAMILY, TABLE), ("bridge", BRIDGE_TABLE))
-           for r in _rules(fam, table) if _owner(r) == ws_id and _owner(r, HOLD) is None]
+           for r in table_rules(fam, table) if _owner(r) == ws_id and _owner(r, HOLD) is None]
     if policy is not None and (policy.allow_out or policy.deny_out):
         # A clone matches on its own link; a source by its address behind the bridge (install's doc).
         install(ws_id, policy, net.host_if, net.ip, None if net.zone is not None else net.bridge, proxy)
@@ -219,5 +211,5 @@ def replace(ws_id: str, net: NetworkState | None, policy: EgressPolicy | None,
         nft_json([{"delete": {"rule": {"family": fam, "table": table, "chain": r["chain"], "handle": r["handle"]}}}
                   for fam, table, r in old])
         for fam, table in ((FAMILY, TABLE), ("bridge", BRIDGE_TABLE)):
-            if not _rules(fam, table) and any(f == fam and t == table for f, t, _ in old):
+            if not table_rules(fam, table) and any(f == fam and t == table for f, t, _ in old):
                 nft_json([{"delete": {"table": {"family": fam, "name": table}}}])

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import NetworkError
+from .nat import table_rules
 
 FAMILY = "inet"
 TABLE = "bunshin_guard"
@@ -135,15 +136,6 @@ def _tables() -> tuple[tuple[str, str], ...]:
     return ((FAMILY, TABLE), ("bridge", TABLE), ("arp", TABLE))
 
 
-def _rules(family: str, table: str) -> list[dict[str, Any]]:
-    from .nat import nft_json
-    tables = nft_json([{"list": {"tables": {"family": family}}}]).get("nftables", [])
-    if not any(t.get("table", {}).get("name") == table for t in tables):
-        return []
-    out = nft_json([{"list": {"table": {"family": family, "name": table}}}])
-    return [item["rule"] for item in out.get("nftables", []) if "rule" in item]
-
-
 def _owner(rule: dict[str, Any]) -> str | None:
     words = str(rule.get("comment") or "").split()
     if len(words) == 3 and words[0] == "bunshin" and words[1].startswith("ws=") and words[2] == _TAG:
@@ -153,7 +145,7 @@ def _owner(rule: dict[str, Any]) -> str | None:
 
 def all_rules() -> set[str]:
     """Every guard rule present, by table, owner and handle (the census)."""
-    return {f"{fam} {t} {_owner(r)} {r['handle']}" for fam, t in _tables() for r in _rules(fam, t)}
+    return {f"{fam} {t} {_owner(r)} {r['handle']}" for fam, t in _tables() for r in table_rules(fam, t)}
 
 
 def remove(owners: set[str] | None = None, keep: set[str] | None = None,
@@ -162,4 +154,4 @@ def remove(owners: set[str] | None = None, keep: set[str] | None = None,
     tables of `families` (all when None); each table once empty. Returns the owners whose rules went."""
     from .nat import remove_owned
     tables = [(fam, t) for fam, t in _tables() if families is None or fam in families]
-    return sorted(remove_owned(tables, _rules, _owner, owners, keep))
+    return sorted(remove_owned(tables, table_rules, _owner, owners, keep))

@@ -54,6 +54,15 @@ def nft_json(commands: list[dict[str, Any]]) -> dict[str, Any]:
     return out if isinstance(out, dict) else {}
 
 
+def table_rules(family: str, table: str) -> list[dict[str, Any]]:
+    """The rules of one nft table, none when the table does not exist."""
+    tables = nft_json([{"list": {"tables": {"family": family}}}]).get("nftables", [])
+    if not any(t.get("table", {}).get("name") == table for t in tables):
+        return []
+    out = nft_json([{"list": {"table": {"family": family, "name": table}}}])
+    return [item["rule"] for item in out.get("nftables", []) if "rule" in item]
+
+
 def remove_owned(tables: Iterable[tuple[str, str]], rules: Callable[[str, str], list[dict[str, Any]]],
                  owner: Callable[[dict[str, Any]], str | None], owners: set[str] | None,
                  keep: set[str] | None) -> set[str]:
