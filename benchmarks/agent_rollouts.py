@@ -107,6 +107,7 @@ from bunshinrl import (
     check_family_async,
 )
 from bunshinrl.envs import coding, gui, webshop
+from bunshinrl.envs.faults import FaultAuditor, FaultGuard, KeyedPolicy, inject_faults
 from bunshinrl.rollout.audit import AUDIT_MODES, TrajectoryAuditor, cache_roots
 from bunshinrl.rollout.reasoning import ReasoningClock
 from bunshinrl.rollout.wiring import CoreConfig, build_core
@@ -227,9 +228,12 @@ class ConfigRun:
 
 def make_config(name: str, tasks: list[Task], cands: dict[str, Any], agent_cfg: AgentConfig, model: LatencyModel,
                 store: Path, cache_mib: int, spec_depth: int, slow_seconds: float, share: str = "ksm",
-                in_flight: int | None = None, audit: str = "off", seed: int = 0) -> ConfigRun:
+                in_flight: int | None = None, audit: str = "off", seed: int = 0, faults: bool = False,
+                auto_disable: bool = True) -> ConfigRun:
     """name: one of CONFIGS, or Spec@PLACEMENT, Full@POLICY. The core is built by build_core, as
-    every driver's is; its reasoning prediction is the latency model's step at the server's load."""
+    every driver's is; its reasoning prediction is the latency model's step at the server's load.
+    faults: the tasks' tools are faulty (--inject-faults): the agent's decisions and the audit run
+    as their sample, which keys the faults; auto_disable False: the guard's is off (FaultGuard)."""
     kind, _, variant = name.partition("@")
     server = Server(model, in_flight)
     cfg = CoreConfig(
@@ -243,14 +247,17 @@ def make_config(name: str, tasks: list[Task], cands: dict[str, Any], agent_cfg: 
         task_quantile=0.5, online_real_calls=2 if kind == "Full" else None, min_probability=0.5,
         placement=variant if kind == "Spec" and variant else DEFAULT_PLACEMENT,  # type: ignore[arg-type]
         memory="copy" if name == "CRIU" else share, keep_initial=True, overlap_fork=True)
-    core = build_core(cfg, reasoning=ReasoningClock(model=lambda: server.predicted_step(agent_cfg.output_median)))
-    agent = StochasticAgent(agent_cfg, server, cands)
+    core = build_core(cfg, reasoning=ReasoningClock(model=lambda: server.predicted_step(agent_cfg.output_median)),
+                      guard=None if auto_disable else FaultGuard())
+    agent: Any = StochasticAgent(agent_cfg, server, cands)
+    if faults:
+        agent = KeyedPolicy(agent)
     # CRIU: processes stay out of KSM, so restored copies are really private.
     own = [t.with_spec(ksm=False) for t in tasks] if name == "CRIU" else tasks
     engine = RolloutEngine(agent, core=core)
     # The audit re-executes Full's trajectories from a fresh fork of the cache's root (the state
     # every sample started from): what caching and speculation served must be what a plain run sees.
-    auditor = TrajectoryAuditor(own, mode=audit, root=cache_roots(core), seed=seed) \
+    auditor = (FaultAuditor if faults else TrajectoryAuditor)(own, mode=audit, root=cache_roots(core), seed=seed) \
         if kind == "Full" and audit != "off" else None
     return ConfigRun(name, engine, server, own, core.cache, auditor)
 
@@ -334,6 +341,8 @@ async def run_epoch(run: ConfigRun, group: int, epoch: int) -> dict[str, Any]:
         print(f"        audit ({audit['mode']}): {audit['audited']} samples, {audit['steps']} steps re-executed in "
               f"{audit['seconds']:.1f} s: {audit['mismatches']} mismatches, {audit['not_auditable']} not auditable, "
               f"{audit['errors']} errors", flush=True)
+    if r.divergences:
+        print("        invariant: " + "  ".join(f"{k} {v}" for k, v in r.invariant().items()), flush=True)
     if row["phases"]:
         path = row["phases"]["critical_path"]
         print("        last rollout: " + "  ".join(f"{k} {v:.1f}" for k, v in path.items() if v), flush=True)
@@ -384,6 +393,8 @@ async def check_tools(task: Task, candidates: Any) -> dict[str, Any]:
 async def run_seed(seed: int, args: argparse.Namespace, agent_cfg: AgentConfig, model: LatencyModel,
                    store: Path) -> dict[str, Any]:
     tasks, cands = build_tasks(args.families, seed, args.code_tasks)
+    if args.inject_faults:
+        tasks = [inject_faults(t, args.inject_faults, seed) for t in tasks]
     checks = [await check_tools(t, cands[t.id]) for t in tasks] if args.check_families else []
     print(f"seed {seed}: tasks {[t.id for t in tasks]} x {args.group_size} samples x {args.epochs} epochs", flush=True)
     # Spec and CRIU (--short-configs) run at the first seed and in the first --short-epochs only:
@@ -392,7 +403,8 @@ async def run_seed(seed: int, args: argparse.Namespace, agent_cfg: AgentConfig, 
     names = [n for n in args.configs if n not in short or seed in args.short_seeds]
     runs = {n: make_config(n, tasks, cands, dataclasses.replace(agent_cfg, seed=seed), model, store,
                            args.cache_mib, args.spec_depth, args.slow_seconds, args.share_engine,
-                           REGIMES[args.regime], args.audit, seed)
+                           REGIMES[args.regime], args.audit, seed, args.inject_faults > 0,
+                           args.guard_auto_disable == "on")
             for n in names}
     try:
         for e in range(args.epochs):
@@ -809,6 +821,13 @@ def parse() -> argparse.Namespace:
                     help="re-execute Full's trajectories after each epoch from a fresh fork of the root and compare "
                          "every observation and the reward: all samples (the headline's default), one per task "
                          "(sample: --quick's and CI's) or off")
+    ap.add_argument("--inject-faults", type=float, default=0.0, metavar="RATE",
+                    help="fault injection (issue 37's proof): each agent tool observes a token specific to the "
+                         "sample running it with this probability per (sample, call), keyed by the seed "
+                         "(bunshinrl.envs.faults)")
+    ap.add_argument("--guard-auto-disable", choices=("on", "off"), default="on",
+                    help="off: a tool found non-deterministic stays reusable (its cached subtrees are still "
+                         "dropped at each mismatch), so injected faults keep meeting the cache")
     a = ap.parse_args()
     for k, v in (QUICK if a.quick else HEADLINE).items():
         if hasattr(a, k) and getattr(a, k) is None:
@@ -960,7 +979,8 @@ async def main() -> int:
         "size": {"seeds": args.seed_list, "families": args.families, "code_tasks": args.code_tasks,
                  "group_size": args.group_size, "epochs": args.epochs, "quick": args.quick,
                  "configs": args.configs, "short_configs": args.short_configs, "short_epochs": args.short_epochs,
-                 "short_seeds": args.short_seeds, "audit": args.audit},
+                 "short_seeds": args.short_seeds, "audit": args.audit, "inject_faults": args.inject_faults,
+                 "guard_auto_disable": args.guard_auto_disable},
         "host": {"cpus": os.cpu_count(), "load_average": os.getloadavg()},
         "wall_seconds": round(time.monotonic() - t0, 1),
     }
