@@ -24,19 +24,13 @@ and samples interleave as they do in RolloutEngine; blocking SDK work runs in th
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import secrets
-import shutil
-import tarfile
-import tempfile
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
-from bunshinfork import Snapshot, Workspace, native, pipeline, state
-from bunshinfork.cgroups import cgroup
-from bunshinfork.host import DEFAULT_RUN_ROOT, HOST, HostConfig
+from bunshinfork import Snapshot, Workspace, state
+from bunshinfork.host import HOST, HostConfig
 
 from .._async import run_blocking
 from ..calls.policy import SampleContext, Step
@@ -49,6 +43,8 @@ from ..rollout.timeline import SampleTimeline
 from ..rollout.wiring import CoreConfig, build_core
 from ..speculation.selector import ToolSelector
 from ..states.backend import SharedSnapshot
+from .teardown import reap, remove_host_dirs
+from .transfer import load_snapshot, save_snapshot
 
 CoreFactory = Callable[[], RolloutCore]
 
@@ -137,19 +133,9 @@ class WorkspaceHost:
         return await self._save(snap, shared_dir)
 
     async def _save(self, snap: Snapshot, shared_dir: str | None) -> bytes | str:
-        if shared_dir is not None:
-            dest = Path(shared_dir) / f"{snap.id}-{secrets.token_hex(4)}"
-            await run_blocking(lambda: snap.save(dest).result())
-            self.counters["exported_bytes"] += state.tree_bytes(dest)
-            return str(dest)
-        with tempfile.TemporaryDirectory(dir=state.run_root()) as tmp:
-            await run_blocking(lambda: snap.save(Path(tmp) / "s").result())
-            buf = io.BytesIO()
-            with tarfile.open(fileobj=buf, mode="w") as tar:
-                tar.add(Path(tmp) / "s", arcname="s")
-        data = buf.getvalue()
-        self.counters["exported_bytes"] += len(data)
-        return data
+        saved, moved = await save_snapshot(snap, shared_dir)
+        self.counters["exported_bytes"] += moved
+        return saved
 
     async def import_snapshot(self, saved: bytes | str) -> str:
         """A snapshot saved by another host's export_snapshot, loaded here; returns its id here."""
@@ -158,21 +144,9 @@ class WorkspaceHost:
         return shared.snap.id
 
     async def _load(self, saved: bytes | str) -> SharedSnapshot:
-        if isinstance(saved, bytes):
-            dest = state.run_root() / f"import-{secrets.token_hex(6)}"
-            try:
-                with tarfile.open(fileobj=io.BytesIO(saved), mode="r") as tar:
-                    await run_blocking(tar.extractall, dest)  # written by a host actor of this pool
-                snap = await run_blocking(Snapshot.load, dest / "s")
-            except BaseException:
-                shutil.rmtree(dest, ignore_errors=True)
-                raise
-            self.counters["imported_bytes"] += len(saved)
-        else:
-            dest = Path(saved)
-            snap = await run_blocking(Snapshot.load, dest)
-            self.counters["imported_bytes"] += state.tree_bytes(dest)
-        return SharedSnapshot(snap, owned_dir=dest)
+        shared, moved = await load_snapshot(saved)
+        self.counters["imported_bytes"] += moved
+        return shared
 
     # ---- the prefix cache's shard ----
 
@@ -405,39 +379,4 @@ class WorkspaceHost:
         return out
 
 
-def remove_host_dirs() -> list[str]:
-    root = HOST.run_root
-    if root == DEFAULT_RUN_ROOT or any(n.startswith("ws-") for n in os.listdir(root)):
-        return []
-    removed = []
-    for parent in cgroup_parents():
-        with contextlib.suppress(OSError):
-            os.rmdir(parent)
-            removed.append(str(parent))
-    if os.path.ismount(root):
-        native.umount2(str(root), native.MNT_DETACH)
-    shutil.rmtree(root, ignore_errors=True)
-    removed.append(str(root))
-    return removed
-
-
-def cgroup_parents() -> list[Path]:
-    base = cgroup.CGROUP_ROOT
-    ps = [base / cgroup.PARENT] if (base / "cgroup.controllers").exists() else \
-        [base / c / cgroup.PARENT for c in cgroup.V1_CONTROLLERS]
-    return [p for p in [*ps, base / cgroup.UNIFIED / cgroup.PARENT] if p.is_dir()]
-
-
-def reap() -> dict[str, list[str]]:
-    """Every workspace under this host's state root whose creator is gone (a host actor that
-    died) is destroyed, then bunshinfork's gc runs: on a named host, only its own state root,
-    cgroup parent, bridge and layer store are touched."""
-    destroyed = []
-    for rec in state.records():
-        if rec.status == "running" and not rec.creator_alive() and rec.creator_pid != os.getpid():
-            with contextlib.suppress(Exception):
-                Workspace.connect(rec.id).destroy()
-                destroyed.append(rec.id)
-    out = pipeline.gc()
-    out["reaped"] = destroyed
-    return out
+__all__ = ["CoreFactory", "NoCache", "WorkspaceHost", "reap", "remove_host_dirs"]

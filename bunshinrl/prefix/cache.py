@@ -9,57 +9,24 @@ by forking a retained ancestor and replaying the calls in between, whichever is 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import threading
-import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Literal
 
-from bunshinfork import AsyncWorkspace, Workspace
-
-from .._async import call_sync_or_async, run_blocking
 from ..calls.guard import DeterminismGuard
 from ..calls.signature import ToolCall
 from ..calls.tools import Tool
 from ..states.backend import StateBackend
 from .lru import AncestorLRU
+from .persistence import Persistence
+from .rebuild import Plan, Reconstruction, ReplayDiverged, ewma
 from .tree import Node, PrefixTree
 
 SnapshotPolicy = Literal["depth", "cost"]
 
 
-class ReplayDiverged(RuntimeError):
-    """Replaying a recorded call observed something else: the tool is not deterministic. The
-    workspace is attached, in the state after the fresh call (`node`'s call, which observed
-    `fresh` where `node` recorded something else): the caller destroys it, or keeps it for a
-    history whose last step is that fresh observation, never for the recorded one."""
-
-    def __init__(self, message: str, workspace: Workspace, node: Node | None = None, fresh: str | None = None) -> None:
-        super().__init__(message)
-        self.workspace = workspace
-        self.node = node
-        self.fresh = fresh
-
-
-@dataclass(frozen=True)
-class Plan:
-    """How to rebuild a node's state: fork `source` (loading it from disk first if `load`),
-    then replay the calls of `replay` in order."""
-
-    source: Node
-    load: bool
-    replay: tuple[Node, ...]
-    seconds: float  # estimated
-
-
-def _ewma(old: float, new: float, weight: float = 0.3) -> float:
-    return (1 - weight) * old + weight * new
-
-
-class ToolPrefixCache:
+class ToolPrefixCache(Reconstruction, Persistence):
     """A tool-prefix tree whose node states are kept resident, on disk or as metadata.
 
     capacity_bytes bounds the measured bytes of resident states (snapshot images plus saved
@@ -218,9 +185,9 @@ class ToolPrefixCache:
     def note_capture(self, seconds: float, task_id: str | None = None) -> None:
         """How long a capture of a sample's workspace took (the cost policy weighs it)."""
         with self._lock:
-            self.capture_seconds = _ewma(self.capture_seconds, seconds)
+            self.capture_seconds = ewma(self.capture_seconds, seconds)
             if task_id is not None:
-                self._capture_by_task[task_id] = _ewma(self._capture_by_task.get(task_id, seconds), seconds)
+                self._capture_by_task[task_id] = ewma(self._capture_by_task.get(task_id, seconds), seconds)
 
     def capture_estimate(self, task_id: str | None = None) -> float:
         """A capture's predicted seconds: the task's measured history, else every task's."""
@@ -303,47 +270,6 @@ class ToolPrefixCache:
         if over:
             self.flush_persistence()
 
-    def _queue_persist(self, node: Node, payload: Any, release_after: bool) -> None:
-        if self.persist_between_epochs and self._bg is not None:
-            with self._lock:
-                self._deferred.append((node, payload, release_after))
-            return
-        self._submit(self._persist, node, payload, release_after)
-
-    def flush_persistence(self) -> int:
-        """Start every deferred persist (in order, on the cache's one writer); returns how many."""
-        with self._lock:
-            queued, self._deferred = self._deferred, []
-        for node, payload, release_after in queued:
-            self._submit(self._persist, node, payload, release_after)
-        return len(queued)
-
-    @property
-    def persistence_pending(self) -> int:
-        """Persists deferred or still running."""
-        with self._lock:
-            return len(self._deferred) + len(self._jobs)
-
-    def _persist(self, node: Node, payload: Any, release_after: bool) -> None:
-        with self._lock:
-            parent_ref = next((a.disk_ref for a in node.ancestors() if a.disk_ref), None)
-        try:
-            saved = self.backend.persist(payload, parent_ref)
-        except Exception:
-            with self._lock:
-                self.counters["persist_failures"] += 1
-            saved = None
-        with self._lock:
-            if saved is not None:
-                node.disk_ref, node.disk_bytes, node.load_bytes = saved.ref, saved.stored_bytes, saved.logical_bytes
-                self.counters["persisted"] += 1
-            if not release_after:
-                node.pins -= 1
-            victims = self._evict_locked()
-        if release_after:
-            self.backend.release(payload)
-        self._release(victims)
-
     # ---- eviction ----
 
     def _can_drop(self, node: Node) -> bool:
@@ -372,147 +298,9 @@ class ToolPrefixCache:
                 return out
             out += [(n, self.lru.drop(n)) for n in gone]
 
-    def _release(self, victims: list[tuple[Node, Any]]) -> None:
-        for _node, payload in victims:
-            if self._bg is not None:
-                self._submit(self.backend.release, payload)
-            else:
-                self.backend.release(payload)
-
-    def _submit(self, fn: Any, *args: Any) -> None:
-        if self._bg is None:
-            fn(*args)
-            return
-        fut = self._bg.submit(fn, *args)
-        with self._lock:
-            self._jobs.add(fut)
-        fut.add_done_callback(self._job_done)
-
-    def _job_done(self, fut: Future[Any]) -> None:
-        with self._lock:
-            self._jobs.discard(fut)
-
     def touch(self, node: Node) -> None:
         with self._lock:
             self.lru.touch(node)
-
-    # ---- reconstruction ----
-
-    def _load_estimate(self, node: Node) -> float:
-        return 0.02 + node.load_bytes * self.load_seconds_per_byte
-
-    def plan(self, node: Node) -> Plan:
-        """The cheapest recorded way to rebuild `node`: fork a resident state, or restore one from
-        disk, then replay the calls below it; replay wins over a disk restore when it is faster."""
-        with self._lock:
-            replay: list[Node] = []
-            best: Plan | None = None
-            cur: Node | None = node
-            replay_s = 0.0
-            while cur is not None:
-                if cur.resident or (cur.capturing is not None and not cur.capturing.done()):
-                    cand = Plan(cur, False, tuple(reversed(replay)), replay_s)
-                    return cand if best is None or cand.seconds <= best.seconds else best
-                if cur.disk_ref is not None:
-                    cand = Plan(cur, True, tuple(reversed(replay)), replay_s + self._load_estimate(cur))
-                    if best is None or cand.seconds < best.seconds:
-                        best = cand
-                replay.append(cur)
-                replay_s += cur.exec_seconds
-                cur = cur.parent
-            if best is None:
-                raise LookupError(f"{node} has no retained ancestor to rebuild it from")
-            return best
-
-    async def materialize(self, node: Node, tools: Mapping[str, Tool]) -> Workspace:
-        """A new running workspace in `node`'s state (the caller destroys it)."""
-        if not node.done:
-            raise ValueError(f"{node} has no recorded observation yet")
-        while True:
-            plan = self.plan(node)
-            cap = plan.source.capturing
-            if not plan.source.resident and not plan.load and cap is not None and not cap.done():
-                await asyncio.wrap_future(cap)  # its snapshot is being taken right now
-                continue
-            with self._lock:
-                # Pinned before the lock is let go, so eviction cannot release it under the fork.
-                ok = plan.source.resident if not plan.load else plan.source.disk_ref is not None
-                if ok and not plan.load:
-                    plan.source.pins += 1
-            if ok:
-                break
-        ws = await self._fork_source(plan)
-        try:
-            for step in plan.replay:
-                await self._replay(ws, step, tools)
-        except ReplayDiverged:
-            raise
-        except BaseException:
-            await AsyncWorkspace(ws).destroy()
-            raise
-        with self._lock:
-            self.lru.touch(node)
-        return ws
-
-    async def _fork_source(self, plan: Plan) -> Workspace:
-        src = plan.source
-        temp = None
-        victims: list[tuple[Node, Any]] = []
-        if plan.load:
-            t0 = time.monotonic()
-            loaded = await run_blocking(self.backend.load, src.disk_ref)  # type: ignore[arg-type]
-            took = time.monotonic() - t0
-            size = self.backend.size(loaded)
-            with self._lock:
-                self.counters["loads"] += 1
-                if src.load_bytes:
-                    self.load_seconds_per_byte = _ewma(self.load_seconds_per_byte, took / src.load_bytes)
-                if not src.resident and not src.removed and self.lru.may_hold(src) and size <= self.lru.capacity:
-                    self.lru.add(src, loaded, size)  # promoted back to memory
-                    src.pins += 1
-                    payload = loaded
-                    victims = self._evict_locked()
-                else:
-                    payload = temp = loaded
-            self._release(victims)
-        else:
-            payload = src.payload
-        try:
-            t0 = time.monotonic()
-            ws = await call_sync_or_async(self.backend.fork, payload)
-            with self._lock:
-                self.fork_seconds = _ewma(self.fork_seconds, time.monotonic() - t0)
-                self.counters["forks"] += 1
-            return ws
-        finally:
-            if temp is not None:
-                # StateBackend.release is synchronous (the cache's eviction calls it under its lock).
-                await run_blocking(self.backend.release, temp)
-            else:
-                self._unpin(src)
-
-    def _unpin(self, node: Node) -> None:
-        with self._lock:
-            node.pins -= 1
-            victims = self._evict_locked()
-        self._release(victims)
-
-    async def replay(self, ws: Workspace, node: Node, tools: Mapping[str, Tool]) -> None:
-        """Run `node`'s call on `ws`, which is in its parent's state, and compare what it observes
-        with what `node` recorded (ReplayDiverged, with `ws` attached, when they differ)."""
-        await self._replay(ws, node, tools)
-
-    async def _replay(self, ws: Workspace, node: Node, tools: Mapping[str, Tool]) -> None:
-        assert node.call is not None
-        t0 = time.monotonic()
-        fresh = await tools[node.call.name].run(ws, node.call.args)
-        took = time.monotonic() - t0
-        recorded = node.result.result()
-        with self._lock:
-            self.counters["replayed_calls"] += 1
-            node.exec_seconds = _ewma(node.exec_seconds, took)
-        if not self.guard.check(node.call, recorded, fresh, source="replay"):
-            raise ReplayDiverged(f"replaying {node.call.key} observed something else than recorded", ws, node, fresh)
 
     # ---- maintenance ----
 
@@ -526,18 +314,6 @@ class ToolPrefixCache:
                 self.tree.remove(top)
             victims = self._sweep_removed_locked()
         self._release(victims)
-
-    def drain(self) -> None:
-        """Start the deferred persists and wait for them and every queued release."""
-        self.flush_persistence()
-        while True:
-            with self._lock:
-                jobs = list(self._jobs)
-            if not jobs:
-                return
-            for j in jobs:
-                with contextlib.suppress(Exception):
-                    j.result()
 
     def close(self) -> None:
         """Release every resident state (states on disk stay in the store)."""
@@ -571,3 +347,6 @@ class ToolPrefixCache:
     def check(self) -> list[str]:
         with self._lock:
             return self.lru.violations()
+
+
+__all__ = ["Plan", "ReplayDiverged", "SnapshotPolicy", "ToolPrefixCache"]

@@ -25,7 +25,7 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -34,74 +34,14 @@ import torch
 from ..calls.policy import Policy
 from ..calls.task import Task
 from ..policies.hf_policy import HFPolicy
-from ..policies.turns import TokenSequence, Turn, TurnKey, stitch
+from ..policies.turns import Turn, TurnKey
 from ..rollout.audit import TrajectoryAuditor, cache_roots
 from ..rollout.timeline import EpochResult
+from .batch import Batch, batch_tensors, build_batch, micro_batches
+from .config import CHECKPOINT, GRPOConfig, StepMetrics
 from .episodes import Config, EngineBundle, Episode, episodes, make_engine, trajectory_digest
-from .objective import LOSS_AGG_MODES, group_advantages, grpo_loss
+from .objective import grpo_loss
 from .sync import InProcessSync, WeightSync, WeightSyncError
-
-CHECKPOINT = "checkpoint.pt"
-
-
-@dataclass(frozen=True)
-class GRPOConfig:
-    group_size: int = 8
-    lr: float = 2e-3
-    clip_eps: float = 0.2
-    clip_eps_high: float | None = None  # DAPO's clip-higher; None: symmetric
-    dual_clip: float | None = 3.0
-    kl_coef: float = 0.0  # beta; 0 trains without a reference model
-    updates_per_epoch: int = 4  # optimisation passes over each epoch's batch (GRPO's mu)
-    max_grad_norm: float = 1.0
-    adv_eps: float = 1e-6
-    loss_agg_mode: str = "token-mean"
-    micro_batch_tokens: int = 8192  # padded tokens per forward pass; gradients accumulate
-    weight_decay: float = 0.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.loss_agg_mode not in LOSS_AGG_MODES:
-            raise ValueError(f"loss_agg_mode {self.loss_agg_mode!r}; one of {', '.join(LOSS_AGG_MODES)}")
-
-
-@dataclass
-class StepMetrics:
-    epoch: int
-    reward_mean: float
-    reward_std: float
-    reward_by_task: dict[str, float]
-    reward_by_family: dict[str, float]
-    rollout_seconds: float  # the engine's epoch: first setup to last rollout finished
-    update_seconds: float
-    sync_seconds: float
-    weight_version: str  # what the backend served for this epoch's rollouts
-    hit_rate: float
-    cache_hits: int
-    spec_hits: int
-    tool_calls: int
-    peak_memory_bytes: int
-    memory_byte_seconds: float
-    loss: float
-    kl: float
-    clip_fraction: float
-    errors: int
-    tokens_trained: int  # generated tokens in the loss
-    sequences: int
-    logprob_drift: float | None  # mean |backend log-prob - learner log-prob| per generated token
-    trajectory_digest: str
-    params_digest: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass
-class _Batch:
-    rows: list[TokenSequence]
-    advantages: list[float]  # per row (its episode's)
-    constrained: list[list[tuple[int, Sequence[int]]]]  # per row: (column, allowed ids)
 
 
 class GRPOTrainer:
@@ -278,68 +218,10 @@ class GRPOTrainer:
                             "token-level training needs them")
         return take(epoch)
 
-    def batch(self, eps: Sequence[Episode], turns: Mapping[TurnKey, Turn]) -> _Batch:
+    def batch(self, eps: Sequence[Episode], turns: Mapping[TurnKey, Turn]) -> Batch:
         """Training rows of the verified episodes that took at least one decision."""
-        train = [e for e in eps if e.ok and e.actions]
-        adv = group_advantages([e.reward for e in train], [e.task_id for e in train], self.config.adv_eps)
-        rows: list[TokenSequence] = []
-        row_adv: list[float] = []
-        for i, e in enumerate(train):
-            missing = [s for s in e.decisions if (e.task_id, e.sample, s) not in turns]
-            if missing:
-                raise RuntimeError(f"{e.task_id}/{e.sample}: no turn recorded for decision(s) {missing}")
-            for row in stitch((turns[(e.task_id, e.sample, s)] for s in e.decisions), owner=i):
-                rows.append(row)
-                row_adv.append(adv[i])
-        constrained = []
-        for row in rows:
-            cols = []
-            for seg in row.segments:
-                if seg.choices is None:
-                    continue
-                gen = row.ids[seg.start:seg.start + seg.length]
-                for j, allowed in enumerate(self.policy.constraint(seg.choices).allowed_each(gen)):
-                    cols.append((seg.start + j, allowed))
-            constrained.append(cols)
-        return _Batch(rows, row_adv, constrained)
+        return build_batch(eps, turns, self.policy, self.config.adv_eps)
 
-    def _micro_batches(self, b: _Batch) -> list[list[int]]:
-        groups: list[list[int]] = []
-        cur: list[int] = []
-        width = 0
-        for i, row in enumerate(b.rows):
-            w = max(width, len(row.ids))
-            if cur and w * (len(cur) + 1) > self.config.micro_batch_tokens:
-                groups.append(cur)
-                cur, w = [], len(row.ids)
-            cur.append(i)
-            width = w
-        if cur:
-            groups.append(cur)
-        return groups
-
-    def _tensors(self, b: _Batch, idx: Sequence[int]) -> dict[str, Any]:
-        pad = self.policy.tokenizer.pad_token_id or 0
-        width = max(len(b.rows[i].ids) for i in idx)
-        n = len(idx)
-        ids = torch.full((n, width), pad, dtype=torch.long)
-        attention = torch.zeros((n, width), dtype=torch.long)
-        mask = torch.zeros((n, width))
-        rollout = torch.zeros((n, width))
-        adv = torch.zeros((n, width))
-        constrained = []
-        for r, i in enumerate(idx):
-            row = b.rows[i]
-            L = len(row.ids)
-            ids[r, :L] = torch.tensor(row.ids)
-            attention[r, :L] = 1
-            mask[r, :L] = torch.tensor(row.generated, dtype=torch.float)
-            rollout[r, :L] = torch.tensor(row.rollout_logprobs)
-            adv[r, :L] = b.advantages[i]
-            constrained += [(r, c, allowed) for c, allowed in b.constrained[i]]
-        dev = self.policy.device
-        return {"ids": ids.to(dev), "attention": attention.to(dev), "mask": mask.to(dev), "rollout": rollout.to(dev),
-                "adv": adv.to(dev), "constrained": constrained}
 
     def _logprobs(self, model: Any, t: Mapping[str, Any]) -> torch.Tensor:
         return self.policy.token_logprobs(t["ids"], t["attention"], t["constrained"], model=model)
@@ -359,8 +241,8 @@ class GRPOTrainer:
                                "sequences": len(b.rows)}
         if not b.rows:
             return out
-        groups = self._micro_batches(b)
-        tensors = [self._tensors(b, idx) for idx in groups]
+        groups = micro_batches(b, self.config.micro_batch_tokens)
+        tensors = [batch_tensors(b, idx, self.policy) for idx in groups]
         total_tokens = float(sum(t["mask"].sum() for t in tensors))
         total_rows = float(sum(int((t["mask"].sum(-1) > 0).sum()) for t in tensors))
         # Old log-probs: the learner's, before any step (not the backend's, which are only compared).

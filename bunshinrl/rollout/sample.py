@@ -1,0 +1,293 @@
+"""Rollout: one sample's tool calls, one at a time, over the prefix cache and speculation (see
+bunshinrl.rollout.core for the whole picture). This module sequences a step: a speculative branch
+that predicted the call, the prefix cache, or a real execution; warm workspaces, rewinds,
+captures and speculation are its mixins."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from bunshinfork import AsyncWorkspace, Workspace
+
+from ..calls.policy import SampleContext, Step
+from ..calls.signature import ToolCall
+from ..calls.task import REWARD_TOOL, Task, parse_reward
+from ..calls.tools import Tool, ToolSet
+from ..prefix.tree import Node
+from ..speculation.speculator import SpeculativeBranch
+from .captures import Captures
+from .rewind import Rewinding
+from .sample_state import Closed, Idle, Live, Settling, Speculating, State
+from .services import SampleServices
+from .speculating import SpeculationGlue
+from .timeline import SampleTimeline
+from .warm import WarmWorkspaces
+
+
+class Rollout(WarmWorkspaces, Rewinding, Captures, SpeculationGlue):
+    """One sample's rollout on the core, stepped one tool call at a time (see the module doc).
+
+    Calls run in the order they are issued, one at a time, whatever the driver awaits
+    concurrently (verl gathers a turn's parallel tool calls). history: the calls and what they
+    observed; reward: the verifier's score after finish().
+    """
+
+    def __init__(self, core: SampleServices, task: Task, ctx: SampleContext, timeline: SampleTimeline,
+                 origin: float, node: Node | None, ws: Workspace | None,
+                 group: tuple[str, str] | None = None) -> None:
+        self.core = core
+        self.task = task
+        self.ctx = ctx
+        self.timeline = timeline
+        self.tools: ToolSet = task.engine_tools
+        self.origin = origin
+        self.node = node
+        self.state: State = Live(ws) if ws is not None else Idle()
+        self.history: list[Step] = []
+        # Whether the driver acts again on a history cut back by Rewound (RolloutEngine, the Ray
+        # cluster). A driver that cannot (its model's conversation goes on) gets the trajectory
+        # refused instead: after a rewind every call fails and finish() scores nothing.
+        self.rewinds = True
+        self.refused = False
+        # Per step, the prefix-tree node it moved the sample to (None: off the tree), so that a
+        # replay diverging at a node names the step to rewind to.
+        self._nodes: list[Node | None] = []
+        # Per step, when its call started (a rewind's cost: the time of the steps it drops).
+        self._started: list[float] = []
+        # Per step, what served it: "speculation" (adopted), "cache" (skipped), "executed", or
+        # "rejected" (an unknown tool or arguments that do not fit: nothing ran).
+        self.served: list[str] = []
+        self._served = ""
+        self.branches: list[SpeculativeBranch] = []
+        self.reward: float | None = None
+        self.verdict: str | None = None
+        # The workspace the snapshot this sample first forked was taken from (its group's
+        # initialized workspace, or a cached state's source); None until it forks.
+        self.forked_from: str | None = None
+        self._group = group
+        self._lock: asyncio.Lock | None = None
+        self._returned: float | None = None  # when the last call returned (reasoning steps)
+        self._decision: int | None = None
+        if isinstance(self.state, Idle) and core.prefetch and core.cache is not None and node is not None:
+            # The root is always prefetched, as Base forks its group while the first step is reasoned.
+            self.state.shadow = asyncio.ensure_future(self._rebuild(node))
+
+    def now(self) -> float:
+        return time.monotonic() - self.origin
+
+    @property
+    def calls_left(self) -> int:
+        """Tool calls the agent may still make within the task's budget."""
+        return max(0, self.task.budget - sum(s.call.name != REWARD_TOOL for s in self.history))
+
+    @property
+    def closed(self) -> bool:
+        return isinstance(self.state, Closed)
+
+    @property
+    def wasted_seconds(self) -> float:
+        """Speculative execution this sample discarded (final once the core has drained)."""
+        return sum(b.wasted_seconds for b in self.branches)
+
+    # ---- the driver's calls ----
+
+    async def call(self, call: ToolCall, decision: int | None = None) -> str:
+        """Run one tool call and return its observation. decision: the history length when the
+        model made the decision issuing it (parallel calls share one); default: now."""
+        if self._returned is not None and (decision is None or decision != self._decision):
+            self.core.reasoning.note(time.monotonic() - self._returned)
+        self._decision = decision
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self.closed:
+                raise RuntimeError(f"rollout {self.ctx.task_id}/{self.ctx.sample} is closed")
+            if self.refused:
+                raise RuntimeError(f"rollout {self.ctx.task_id}/{self.ctx.sample} is refused: a step it was served "
+                                   "did not reproduce, and its driver cannot rewind")
+            self._served = "executed"
+            started = self.now()
+            step = Step(call, await self._step(call), len(self.history) if decision is None else decision)
+            self.history.append(step)
+            self.served.append(self._served)
+            self._nodes.append(self.node)
+            self._started.append(started)
+            self.timeline.steps.append(step)
+            self._returned = time.monotonic()
+            return step.observation
+
+    async def finish(self, answer: str | None = None) -> float | None:
+        """The agent is done (answer: its final text; None when its budget ended the episode).
+        With a verifier, the task's reward is read from the state the trajectory built."""
+        self.timeline.answer = answer
+        if self.task.verify is None or self.refused:
+            return None
+        obs = await self.call(ToolCall(REWARD_TOOL))
+        try:
+            self.reward = parse_reward(obs)
+        except ValueError as e:
+            self.timeline.errors.append(str(e))  # the verifier itself failed
+            return None
+        self.verdict = obs.partition("\n")[2]
+        self.timeline.reward = self.reward
+        return self.reward
+
+    async def close(self) -> None:
+        """Release everything the sample holds; the trajectory is recorded."""
+        if self.closed:
+            return
+        self.timeline.finished = self.now()
+        with contextlib.suppress(Exception):
+            await self._settle()
+        st = self.state
+        self.state = Closed()
+        if isinstance(st, Speculating):
+            with contextlib.suppress(Exception):
+                await self.core._destroy(await st.branch.close())
+        elif isinstance(st, Idle):
+            self._discard_shadow(st.shadow)
+        elif isinstance(st, Live):
+            self.core._background(self.core._destroy(st.ws))
+        if self._group is not None:
+            self.core._leave(self._group)
+            self._group = None
+        self.core._record(self)
+
+    async def _forked(self, forking: asyncio.Future[list[Workspace]], i: int) -> Live:
+        ws = (await forking)[i]
+        await self._note_fork(ws)
+        return Live(ws)
+
+    async def _note_fork(self, ws: Workspace) -> None:
+        if self.forked_from is None:
+            self.forked_from = (await AsyncWorkspace(ws).info()).parent
+
+    # ---- one step ----
+
+    async def _settle(self) -> None:
+        if isinstance(self.state, Settling):
+            t, kind = self.now(), self.state.kind
+            self.state = await self.state.task
+            if self.now() - t > 0.001:
+                self.timeline.add(kind, t, self.now())
+
+    async def _step(self, call: ToolCall) -> str:
+        tl, core = self.timeline, self.core
+        await self._settle()
+        tool = self.tools.get(call.name)
+        if tool is None:
+            self._served = "rejected"
+            return f"[error] unknown tool {call.name!r}; available: {', '.join(sorted(self.task.agent_tools))}"
+        problem = tool.check(call.args)
+        if problem is not None:
+            self._served = "rejected"
+            return f"[error] {problem}"  # nothing ran: the state is unchanged
+        reusable = core.guard.reusable(tool)
+
+        # 1. A speculative branch that predicted exactly this call.
+        if isinstance(self.state, Speculating) and reusable:
+            t = self.now()
+            hit = await self.state.branch.resolve(call)
+            if hit is not None:
+                tl.add("spec_hit", t, self.now(), call.key)
+                core.tail.record_call(call, hit.exec_seconds)
+                await self._adopt(call, hit)
+                self._served = "speculation"
+                return hit.observation
+
+        # 2. The prefix cache.
+        if core.cache is not None and self.node is not None and reusable:
+            child = core.cache.lookup(self.node, call, tool)
+            if child is not None:
+                served = await self._serve_from_cache(call, tool, child)
+                if served is not None:
+                    return served
+
+        # 3. A miss: run it for real, from the state of the last call served.
+        await self._workspace(call.key)
+        return await self._execute(call, tool, reusable)
+
+    async def _workspace(self, detail: str = "") -> Workspace:
+        """A workspace in the state after the last call: the speculative branch rolled back, or
+        the cached state materialised."""
+        st = self.state
+        if isinstance(st, Speculating):
+            t = self.now()
+            ws = self.core.workspaces.add(await st.branch.close())
+            self.state = Live(ws)
+            self.timeline.add("spec_miss", t, self.now(), detail)
+        elif isinstance(st, Idle):
+            await self._materialize(st)
+        assert isinstance(self.state, Live)
+        return self.state.ws
+
+    async def _serve_from_cache(self, call: ToolCall, tool: Tool, child: Node) -> str | None:
+        t = self.now()
+        running = not child.result.done()
+        try:
+            obs = await asyncio.wrap_future(child.result)  # another sample may still be running it
+        except Exception:
+            return None  # that execution failed; run it ourselves
+        if self.core.guard.should_audit():
+            return await self._audit(call, tool, child, obs)
+        # Waiting for a sibling's call still running skipped no work of this sample's own: it is
+        # counted apart from the hits that did (and not toward the hit rate).
+        self.timeline.add("sibling_wait" if running else "cache_hit", t, self.now(), call.key)
+        self._served = "cache"
+        self._move_to(call, child)
+        return obs
+
+    async def _audit(self, call: ToolCall, tool: Tool, child: Node, recorded: str) -> str:
+        """Re-execute a hit from its parent state; the policy gets the fresh observation."""
+        t = self.now()
+        ws = await self._workspace(call.key)
+        fresh = await tool.run(ws, call.args)
+        self.timeline.add("audit", t, self.now(), call.key)
+        # Equal: this workspace is now in the child's state. Different: the tool is marked
+        # non-deterministic (the cache drops its subtrees) and this sample leaves the tree.
+        self.node = child if self.core.guard.check(call, recorded, fresh, source="audit") else None
+        self._after_real_call(call, None)
+        return fresh
+
+    async def _execute(self, call: ToolCall, tool: Tool, reusable: bool) -> str:
+        tl, core = self.timeline, self.core
+        assert isinstance(self.state, Live)
+        node, created = None, False
+        if core.cache is not None and self.node is not None and reusable:
+            # Another sample may have created this node meanwhile: this sample runs the call
+            # itself and stands on that node only if it observes what the node recorded.
+            node, created = core.cache.begin(self.node, call)
+        t = self.now()
+        try:
+            obs = await tool.run(self.state.ws, call.args)
+        except Exception as e:
+            if created:
+                core.cache.abandon(node, e)  # type: ignore[union-attr,arg-type]
+            tl.add("tool", t, self.now(), call.key)
+            self.node = None
+            return f"[error] {type(e).__name__}: {e}"
+        took = self.now() - t
+        tl.add("tool", t, t + took, call.key)
+        core.tail.record_call(call, took)
+        capture = created and core.cache.complete(  # type: ignore[union-attr]
+            node, obs, took, **self._capture_context(node))  # type: ignore[arg-type]
+        if node is not None and not created:
+            node = await self._same_as_sibling(call, node, obs)
+        self.node = node
+        self._after_real_call(call, node if capture else None)
+        return obs
+
+    async def _same_as_sibling(self, call: ToolCall, node: Node, observation: str) -> Node | None:
+        """`node`, created by another sample for the call this sample ran itself, when its
+        recorded observation is the one this sample was shown; None (off the tree) otherwise,
+        the tool then marked non-deterministic."""
+        try:
+            recorded = await asyncio.wrap_future(node.result)  # the creator may still be running it
+        except Exception:
+            return None  # its call failed: nothing recorded to stand on
+        if self.core.guard.check(call, recorded, observation, source="sibling"):
+            return node
+        self.timeline.divergences += 1
+        return None

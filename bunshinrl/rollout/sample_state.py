@@ -1,0 +1,70 @@
+"""Where a sample's state lives (Rollout.state), and the errors that move it back.
+
+    Idle         no workspace of its own: its state is the prefix-cache node it stands on
+                 (a shadow may be rebuilding that state ahead of an expected miss)
+    Live         a workspace in the state after the last call
+    Settling     that workspace is being captured for the cache and/or handed to a speculative
+                 branch, while the policy reasons; the next call waits for it
+    Speculating  a speculative branch owns the workspace and runs predicted calls
+    Closed
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from bunshinfork import Workspace
+
+from ..speculation.speculator import SpeculativeBranch
+
+
+@dataclass
+class Idle:
+    shadow: asyncio.Task[Workspace] | None = None
+
+
+@dataclass
+class Live:
+    ws: Workspace
+
+
+@dataclass
+class Settling:
+    ws: Workspace | None  # None: the sample's first fork (or its warm workspace) is still under way
+    task: asyncio.Future[Live | Speculating | Idle]  # Idle: the warm workspace was lost
+    kind: str = "post_wait"  # what a wait for it is counted as on the sample's path
+
+
+@dataclass
+class Speculating:
+    branch: SpeculativeBranch
+
+
+@dataclass
+class Closed:
+    pass
+
+
+State = Idle | Live | Settling | Speculating | Closed
+
+
+class Diverged(Exception):
+    """A warm workspace's replay observed something else than the sample was shown; the
+    workspace was destroyed (it is never adopted), and the next call rebuilds a verified one."""
+
+
+class Rewound(RuntimeError):
+    """A step served to this sample (`step`, counted from 0) did not reproduce: replayed from
+    the deepest captured state on the sample's path, its call observed `observation` instead.
+    The rollout's history is cut back to that step with the fresh observation and its workspace
+    is in the state after it; the driver's policy acts again on `rollout.history` (the call that
+    raised this did not run). A driver that cannot cut its conversation back (Rollout.rewinds
+    False) gets the trajectory refused: every later call fails and nothing is scored."""
+
+    def __init__(self, step: int, observation: str, dropped: int) -> None:
+        super().__init__(f"step {step} did not reproduce on replay: history cut back ({dropped} steps dropped)")
+        self.step = step
+        self.observation = observation
+        self.dropped = dropped
+

@@ -1,0 +1,102 @@
+"""What a sample's rollout uses of its driver's core: the prefix cache, the speculator, the
+determinism guard, the tail policy, the reasoning clock, the memory engine, the workspaces alive
+right now and background work (RolloutCore adds starting samples and the finished record)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+from bunshinfork import AsyncWorkspace, Workspace
+
+from ..calls.guard import DeterminismGuard
+from ..prefix.cache import ToolPrefixCache
+from ..speculation.speculator import Speculator
+from ..speculation.tail import TailPolicy
+from ..states.metrics import WorkspaceRegistry
+from .reasoning import ReasoningClock
+
+
+class SampleServices:
+    """The services every Rollout is given (see RolloutCore for the arguments)."""
+
+    def __init__(self, *, cache: ToolPrefixCache | None = None, speculator: Speculator | None = None,
+                 guard: DeterminismGuard | None = None, tail: TailPolicy | None = None, memory: str = "auto",
+                 prefetch: bool = True, keep_initial: bool = False, overlap_fork: bool = False,
+                 reasoning: ReasoningClock | None = None, critical_path_captures: bool = True) -> None:
+        self.cache = cache
+        self.reasoning = reasoning or ReasoningClock()
+        # False: the cache's policy alone decides a capture, whatever the reasoning step or the
+        # revisits expected (the Ray hosts: replication ships the states captured).
+        self.critical_path_captures = critical_path_captures
+        self.speculator = speculator
+        self.guard = guard or (cache.guard if cache is not None else None) or DeterminismGuard()
+        if cache is not None and cache.guard is not self.guard:
+            raise ValueError("the cache and the core must share one DeterminismGuard")
+        if speculator is not None:
+            speculator.guard = self.guard
+            if tail is None:
+                tail = speculator.tail
+            speculator.tail = tail
+        self.tail = tail or TailPolicy()
+        self.memory = memory
+        self.prefetch = prefetch
+        # Without a cache: keep_initial keeps each task's initialized snapshot from one group to
+        # the next (as the cache keeps its root) until close(); overlap_fork starts a group's fork
+        # and returns its rollouts at once, so the fork runs while the first step is reasoned (as
+        # the cache's prefetch of a fresh root does).
+        self.keep_initial = keep_initial
+        self.overlap_fork = overlap_fork
+        self.workspaces = WorkspaceRegistry()
+        self._lock = threading.Lock()
+        self._bg: set[asyncio.Future[Any]] = set()
+        self._snapshot_s: dict[str, float] = {}  # per task: a snapshot's measured seconds (EWMA)
+
+    def all_workspaces(self) -> list[Workspace]:
+        """Every workspace the core holds now, speculative forks included (memory sampling)."""
+        return self.workspaces.snapshot() + (self.speculator.workspaces.snapshot() if self.speculator else [])
+
+    def note_snapshot(self, task_id: str, seconds: float) -> None:
+        """How long a snapshot of one of the task's workspaces took (a capture or speculation's)."""
+        with self._lock:
+            old = self._snapshot_s.get(task_id, seconds)
+            self._snapshot_s[task_id] = 0.7 * old + 0.3 * seconds
+
+    def snapshot_estimate(self, task_id: str) -> float | None:
+        with self._lock:
+            return self._snapshot_s.get(task_id)
+
+    def worth_a_snapshot(self, task_id: str) -> bool:
+        """Whether a snapshot started now is predicted to finish within the reasoning step: a
+        speculative chain that needs one is not started otherwise (it would be waited for).
+        Only with a model of the server (ReasoningClock(model=...)): the steps seen are a low
+        quantile, meant for captures, and would stop most speculation on short steps."""
+        if self.reasoning.model is None:
+            return True
+        predicted, snap = self.reasoning.predict(), self.snapshot_estimate(task_id)
+        ok = predicted is None or snap is None or snap <= predicted
+        if not ok and self.speculator is not None:
+            self.speculator.stats["declined_off_path"] = self.speculator.stats.get("declined_off_path", 0) + 1
+        return ok
+
+    # ---- background work ----
+
+    def _background(self, aw: Any) -> asyncio.Future[Any]:
+        fut = asyncio.ensure_future(aw)
+        self._bg.add(fut)
+        fut.add_done_callback(self._bg.discard)
+        return fut
+
+    async def _destroy(self, ws: Workspace) -> None:
+        self.workspaces.discard(ws)
+        await AsyncWorkspace(ws).destroy()
+
+    async def drain_rollouts(self) -> None:
+        """Wait for the rollouts' background work (captures, teardowns, discarded branches), not
+        for the cache's persistence."""
+        while self._bg:
+            await asyncio.gather(*list(self._bg), return_exceptions=True)
+        if self.speculator is not None:
+            await self.speculator.drain()
+

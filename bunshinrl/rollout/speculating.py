@@ -1,0 +1,65 @@
+"""Speculation glue: a predicted chain launched at the tree's frontier on the sample's warm
+workspace, and a speculative hit adopted (the cache learns the call like a real one)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from bunshinfork import Workspace
+
+from ..calls.signature import ToolCall
+from ..prefix.tree import Node
+from ..speculation.speculator import SpecHit, SpeculativeBranch
+from .sample_state import Diverged, Idle, Live, Speculating
+
+
+class SpeculationGlue:
+    """Where a sample's rollout meets its speculative branches (a Rollout mixin)."""
+
+    async def _speculate_on(self, warm: asyncio.Future[Workspace], chain: list[ToolCall]) -> Live | Speculating | Idle:
+        """Speculation at the tree's frontier: the chain runs on the sample's warm workspace.
+        Nothing speculates on a workspace whose replay diverged: it is gone, and the next call
+        rebuilds and verifies the sample's state (Idle without a shadow)."""
+        try:
+            ws = await warm
+        except Diverged:
+            return Idle()
+        except Exception as e:
+            self.timeline.errors.append(f"prefetch failed: {e!r}")
+            return Idle()
+        await self._note_fork(ws)
+        assert self.core.speculator is not None
+        try:
+            branch = await self.core.speculator.launch(ws, chain, self.tools)
+        except Exception as e:
+            self.timeline.errors.append(f"speculation not started: {e!r}")
+            return Live(ws)
+        self.branches.append(branch)
+        self.core.workspaces.discard(ws)  # held by the branch now
+        return Speculating(branch)
+
+    async def _adopt(self, call: ToolCall, hit: SpecHit) -> None:
+        """The sample moves to the speculative state; the cache learns the call like a real one."""
+        core = self.core
+        assert isinstance(self.state, Speculating)
+        branch = self.state.branch
+        capture = None
+        if core.cache is not None and self.node is not None:
+            node: Node | None
+            node, created = core.cache.begin(self.node, call)
+            if created and core.cache.complete(node, hit.observation, hit.exec_seconds,
+                                               **self._capture_context(node)):
+                if branch.exhausted:
+                    capture = node  # captured below, from the adopted workspace
+                else:
+                    # The chain runs on; the checkpoint taken after this call is the node's state.
+                    core._background(self._attach_checkpoint(node, branch, hit.index))
+            if not created:
+                node = await self._same_as_sibling(call, node, hit.observation)
+            self.node = node
+        if branch.exhausted:
+            self.state = Live(core.workspaces.add(await branch.close()))
+            self._after_real_call(call, capture)
+
+    async def _close_and_destroy(self, branch: SpeculativeBranch) -> None:
+        await self.core._destroy(await branch.close())

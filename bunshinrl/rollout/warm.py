@@ -1,0 +1,138 @@
+"""Warm workspaces: a sample served from the cache keeps a workspace behind it, brought to the
+new state in the background while the policy reasons (the skipped call replayed on it, or a fork
+of the state when that is cheaper), so a later miss adopts it without a fork on its path. A warm
+workspace whose replay diverged is destroyed (Diverged), never adopted."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import NoReturn
+
+from bunshinfork import Workspace
+
+from ..calls.signature import ToolCall
+from ..prefix.cache import ReplayDiverged
+from ..prefix.tree import Node
+from ..speculation.speculator import SpeculativeBranch
+from .sample_state import Diverged, Idle, Live, Settling, Speculating
+
+
+class WarmWorkspaces:
+    """The warm workspace kept behind a sample served from the cache (a Rollout mixin)."""
+
+    def _move_to(self, call: ToolCall, child: Node) -> None:
+        """The sample moves to a cached state. Without prefetch its workspace goes; with it, the
+        workspace is kept warm: brought to the child's state in the background (a replay of the
+        skipped call, or a fork of the child's state when that is cheaper), and at the tree's
+        frontier a predicted chain is speculated on it."""
+        st, self.node = self.state, child
+        cache = self.core.cache
+        assert cache is not None
+        if not self.core.prefetch:
+            if isinstance(st, Speculating):
+                self.core._background(self._close_and_destroy(st.branch))
+            elif isinstance(st, Live):
+                self.core._background(self.core._destroy(st.ws))
+            elif isinstance(st, Idle):
+                self._discard_shadow(st.shadow)
+            self.state = Idle()
+            return
+        prev: asyncio.Future[Workspace] | None = None
+        if isinstance(st, Live):
+            prev = asyncio.get_running_loop().create_future()
+            prev.set_result(st.ws)
+        elif isinstance(st, Speculating):
+            prev = asyncio.ensure_future(self._close_branch(st.branch))
+        elif isinstance(st, Idle):
+            prev = st.shadow
+        try:
+            plan_s = cache.plan(child).seconds + cache.fork_seconds
+        except LookupError:
+            plan_s = float("inf")
+        if prev is not None and child.exec_seconds <= plan_s:
+            warm = asyncio.ensure_future(self._extend_shadow(prev, child))
+        else:
+            self._discard_shadow(prev)
+            warm = asyncio.ensure_future(self._rebuild(child))
+        self.state = Idle(warm)
+        if self.core.speculator is not None and not child.children:
+            chain = self.core.speculator.predict(self.task.id, self.ctx.sample, [h.call for h in self.history] + [call],
+                                                 self.tools, real_calls=self.timeline.count("tool"))
+            if chain and self.core.worth_a_snapshot(self.task.id):
+                self.state = Settling(None, asyncio.ensure_future(self._speculate_on(warm, chain)), "materialize")
+
+    async def _close_branch(self, branch: SpeculativeBranch) -> Workspace:
+        return self.core.workspaces.add(await branch.close())
+
+    async def _materialize(self, st: Idle) -> None:
+        """A workspace in the state of the sample's history. The warm one when its replays all
+        matched; otherwise (a replay diverged: that workspace is gone) one rebuilt from the deepest
+        captured state on the sample's path, every served observation replayed and compared. A
+        step that does not reproduce rewinds the sample to it (Rewound)."""
+        tl = self.timeline
+        t = self.now()
+        assert self.core.cache is not None and self.node is not None
+        ws: Workspace | None = None
+        diverged = False
+        if st.shadow is not None:
+            try:
+                ws = await st.shadow
+            except Diverged:
+                diverged = True
+            except Exception as e:
+                tl.errors.append(f"prefetch failed: {e!r}")
+        if ws is None:
+            ws = await self._verified_rebuild(t if diverged else None)
+        if self.node is not None and self.node.removed:
+            self.node = None  # verified, but nothing is recorded under a dropped subtree
+        self.state = Live(self.core.workspaces.add(ws))
+        await self._note_fork(ws)
+        tl.add("materialize", t, self.now())
+
+    async def _rebuild(self, node: Node) -> Workspace:
+        assert self.core.cache is not None
+        t = time.monotonic()
+        try:
+            ws = self.core.workspaces.add(await self.core.cache.materialize(node, self.tools))
+        except ReplayDiverged as e:
+            await self._lose_diverged(e)
+        await self._capture_for_second_visitor(ws, node, t)
+        return ws
+
+    async def _extend_shadow(self, previous: asyncio.Future[Workspace], node: Node) -> Workspace:
+        """The warm workspace brought from the previous shadow's state to `node`'s by replaying
+        its call. A previous shadow that diverged or failed left no workspace: its error is
+        passed on and nothing is replayed."""
+        t = time.monotonic()
+        ws = await previous
+        assert self.core.cache is not None
+        try:
+            await self.core.cache.replay(ws, node, self.tools)
+        except ReplayDiverged as e:
+            await self._lose_diverged(e)
+        except BaseException:
+            await self.core._destroy(ws)
+            raise
+        await self._capture_for_second_visitor(ws, node, t)
+        return ws
+
+    async def _lose_diverged(self, e: ReplayDiverged) -> NoReturn:
+        """A warm workspace's replay diverged: it is destroyed, never adopted (Diverged)."""
+        self.timeline.divergences += 1
+        self.timeline.errors.append(str(e))
+        await self.core._destroy(self.core.workspaces.add(e.workspace))
+        raise Diverged(str(e)) from None
+
+    def _discard_shadow(self, shadow: asyncio.Task[Workspace] | None) -> None:
+        if shadow is None:
+            return
+
+        async def discard() -> None:
+            try:
+                ws = await shadow
+            except Exception:
+                return  # a diverged or failed shadow left no workspace
+            await self.core._destroy(ws)
+
+        self.core._background(discard())
