@@ -61,6 +61,9 @@ class WorkspaceSpec:
       subvolume (see storage.setup_btrfs_loop). Default: the state root's tmpfs.
     ksm: opt every process into kernel samepage merging (prctl PR_SET_MEMORY_MERGE), so the
       "ksm" fork engine can merge a source with its clones. ksmd only runs during fork bursts.
+    cpu_limit: the CPU time its processes get together, in cores (1.5: one and a half CPUs'
+      worth per period, as `docker run --cpus`); a CFS bandwidth quota on its cgroup. A fork
+      inherits it. None: unbounded.
     disk_limit: what the workspace may write, in bytes or a string like '512M': its private
       layer is held to it (a btrfs simple-quota limit on its subvolume, or a tmpfs of that size
       where layers live on the state root's tmpfs), and so is each of its tmpfs mounts (/tmp,
@@ -86,6 +89,7 @@ class WorkspaceSpec:
     hostname: str | None = None
     memory_limit: int | str | None = None
     disk_limit: int | str | None = None
+    cpu_limit: float | None = None
     pids_limit: int | None = None
     network: str = "none"
     nat: bool = False
@@ -128,6 +132,11 @@ class WorkspaceSpec:
             raise SpecError(f"disk_limit {disk} bytes is below the {MIN_DISK >> 20} MiB a workspace needs")
         if disk is not None and disk > MAX_DISK:
             raise SpecError(f"disk_limit {disk} bytes is past {MAX_DISK} (1 EiB); use None for no limit")
+        if self.cpu_limit is not None and (
+            isinstance(self.cpu_limit, bool) or not isinstance(self.cpu_limit, (int, float))
+            or not 0.01 <= self.cpu_limit <= 4096
+        ):
+            raise SpecError(f"cpu_limit must be a number of cores from 0.01 to 4096, got {self.cpu_limit!r}")
         if self.pids_limit is not None and (
             isinstance(self.pids_limit, bool) or not isinstance(self.pids_limit, int) or self.pids_limit < 4
         ):
@@ -147,7 +156,8 @@ class WorkspaceSpec:
         for k, v in self.env.items():
             if not isinstance(k, str) or not k or "=" in k or "\0" in k or not isinstance(v, str) or "\0" in v:
                 raise SpecError(f"env entry {k!r}={v!r} is invalid: names are non-empty without '=' or NUL")
-        return WorkspaceSpec(**{**asdict(self), "memory_limit": mem, "disk_limit": disk,
+        cpu = None if self.cpu_limit is None else float(self.cpu_limit)
+        return WorkspaceSpec(**{**asdict(self), "memory_limit": mem, "disk_limit": disk, "cpu_limit": cpu,
                                 "egress": policy.to_dict() if policy is not None else None})
 
     def to_dict(self) -> dict:

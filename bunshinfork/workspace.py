@@ -77,6 +77,7 @@ class WorkspaceInfo:
     pids_limit: int | None
     parent: str | None = None
     disk_limit: int | None = None  # bytes its layer, /tmp and /dev/shm may each hold
+    cpu_limit: float | None = None  # cores of CPU time per period its processes share
     # Seconds per stage of building it: for a clone, its fork profile (the snapshot's freeze,
     # dump and holders as "snapshot.*", then layer, cgroup, mount, each CRIU restore phase as
     # "criu.*", the memory engine's share and readiness), and each subsystem's total.
@@ -368,7 +369,7 @@ class Workspace:
             storage=fs.layer.kind if fs and fs.layer else "", network=rec.network.info() if rec.network else {},
             cgroup_version=rec.cgroups.version if rec.cgroups else "",
             memory_limit=limit if isinstance(limit, int) else None, pids_limit=rec.spec.pids_limit,
-            parent=rec.parent, disk_limit=rec.spec.disk_limit, timings=dict(rec.timings),
+            parent=rec.parent, disk_limit=rec.spec.disk_limit, cpu_limit=rec.spec.cpu_limit, timings=dict(rec.timings),
             restore_window=rec.restore_window, exposed_ports=self._image.exposed_ports if self._image else (),
             egress=rec.spec.egress if isinstance(rec.spec.egress, dict) else None,
         )

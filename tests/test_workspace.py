@@ -260,6 +260,27 @@ def test_pids_limit_bounds_a_fork_bomb() -> None:
             assert Path(w._cgroup().paths["pids"], "pids.max").read_text().strip() == "32"
 
 
+_BUSY = "import os, time\nt = time.time()\nwhile time.time() - t < 2: pass\nc = os.times()\nprint(c.user + c.system)"
+
+
+def test_cpu_limit_holds_the_workspace_and_its_fork() -> None:
+    """cpu_limit=0.25: a busy loop for 2 s of wall clock gets about half a second of CPU, in the
+    source and in its fork (CRIU restores the clone into a cgroup with the same quota). The
+    kernel's throttle count shows the quota acted, not the other load of a busy host."""
+    with Workspace.create(cpu_limit=0.25) as w:
+        assert w.info().cpu_limit == 0.25
+        [clone] = w.fork(1)
+        try:
+            for ws in (w, clone):
+                used = float(run_ok(ws, ["python3", "-c", _BUSY], timeout=60).stdout)
+                assert used < 0.25 * 2 * 1.5 + 0.1, f"{ws.id} used {used:.2f} s of CPU in 2 s under a 0.25 cap"
+                d = Path(ws._cgroup().paths.get("cpu") or ws._cgroup().paths["unified"])
+                stat = dict(line.split() for line in (d / "cpu.stat").read_text().splitlines())
+                assert int(stat["nr_throttled"]) > 0
+        finally:
+            clone.destroy()
+
+
 # ---- typed spec errors ----
 
 
@@ -275,6 +296,9 @@ def test_pids_limit_bounds_a_fork_bomb() -> None:
         ({"memory_limit": True}, SpecError, "memory_limit"),
         ({"pids_limit": 0}, SpecError, "pids_limit"),
         ({"pids_limit": "10"}, SpecError, "pids_limit"),
+        ({"cpu_limit": 0}, SpecError, "cpu_limit"),
+        ({"cpu_limit": "2"}, SpecError, "cpu_limit"),
+        ({"cpu_limit": True}, SpecError, "cpu_limit"),
         ({"network": "wifi"}, SpecError, "unknown network mode"),
         ({"nat": True}, SpecError, "bridge"),
         ({"hostname": "bad_name!"}, SpecError, "host name"),

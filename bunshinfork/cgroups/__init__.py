@@ -104,7 +104,8 @@ class CgroupsPart(Part):
         spec = b.rec.spec
         limit = spec.memory_limit if isinstance(spec.memory_limit, int) else None  # validated: bytes
         b.rec.cgroups = Cgroup.create(b.rec.id, memory_limit=limit, pids_limit=spec.pids_limit,
-                                      version=version, devices=not spec.privileged).state
+                                      version=version, devices=not spec.privileged,
+                                      cpu_limit=spec.cpu_limit).state
 
     def release(self, held: Held) -> None:
         if isinstance(held, Build) and held.rec.cgroups is not None:

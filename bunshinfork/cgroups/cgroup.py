@@ -30,6 +30,8 @@ from .devices import restrict as restrict_devices
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PARENT = HOST.cgroup_parent
 V1_CONTROLLERS = ("memory", "pids")
+CPU = "cpu"  # a v1 hierarchy of its own, joined only by a workspace with a CPU limit
+CFS_PERIOD_US = 100_000  # the kernel's default period; the quota is cores times it
 UNIFIED = "unified"  # where systemd's hybrid layout mounts the cgroup2 hierarchy under CGROUP_ROOT
 
 
@@ -93,8 +95,10 @@ class Cgroup:
         version: str = "auto",
         root: Path | None = None,
         devices: bool = False,
+        cpu_limit: float | None = None,
     ) -> Cgroup:
-        """`devices`: admit only the standard nodes (devices.py) to its tasks."""
+        """`devices`: admit only the standard nodes (devices.py) to its tasks. `cpu_limit`: the
+        CPU time its tasks get together, in cores (CFS bandwidth: a quota per 100 ms period)."""
         # Looked up at call time, so a test or an embedding program can point CGROUP_ROOT elsewhere.
         root = CGROUP_ROOT if root is None else root
         version = detect(root) if version == "auto" else version
@@ -102,7 +106,7 @@ class Cgroup:
         # where a "v2" parent directory would be created as a stray, useless directory.
         if version == "v2" and not _is_cgroup2(root):
             raise CgroupError(f"{root} is not a cgroup v2 hierarchy; use cgroup='auto' or 'v1' on this host")
-        if version == "v1" and not all((root / c).is_dir() for c in V1_CONTROLLERS):
+        if version == "v1" and not all((root / c).is_dir() for c in V1_CONTROLLERS + ((CPU,) if cpu_limit else ())):
             raise CgroupError(
                 f"{root} lacks the cgroup v1 controllers {', '.join(V1_CONTROLLERS)}; "
                 "use cgroup='auto' or 'v2'"
@@ -118,13 +122,20 @@ class Cgroup:
                     _write(Path(cg.paths["memory"]) / "memory.limit_in_bytes", str(memory_limit))
                 if pids_limit is not None:
                     _write(Path(cg.paths["pids"]) / "pids.max", str(pids_limit))
+                if cpu_limit is not None:
+                    d = root / CPU / PARENT / name
+                    d.mkdir(parents=True, exist_ok=False)
+                    cg.paths[CPU] = str(d)
+                    _write(d / "cpu.cfs_period_us", str(CFS_PERIOD_US))
+                    _write(d / "cpu.cfs_quota_us", str(_quota(cpu_limit)))
                 d = unified_root(root) / PARENT / name
                 d.mkdir(parents=True, exist_ok=False)
                 cg.paths[UNIFIED] = str(d)
             elif version == "v2":
                 parent = root / PARENT
                 parent.mkdir(exist_ok=True)
-                wanted = [c for c, v in (("memory", memory_limit), ("pids", pids_limit)) if v is not None]
+                wanted = [c for c, v in (("memory", memory_limit), ("pids", pids_limit), (CPU, cpu_limit))
+                          if v is not None]
                 available = (root / "cgroup.controllers").read_text().split()
                 missing = [c for c in wanted if c not in available]
                 if missing:
@@ -136,7 +147,7 @@ class Cgroup:
                 # A limit needs its controller; accounting wants them even without one (as podman
                 # and Docker enable them): without memory, memory.stat is absent and the host-cost
                 # accounting would read a workspace as costing nothing. Best effort when no limit asked.
-                for c in V1_CONTROLLERS:
+                for c in (*V1_CONTROLLERS, *((CPU,) if cpu_limit is not None else ())):
                     if c not in available:
                         continue
                     with contextlib.nullcontext() if c in wanted else contextlib.suppress(CgroupError):
@@ -150,6 +161,8 @@ class Cgroup:
                     _write(d / "memory.swap.max", "0")
                 if pids_limit is not None:
                     _write(d / "pids.max", str(pids_limit))
+                if cpu_limit is not None:
+                    _write(d / "cpu.max", f"{_quota(cpu_limit)} {CFS_PERIOD_US}")
             else:
                 raise CgroupError(f"unknown cgroup version {version!r}; use 'auto', 'v1' or 'v2'")
             if devices:
@@ -260,6 +273,11 @@ class Cgroup:
         return [(ctrl, "/" + os.path.relpath(p, _mount_point(Path(p)))) for ctrl, p in self.paths.items()]
 
 
+def _quota(cores: float) -> int:
+    # 1 ms per period is the kernel's floor for a quota.
+    return max(1000, round(cores * CFS_PERIOD_US))
+
+
 def _mount_point(path: Path) -> Path:
     p = path
     while p.parent != p:
@@ -274,7 +292,7 @@ def leftover_cgroups(root: Path = CGROUP_ROOT, parent: str | None = None) -> lis
     `parent` (another host's; used by gc and the leak checks)."""
     out: list[str] = []
     p = parent or PARENT
-    candidates = [root / p] if _is_cgroup2(root) else [root / c / p for c in V1_CONTROLLERS]
+    candidates = [root / p] if _is_cgroup2(root) else [root / c / p for c in (*V1_CONTROLLERS, CPU)]
     candidates.append(root / UNIFIED / p)
     for parent in candidates:
         with contextlib.suppress(FileNotFoundError):
