@@ -5,7 +5,8 @@ Four sources:
   generated skeleton that hides every other top-level entry of the host (whiteouts and
   opaque directories) and supplies a minimal /etc. The host's /etc, /root, /home and
   /var never show through.
-- "debian": a debootstrap-built bookworm, cached after the first build.
+- "debian": a debootstrap-built bookworm with what E2B's base image gives a sandbox (python3,
+  sudo, git, curl, CA certificates), cached after the first build. `bunshin serve`'s `base`.
 - a directory path.
 - a container image ("docker:IMAGE", "oci:DIR[:TAG]", "registry:REF"): its layers, each
   unpacked once into the image layer store and stacked as lowers (bunshinfork.images).
@@ -43,6 +44,10 @@ HOST_ETC_COPY = (
 )
 DEBIAN_SUITE = "bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
+# E2B's base template (e2b-dev/E2B templates/base) gives its user python3, git, curl and
+# password-less sudo; serve's `base` is this rootfs, so a sandbox's tools are the rootfs's own
+# (ownable by a user namespace), not the host's /usr.
+DEBIAN_PACKAGES = ("python3", "sudo", "git", "curl", "ca-certificates")
 
 
 def resolve(source: str, shift: int = 0) -> Rootfs:
@@ -238,24 +243,30 @@ def directory(path: str) -> Rootfs:
 
 
 def debian(suite: str = DEBIAN_SUITE, mirror: str = DEBIAN_MIRROR) -> Rootfs:
-    """A minbase debootstrap of `suite`, built once and cached under CACHE/rootfs."""
+    """A minbase debootstrap of `suite` with DEBIAN_PACKAGES, built once and cached under
+    CACHE/rootfs; rebuilt when the package list changed since (its marker names it)."""
     dest = CACHE / "rootfs" / f"debian-{suite}"
-    if not (dest / ".bunshin-complete").exists():
+    marker = f"{suite} {','.join(DEBIAN_PACKAGES)}\n"
+    if not _built(dest, marker):
         if not shutil.which("debootstrap"):
             raise RootfsError("debootstrap is not installed; run scripts/setup.sh or apt-get install debootstrap")
         dest.parent.mkdir(parents=True, exist_ok=True)
         with state.lock(f"debootstrap-{suite}", root=dest.parent):
-            if not (dest / ".bunshin-complete").exists():
+            if not _built(dest, marker):
                 tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".debian-{suite}-"))
                 try:
                     proc = subprocess.run(
-                        ["debootstrap", "--variant=minbase", "--include=python3", suite, str(tmp), mirror],
+                        ["debootstrap", "--variant=minbase", f"--include={','.join(DEBIAN_PACKAGES)}", suite,
+                         str(tmp), mirror],
                         capture_output=True, text=True, timeout=1800,
                     )
                     if proc.returncode != 0:
                         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
                         raise RootfsError(f"debootstrap {suite} failed (exit {proc.returncode}):\n{tail}")
-                    (tmp / ".bunshin-complete").write_text(suite + "\n")
+                    # apt's downloaded packages are no part of a sandbox's file system.
+                    for deb in (tmp / "var/cache/apt/archives").glob("*.deb"):
+                        deb.unlink()
+                    (tmp / ".bunshin-complete").write_text(marker)
                     shutil.rmtree(dest, ignore_errors=True)
                     os.rename(tmp, dest)
                 finally:
@@ -263,3 +274,10 @@ def debian(suite: str = DEBIAN_SUITE, mirror: str = DEBIAN_MIRROR) -> Rootfs:
     st = (dest / ".bunshin-complete").stat()
     digest = hashlib.sha256(f"debian-{suite}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     return Rootfs(kind="debian", lowerdirs=(str(dest),), digest=f"debian-{digest}", source=f"debian:{suite}")
+
+
+def _built(dest: Path, marker: str) -> bool:
+    try:
+        return (dest / ".bunshin-complete").read_text() == marker
+    except OSError:
+        return False
