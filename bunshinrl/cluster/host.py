@@ -181,7 +181,7 @@ class WorkspaceHost:
     async def materialise(self, task_id: str, calls: Sequence[ToolCall]) -> tuple[str, int]:
         """A new workspace in the state of the deepest prefix of `calls` held here, and its depth."""
         task, cache = self.tasks[task_id], self._cache()
-        path = self._held(await self.core._root(task), calls)
+        path = self._held(await self.core.root(task), calls)
         ws = await cache.materialize(path[-1], task.engine_tools)
         self.workspaces[ws.id] = ws
         return ws.id, len(path) - 1
@@ -192,7 +192,7 @@ class WorkspaceHost:
         observed `observation`, in the state workspace `ws_id` is in now. False when the shard
         already had it."""
         cache = self._cache()
-        path = self._held(await self.core._root(self.tasks[task_id]), calls[:-1])
+        path = self._held(await self.core.root(self.tasks[task_id]), calls[:-1])
         if len(path) < len(calls):
             raise KeyError(f"{task_id}: the prefix {list(calls[:-1])} is not held on host {self.name}")
         node, mine = cache.begin(path[-1], calls[-1])
@@ -213,13 +213,15 @@ class WorkspaceHost:
         if root is None:
             raise LookupError(f"host {self.name} holds no state of task {task_id}")
         held = [self._held(root, p) for p in paths]
-        shared: SharedSnapshot | None = None
-        at = -1
-        with cache._lock:  # the reference is taken before eviction could release the state
-            for n in reversed(held[0] if held else [root]):
-                if isinstance(n.payload, SharedSnapshot) and (with_root or n.parent is not None):
-                    shared, at = n.payload.acquire(), n.depth
-                    break
+
+        def take(n: Node) -> tuple[SharedSnapshot, int] | None:
+            if isinstance(n.payload, SharedSnapshot) and (with_root or n.parent is not None):
+                return n.payload.acquire(), n.depth
+            return None
+
+        # The reference is taken under the cache's lock, before eviction could release the state.
+        found = cache.first_held(list(reversed(held[0] if held else [root])), take)
+        shared, at = found if found is not None else (None, -1)
         saved = None
         if shared is not None:
             try:

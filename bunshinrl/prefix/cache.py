@@ -10,9 +10,9 @@ by forking a retained ancestor and replaying the calls in between, whichever is 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from ..calls.guard import DeterminismGuard
 from ..calls.signature import ToolCall
@@ -24,6 +24,7 @@ from .rebuild import Plan, Reconstruction, ReplayDiverged, ewma
 from .tree import Node, PrefixTree
 
 SnapshotPolicy = Literal["depth", "cost"]
+T = TypeVar("T")
 
 
 class ToolPrefixCache(Reconstruction, Persistence):
@@ -297,6 +298,17 @@ class ToolPrefixCache(Reconstruction, Persistence):
             if not gone:
                 return out
             out += [(n, self.lru.drop(n)) for n in gone]
+
+    def first_held(self, nodes: Sequence[Node], take: Callable[[Node], T | None]) -> T | None:
+        """The first non-None take(node) over `nodes` in order, each called under the cache's
+        lock, so that eviction cannot release a node's state while take() acquires a reference
+        to it (a host exporting a resident state)."""
+        with self._lock:
+            for n in nodes:
+                found = take(n)
+                if found is not None:
+                    return found
+        return None
 
     def touch(self, node: Node) -> None:
         with self._lock:

@@ -52,7 +52,7 @@ from typing import Any
 from .._async import run_blocking
 from ..calls.guard import DeterminismGuard
 from ..prefix.cache import ToolPrefixCache
-from ..speculation.selector import SelectorReport, Trajectory, train_selector
+from ..speculation.selector import SelectorReport, train_selector
 from ..speculation.speculator import Speculator
 from ..speculation.tail import TailPolicy
 from .reasoning import ReasoningClock
@@ -78,18 +78,8 @@ class RolloutCore(Starts):
         super().__init__(cache=cache, speculator=speculator, guard=guard, tail=tail, memory=memory, prefetch=prefetch,
                          keep_initial=keep_initial, overlap_fork=overlap_fork, reasoning=reasoning,
                          critical_path_captures=critical_path_captures)
-        self.history: list[Trajectory] = []
-        self._counters = {"rollouts": 0, "forks": 0}
 
     # ---- what every rollout reports back ----
-
-    def _record(self, r: Rollout) -> None:
-        tl = r.timeline
-        with self._lock:
-            self.history.append(Trajectory(tl.epoch, tl.task_id, tl.sample, tuple(s.call for s in tl.steps),
-                                           tl.answer is not None))
-            self._counters["rollouts"] += 1
-        self.tail.record_rollout(tl.task_id, tl.sample, tl.finished - tl.started)
 
     def fit_selector(self, held_out_epochs: Sequence[int] = ()) -> SelectorReport | None:
         """Train the speculator's selector on every recorded trajectory."""

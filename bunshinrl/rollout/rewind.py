@@ -36,11 +36,11 @@ class Rewinding:
         ws = self.core.workspaces.add(e.workspace)
         j = next((i for i, n in enumerate(self._nodes) if n is e.node and e.node is not None), None)
         if j is None or e.fresh is None:
-            await self.core._destroy(ws)
+            await self.core.destroy(ws)
             raise RuntimeError(f"a replay diverged off this sample's path: {e}") from e
         self.state = Live(ws)
         self.node = None
-        await self._note_fork(ws)
+        await self.note_fork(ws)
         dropped = len(self.history) - j
         self.timeline.rewound += 1
         self.timeline.rewound_steps += dropped

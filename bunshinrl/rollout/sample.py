@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Callable
 
 from bunshinfork import AsyncWorkspace, Workspace
 
@@ -35,8 +36,12 @@ class Rollout(WarmWorkspaces, Rewinding, Captures, SpeculationGlue):
     """
 
     def __init__(self, core: SampleServices, task: Task, ctx: SampleContext, timeline: SampleTimeline,
-                 origin: float, node: Node | None, ws: Workspace | None,
-                 group: tuple[str, str] | None = None) -> None:
+                 origin: float, node: Node | None, ws: Workspace | None, *,
+                 forking: Awaitable[Workspace] | None = None,
+                 on_close: Callable[[Rollout], None] | None = None) -> None:
+        """forking: the sample's first workspace while it is still being forked (ws None);
+        on_close: what the core does with the closed rollout (its group left, its trajectory
+        recorded)."""
         self.core = core
         self.task = task
         self.ctx = ctx
@@ -66,10 +71,12 @@ class Rollout(WarmWorkspaces, Rewinding, Captures, SpeculationGlue):
         # The workspace the snapshot this sample first forked was taken from (its group's
         # initialized workspace, or a cached state's source); None until it forks.
         self.forked_from: str | None = None
-        self._group = group
+        self._on_close = on_close
         self._lock: asyncio.Lock | None = None
         self._returned: float | None = None  # when the last call returned (reasoning steps)
         self._decision: int | None = None
+        if forking is not None:
+            self.state = Settling(None, asyncio.ensure_future(self._forked(forking)))
         if isinstance(self.state, Idle) and core.prefetch and core.cache is not None and node is not None:
             # The root is always prefetched, as Base forks its group while the first step is reasoned.
             self.state.shadow = asyncio.ensure_future(self._rebuild(node))
@@ -145,22 +152,21 @@ class Rollout(WarmWorkspaces, Rewinding, Captures, SpeculationGlue):
         self.state = Closed()
         if isinstance(st, Speculating):
             with contextlib.suppress(Exception):
-                await self.core._destroy(await st.branch.close())
+                await self.core.destroy(await st.branch.close())
         elif isinstance(st, Idle):
             self._discard_shadow(st.shadow)
         elif isinstance(st, Live):
-            self.core._background(self.core._destroy(st.ws))
-        if self._group is not None:
-            self.core._leave(self._group)
-            self._group = None
-        self.core._record(self)
+            self.core.background(self.core.destroy(st.ws))
+        if self._on_close is not None:
+            self._on_close(self)
 
-    async def _forked(self, forking: asyncio.Future[list[Workspace]], i: int) -> Live:
-        ws = (await forking)[i]
-        await self._note_fork(ws)
+    async def _forked(self, forking: Awaitable[Workspace]) -> Live:
+        ws = await forking
+        await self.note_fork(ws)
         return Live(ws)
 
-    async def _note_fork(self, ws: Workspace) -> None:
+    async def note_fork(self, ws: Workspace) -> None:
+        """Note which workspace the snapshot of the sample's first fork came from (forked_from)."""
         if self.forked_from is None:
             self.forked_from = (await AsyncWorkspace(ws).info()).parent
 

@@ -82,13 +82,17 @@ class SampleServices:
 
     # ---- background work ----
 
-    def _background(self, aw: Any) -> asyncio.Future[Any]:
+    def background(self, aw: Any) -> asyncio.Future[Any]:
+        """Run `aw` beside the rollouts; drain_rollouts() waits for it."""
         fut = asyncio.ensure_future(aw)
         self._bg.add(fut)
         fut.add_done_callback(self._bg.discard)
         return fut
 
-    async def _destroy(self, ws: Workspace) -> None:
+    _background = background  # the name adapters/ used before; to go once they call background()
+
+    async def destroy(self, ws: Workspace) -> None:
+        """Destroy a workspace the core holds (and forget it in the memory sampling)."""
         self.workspaces.discard(ws)
         await AsyncWorkspace(ws).destroy()
 

@@ -27,7 +27,7 @@ class SpeculationGlue:
         except Exception as e:
             self.timeline.errors.append(f"prefetch failed: {e!r}")
             return Idle()
-        await self._note_fork(ws)
+        await self.note_fork(ws)
         assert self.core.speculator is not None
         try:
             branch = await self.core.speculator.launch(ws, chain, self.tools)
@@ -53,7 +53,7 @@ class SpeculationGlue:
                     capture = node  # captured below, from the adopted workspace
                 else:
                     # The chain runs on; the checkpoint taken after this call is the node's state.
-                    core._background(self._attach_checkpoint(node, branch, hit.index))
+                    core.background(self._attach_checkpoint(node, branch, hit.index))
             if not created:
                 node = await self._same_as_sibling(call, node, hit.observation)
             self.node = node
@@ -62,4 +62,4 @@ class SpeculationGlue:
             self._after_real_call(call, capture)
 
     async def _close_and_destroy(self, branch: SpeculativeBranch) -> None:
-        await self.core._destroy(await branch.close())
+        await self.core.destroy(await branch.close())

@@ -5,6 +5,7 @@ many samples ask at the same time."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
@@ -18,9 +19,10 @@ from ..calls.policy import SampleContext
 from ..calls.signature import template_digest
 from ..calls.task import Task
 from ..prefix.tree import Node
+from ..speculation.selector import Trajectory
 from ..states.backend import SharedSnapshot
 from .sample import Rollout
-from .sample_state import Live, Settling
+from .sample_state import Live
 from .services import SampleServices
 from .timeline import SampleTimeline
 
@@ -42,6 +44,8 @@ class Starts(SampleServices):
         self._digests: dict[str, Future[str]] = {}
         self._roots: dict[tuple[str, str], Future[Node]] = {}
         self._groups: dict[tuple[str, str], _Group] = {}
+        self.history: list[Trajectory] = []  # every finished trajectory (the selector's training data)
+        self._counters = {"rollouts": 0, "forks": 0}
 
     async def digest(self, task: Task) -> str:
         """The template digest of the task's initialized workspace (rootfs digest + fingerprint)."""
@@ -73,7 +77,7 @@ class Starts(SampleServices):
             await call_sync_or_async(task.setup, ws)
             return await SharedSnapshot.take_async(ws, self.memory)
         finally:
-            await self._destroy(ws)
+            await self.destroy(ws)
 
     async def _group_snapshot(self, task: Task) -> SharedSnapshot:
         """A reference to the snapshot a group forks: the kept one (keep_initial), made once
@@ -103,7 +107,7 @@ class Starts(SampleServices):
             raise next(c for c in clones if isinstance(c, Exception))
         return [self.workspaces.add(w) for w in clones]  # type: ignore[arg-type]
 
-    async def _root(self, task: Task) -> Node:
+    async def root(self, task: Task) -> Node:
         """The cache's root for the task's initialized workspace, made once however many samples
         ask at the same time."""
         assert self.cache is not None
@@ -140,20 +144,24 @@ class Starts(SampleServices):
         timelines = [self._timeline(c, origin) for c in contexts]
         t0 = time.monotonic() - origin
         if self.cache is not None:
-            root = await self._root(task)
-            out = [Rollout(self, task, c, tl, origin, root, None) for c, tl in zip(contexts, timelines, strict=True)]
+            root = await self.root(task)
+            out = [Rollout(self, task, c, tl, origin, root, None, on_close=self._closed)
+                   for c, tl in zip(contexts, timelines, strict=True)]
         elif self.overlap_fork:
             forking = asyncio.ensure_future(self._fork_group(task, len(contexts)))
-            out = [Rollout(self, task, c, tl, origin, None, None) for c, tl in zip(contexts, timelines, strict=True)]
-            for i, r in enumerate(out):
-                r.state = Settling(None, asyncio.ensure_future(r._forked(forking, i)))
+
+            async def clone(i: int) -> Workspace:
+                return (await forking)[i]
+
+            out = [Rollout(self, task, c, tl, origin, None, None, forking=clone(i), on_close=self._closed)
+                   for i, (c, tl) in enumerate(zip(contexts, timelines, strict=True))]
         else:
             clones = await self._fork_group(task, len(contexts))
-            out = [Rollout(self, task, c, tl, origin, None, w)
+            out = [Rollout(self, task, c, tl, origin, None, w, on_close=self._closed)
                    for c, tl, w in zip(contexts, timelines, clones, strict=True)]
         for r in out:
             if isinstance(r.state, Live):
-                await r._note_fork(r.state.ws)
+                await r.note_fork(r.state.ws)
             r.timeline.add("setup", t0, r.now())
         return out
 
@@ -168,7 +176,7 @@ class Starts(SampleServices):
         tl = self._timeline(ctx, origin)
         t0 = time.monotonic() - origin
         if self.cache is not None:
-            r = Rollout(self, task, ctx, tl, origin, await self._root(task), None)
+            r = Rollout(self, task, ctx, tl, origin, await self.root(task), None, on_close=self._closed)
         else:
             key = (task.id, group if group is not None else f"{ctx.epoch}/{ctx.task_id}/{ctx.sample}")
             with self._lock:
@@ -188,8 +196,8 @@ class Starts(SampleServices):
             except BaseException:
                 self._leave(key)
                 raise
-            r = Rollout(self, task, ctx, tl, origin, None, ws, group=key)
-            await r._note_fork(ws)
+            r = Rollout(self, task, ctx, tl, origin, None, ws, on_close=functools.partial(self._closed, group=key))
+            await r.note_fork(ws)
         r.timeline.add("setup", t0, r.now())
         r.rewinds = rewinds
         return r
@@ -204,4 +212,15 @@ class Starts(SampleServices):
                 return
             del self._groups[key]
         if g.snapshot.done() and g.snapshot.exception() is None:
-            self._background(g.snapshot.result().release_async())
+            self.background(g.snapshot.result().release_async())
+
+    def _closed(self, r: Rollout, group: tuple[str, str] | None = None) -> None:
+        """A rollout closed: it leaves its group, and its trajectory is recorded."""
+        if group is not None:
+            self._leave(group)
+        tl = r.timeline
+        with self._lock:
+            self.history.append(Trajectory(tl.epoch, tl.task_id, tl.sample, tuple(s.call for s in tl.steps),
+                                           tl.answer is not None))
+            self._counters["rollouts"] += 1
+        self.tail.record_rollout(tl.task_id, tl.sample, tl.finished - tl.started)

@@ -31,9 +31,9 @@ class WarmWorkspaces:
         assert cache is not None
         if not self.core.prefetch:
             if isinstance(st, Speculating):
-                self.core._background(self._close_and_destroy(st.branch))
+                self.core.background(self._close_and_destroy(st.branch))
             elif isinstance(st, Live):
-                self.core._background(self.core._destroy(st.ws))
+                self.core.background(self.core.destroy(st.ws))
             elif isinstance(st, Idle):
                 self._discard_shadow(st.shadow)
             self.state = Idle()
@@ -87,7 +87,7 @@ class WarmWorkspaces:
         if self.node is not None and self.node.removed:
             self.node = None  # verified, but nothing is recorded under a dropped subtree
         self.state = Live(self.core.workspaces.add(ws))
-        await self._note_fork(ws)
+        await self.note_fork(ws)
         tl.add("materialize", t, self.now())
 
     async def _rebuild(self, node: Node) -> Workspace:
@@ -112,7 +112,7 @@ class WarmWorkspaces:
         except ReplayDiverged as e:
             await self._lose_diverged(e)
         except BaseException:
-            await self.core._destroy(ws)
+            await self.core.destroy(ws)
             raise
         await self._capture_for_second_visitor(ws, node, t)
         return ws
@@ -121,7 +121,7 @@ class WarmWorkspaces:
         """A warm workspace's replay diverged: it is destroyed, never adopted (Diverged)."""
         self.timeline.divergences += 1
         self.timeline.errors.append(str(e))
-        await self.core._destroy(self.core.workspaces.add(e.workspace))
+        await self.core.destroy(self.core.workspaces.add(e.workspace))
         raise Diverged(str(e)) from None
 
     def _discard_shadow(self, shadow: asyncio.Task[Workspace] | None) -> None:
@@ -133,6 +133,6 @@ class WarmWorkspaces:
                 ws = await shadow
             except Exception:
                 return  # a diverged or failed shadow left no workspace
-            await self.core._destroy(ws)
+            await self.core.destroy(ws)
 
-        self.core._background(discard())
+        self.core.background(discard())

@@ -48,13 +48,13 @@ class BranchOwner(Protocol):
     workspaces: WorkspaceRegistry
     stats: dict[str, Any]
 
-    def _track(self, aw: Any) -> None: ...
+    def track(self, aw: Any) -> None: ...
 
-    def _record_waste(self, seconds: float) -> None: ...
+    def record_waste(self, seconds: float) -> None: ...
 
 
 def _hold(ws: Workspace) -> bool:
-    return ws_egress.hold_closed(ws.id, ws._rec.network)
+    return ws_egress.hold_closed(ws.id, ws.record.network)
 
 
 def _refused(ws: Workspace) -> int:
@@ -120,7 +120,7 @@ class SpeculativeBranch:
                 return
             self._live = forked  # a close() that came meanwhile leaves it to _cleanup
             self._owner.workspaces.add(forked)
-            self._owner._track(self._release_snapshot())  # home is the rollback state; the snapshot is spent
+            self._owner.track(self._release_snapshot())  # home is the rollback state; the snapshot is spent
         ws = self._live
         if self._owner.egress == "closed":
             try:
@@ -202,7 +202,7 @@ class SpeculativeBranch:
         waited = time.monotonic() - t0
         self._next = j + 1
         if j == 0:
-            self._owner._track(self._release_snapshot())  # the pre-speculation state is history now
+            self._owner.track(self._release_snapshot())  # the pre-speculation state is history now
             if self._home is not None:
                 home, self._home = self._home, None
                 self._home_destroy = asyncio.ensure_future(self._destroy(home))
@@ -238,7 +238,7 @@ class SpeculativeBranch:
         try:
             return await self._close()
         finally:
-            self._owner._track(self._cleanup(abort_time=time.monotonic()))
+            self._owner.track(self._cleanup(abort_time=time.monotonic()))
 
     async def _close(self) -> Workspace:
         last = self._next - 1
@@ -324,4 +324,4 @@ class SpeculativeBranch:
             start, end = self._started[j], self._finished[j]
             if start is not None:
                 self.wasted_seconds += (end if end is not None else abort_time) - start
-        self._owner._record_waste(self.wasted_seconds)
+        self._owner.record_waste(self.wasted_seconds)

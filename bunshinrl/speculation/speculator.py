@@ -109,12 +109,14 @@ class Speculator:
         self.stats["launched"] += 1
         return SpeculativeBranch(self, ws, snap, calls, tools, self.placement)
 
-    def _track(self, aw: Any) -> None:
+    def track(self, aw: Any) -> None:
+        """Run a branch's teardown in the background; drain() waits for it."""
         fut = asyncio.ensure_future(aw)
         self._tasks.add(fut)
         fut.add_done_callback(self._tasks.discard)
 
-    def _record_waste(self, seconds: float) -> None:
+    def record_waste(self, seconds: float) -> None:
+        """A discarded branch's speculative execution, in seconds (stats["wasted_seconds"])."""
         self.stats["wasted_seconds"] += seconds
 
     async def drain(self) -> None:
