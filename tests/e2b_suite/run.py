@@ -56,7 +56,7 @@ RUN_TIMEOUT_S = 1500
 class Outcome:
     mode: str
     rc: int
-    summary: str  # pytest's last line: "N passed, M xfailed in T s"
+    summary: str  # pytest's summary line: "N passed, M xfailed in T s"
     seconds: float
     log: str
 
