@@ -9,8 +9,9 @@ by forking a retained ancestor and replaying the calls in between, whichever is 
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal, TypeVar
 
@@ -21,6 +22,7 @@ from ..states.backend import StateBackend
 from .lru import AncestorLRU
 from .persistence import Persistence
 from .rebuild import Plan, Reconstruction, ReplayDiverged, ewma
+from .recording import Recording
 from .tree import Node, PrefixTree
 
 SnapshotPolicy = Literal["depth", "cost"]
@@ -77,6 +79,7 @@ class ToolPrefixCache(Reconstruction, Persistence):
         self._jobs: set[Future[Any]] = set()
         self.persist_between_epochs = persist_between_epochs
         self._deferred: list[tuple[Node, Any, bool]] = []
+        self._roots: dict[tuple[str, str], Future[Node]] = {}
         self.fork_seconds = 0.15
         self.load_seconds_per_byte = 1 / 150e6
         self.counters = {"hits": 0, "misses": 0, "forks": 0, "loads": 0, "replayed_calls": 0,
@@ -104,6 +107,28 @@ class ToolPrefixCache(Reconstruction, Persistence):
                 return node
         self.attach(node, payload)
         return node
+
+    async def ensure_root(self, task_id: str, template_digest: str, make: Callable[[], Awaitable[Any]]) -> Node:
+        """The task's root; without one, make()'s payload (the initialized state) is registered
+        as it (add_root), made once however many callers ask at the same time."""
+        root = self.root(task_id, template_digest)
+        if root is not None:
+            return root
+        key = (task_id, template_digest)
+        with self._lock:
+            fut = self._roots.get(key)
+            mine = fut is None
+            if fut is None:
+                fut = self._roots[key] = Future()
+        if mine:
+            try:
+                fut.set_result(self.add_root(task_id, template_digest, await make()))
+            except BaseException as e:
+                fut.set_exception(e)
+            finally:
+                with self._lock:
+                    self._roots.pop(key, None)
+        return await asyncio.wrap_future(fut)
 
     def lookup(self, node: Node, call: ToolCall, tool: Tool) -> Node | None:
         """The child reached by `call`, completed or still running; None for a miss or a tool whose
@@ -140,19 +165,25 @@ class ToolPrefixCache(Reconstruction, Persistence):
 
     # ---- recording ----
 
-    def begin(self, parent: Node, call: ToolCall) -> tuple[Node, bool]:
-        """The node `call` creates, added before the call runs so that concurrent samples wait for
-        it rather than run it again; True when this caller created it and must complete() it."""
+    def begin(self, parent: Node, call: ToolCall) -> Recording:
+        """The recording of the node `call` creates, added before the call runs so that concurrent
+        samples wait for it rather than run it again; created: this caller made it and must
+        complete() or abandon() it (False: another sample's, which it may still be running)."""
         with self._lock:
             existing = self.tree.child(parent, call)
             if existing is not None:
                 existing.hits += 1  # a second visitor, though it runs the call itself
-                return existing, False
+                return Recording(self, existing, False)
             node = self.tree.add_child(parent, call)
             # Below a dropped subtree a new node is dropped too: nothing may be served from it.
             node.removed = parent.removed
             self.lru.touch(node)
-            return node, True
+            return Recording(self, node, True)
+
+    def claim(self, node: Node, reasoning: float | None) -> Recording | None:
+        """claim_capture's answer as a handle: a Recording to attach() the capture of `node`'s
+        state to, or None when it should not be captured now."""
+        return Recording(self, node, False) if self.claim_capture(node, reasoning) else None
 
     def should_capture(self, node: Node, reasoning: float | None = None, revisit: bool = True) -> bool:
         """Capture `node`'s state after its call? reasoning: the predicted seconds of the reasoning
@@ -171,17 +202,6 @@ class ToolPrefixCache(Reconstruction, Persistence):
         if self.snapshot_every == 1 or node.depth % self.snapshot_every == 0:
             return True
         return self.snapshot_slower_than is not None and node.exec_seconds >= self.snapshot_slower_than
-
-    def replay_seconds(self, node: Node) -> float:
-        """What rebuilding `node` by replay would take were it not captured: its call and those of
-        its uncaptured ancestors, back to the nearest captured one."""
-        with self._lock:
-            total = node.exec_seconds
-            a = node.parent
-            while a is not None and a.sparse:
-                total += a.exec_seconds
-                a = a.parent
-            return total
 
     def note_capture(self, seconds: float, task_id: str | None = None) -> None:
         """How long a capture of a sample's workspace took (the cost policy weighs it)."""
@@ -361,4 +381,4 @@ class ToolPrefixCache(Reconstruction, Persistence):
             return self.lru.violations()
 
 
-__all__ = ["Plan", "ReplayDiverged", "SnapshotPolicy", "ToolPrefixCache"]
+__all__ = ["Plan", "Recording", "ReplayDiverged", "SnapshotPolicy", "ToolPrefixCache"]

@@ -52,6 +52,25 @@ class Reconstruction:
     def _load_estimate(self, node: Node) -> float:
         return 0.02 + node.load_bytes * self.load_seconds_per_byte
 
+    def rebuild_seconds(self, node: Node) -> float:
+        """What a new workspace in `node`'s state is predicted to take: its plan and a fork
+        (infinite without a retained ancestor)."""
+        try:
+            return self.plan(node).seconds + self.fork_seconds
+        except LookupError:
+            return float("inf")
+
+    def replay_seconds(self, node: Node) -> float:
+        """What rebuilding `node` by replay would take were it not captured: its call and those of
+        its uncaptured ancestors, back to the nearest captured one."""
+        with self._lock:
+            total = node.exec_seconds
+            a = node.parent
+            while a is not None and a.sparse:
+                total += a.exec_seconds
+                a = a.parent
+            return total
+
     def plan(self, node: Node) -> Plan:
         """The cheapest recorded way to rebuild `node`: fork a resident state, or restore one from
         disk, then replay the calls below it; replay wins over a disk restore when it is faster."""
@@ -75,8 +94,14 @@ class Reconstruction:
                 raise LookupError(f"{node} has no retained ancestor to rebuild it from")
             return best
 
-    async def materialize(self, node: Node, tools: Mapping[str, Tool]) -> Workspace:
-        """A new running workspace in `node`'s state (the caller destroys it)."""
+    async def materialize(self, node: Node, tools: Mapping[str, Tool], warm: Workspace | None = None) -> Workspace:
+        """A new running workspace in `node`'s state (the caller destroys it): forked by the
+        cheapest plan, every replayed call compared with what it recorded (ReplayDiverged).
+        warm: a workspace in the parent's state instead, brought to `node`'s by replaying its call
+        (replay()); it is returned."""
+        if warm is not None:
+            await self._replay(warm, node, tools)
+            return warm
         if not node.done:
             raise ValueError(f"{node} has no recorded observation yet")
         while True:

@@ -12,6 +12,7 @@ from bunshinfork import Workspace
 
 from ..calls.signature import ToolCall
 from ..calls.task import REWARD_TOOL
+from ..prefix.recording import Recording
 from ..prefix.tree import Node
 from ..speculation.selector import SelectorContext
 from ..speculation.speculator import SpeculativeBranch
@@ -44,7 +45,7 @@ class Captures:
         top = sel.top_k(SelectorContext(self.task.id, calls), 1)
         return bool(top) and top[0][0] == node.call.key and top[0][1] >= 0.5
 
-    def _after_real_call(self, call: ToolCall, capture: Node | None) -> None:
+    def _after_real_call(self, call: ToolCall, capture: Recording | None) -> None:
         """Capture the new state for the cache and/or start speculating, while the policy reasons."""
         core = self.core
         assert isinstance(self.state, Live)
@@ -58,22 +59,21 @@ class Captures:
         ws = self.state.ws
         self.state = Settling(ws, asyncio.ensure_future(self._post_call(ws, capture, chain)))
 
-    async def _post_call(self, ws: Workspace, capture: Node | None, chain: list[ToolCall]) -> Live | Speculating:
+    async def _post_call(self, ws: Workspace, capture: Recording | None, chain: list[ToolCall]) -> Live | Speculating:
         core = self.core
         try:
             t = time.monotonic()
             snap = await SharedSnapshot.take_async(ws, core.memory)
-            core.note_snapshot(self.task.id, time.monotonic() - t)
-            if capture is not None and core.cache is not None:
-                core.cache.note_capture(time.monotonic() - t, self.task.id)
+            took = time.monotonic() - t
+            core.note_snapshot(self.task.id, took)
         except Exception as e:
             self.timeline.errors.append(f"capture failed: {e!r}")
-            if capture is not None and core.cache is not None:
-                core.cache.attach(capture, None)
+            if capture is not None:
+                capture.attach(None)
             return Live(ws)
         try:
-            if capture is not None and core.cache is not None:
-                core.cache.attach(capture, snap.acquire())
+            if capture is not None:
+                capture.attach(snap.acquire(), capture_seconds=took)
             if chain and core.speculator is not None:
                 try:
                     branch = await core.speculator.launch(ws, chain, self.tools, snapshot=snap)
@@ -87,9 +87,8 @@ class Captures:
         finally:
             await snap.release_async()
 
-    async def _attach_checkpoint(self, node: Node, branch: SpeculativeBranch, index: int) -> None:
-        assert self.core.cache is not None
-        self.core.cache.attach(node, await branch.state_after(index))
+    async def _attach_checkpoint(self, rec: Recording, branch: SpeculativeBranch, index: int) -> None:
+        rec.attach(await branch.state_after(index))
 
     async def _capture_for_second_visitor(self, ws: Workspace, node: Node, since: float) -> None:
         """This warm workspace is a second visitor's copy of `node`'s state: capture it when the
@@ -98,18 +97,19 @@ class Captures:
         assert cache is not None
         predicted = self.core.reasoning.predict()
         left = None if predicted is None else predicted - (time.monotonic() - since)
-        if node.parent is None or not cache.claim_capture(node, left):
+        rec = cache.claim(node, left) if node.parent is not None else None
+        if rec is None:
             return
         try:
             t = time.monotonic()
             snap = await SharedSnapshot.take_async(ws, self.core.memory)
-            self.core.note_snapshot(self.task.id, time.monotonic() - t)
-            cache.note_capture(time.monotonic() - t, self.task.id)
+            took = time.monotonic() - t
+            self.core.note_snapshot(self.task.id, took)
         except Exception as e:
             self.timeline.errors.append(f"capture failed: {e!r}")
-            cache.attach(node, None)
+            rec.attach(None)
             return
         try:
-            cache.attach(node, snap.acquire())
+            rec.attach(snap.acquire(), capture_seconds=took)
         finally:
             await snap.release_async()

@@ -16,6 +16,7 @@ from ..calls.policy import SampleContext, Step
 from ..calls.signature import ToolCall
 from ..calls.task import REWARD_TOOL, Task, parse_reward
 from ..calls.tools import Tool, ToolSet
+from ..prefix.recording import Recording
 from ..prefix.tree import Node
 from ..speculation.speculator import SpeculativeBranch
 from .captures import Captures
@@ -260,29 +261,33 @@ class Rollout(WarmWorkspaces, Rewinding, Captures, SpeculationGlue):
     async def _execute(self, call: ToolCall, tool: Tool, reusable: bool) -> str:
         tl, core = self.timeline, self.core
         assert isinstance(self.state, Live)
-        node, created = None, False
+        rec: Recording | None = None
         if core.cache is not None and self.node is not None and reusable:
             # Another sample may have created this node meanwhile: this sample runs the call
             # itself and stands on that node only if it observes what the node recorded.
-            node, created = core.cache.begin(self.node, call)
+            rec = core.cache.begin(self.node, call)
         t = self.now()
         try:
             obs = await tool.run(self.state.ws, call.args)
         except Exception as e:
-            if created:
-                core.cache.abandon(node, e)  # type: ignore[union-attr,arg-type]
+            if rec is not None:
+                rec.abandon(e)
             tl.add("tool", t, self.now(), call.key)
             self.node = None
             return f"[error] {type(e).__name__}: {e}"
         took = self.now() - t
         tl.add("tool", t, t + took, call.key)
         core.tail.record_call(call, took)
-        capture = created and core.cache.complete(  # type: ignore[union-attr]
-            node, obs, took, **self._capture_context(node))  # type: ignore[arg-type]
-        if node is not None and not created:
-            node = await self._same_as_sibling(call, node, obs)
-        self.node = node
-        self._after_real_call(call, node if capture else None)
+        if rec is None:
+            self.node = None
+            self._after_real_call(call, None)
+        elif rec.created:
+            capture = rec.complete(obs, took, **self._capture_context(rec.node))
+            self.node = rec.node
+            self._after_real_call(call, rec if capture else None)
+        else:
+            self.node = await self._same_as_sibling(call, rec.node, obs)
+            self._after_real_call(call, None)
         return obs
 
     async def _same_as_sibling(self, call: ToolCall, node: Node, observation: str) -> Node | None:

@@ -8,7 +8,6 @@ import asyncio
 from bunshinfork import Workspace
 
 from ..calls.signature import ToolCall
-from ..prefix.tree import Node
 from ..speculation.speculator import SpecHit, SpeculativeBranch
 from .sample_state import Diverged, Idle, Live, Speculating
 
@@ -45,18 +44,14 @@ class SpeculationGlue:
         branch = self.state.branch
         capture = None
         if core.cache is not None and self.node is not None:
-            node: Node | None
-            node, created = core.cache.begin(self.node, call)
-            if created and core.cache.complete(node, hit.observation, hit.exec_seconds,
-                                               **self._capture_context(node)):
+            rec = core.cache.begin(self.node, call)
+            if rec.created and rec.complete(hit.observation, hit.exec_seconds, **self._capture_context(rec.node)):
                 if branch.exhausted:
-                    capture = node  # captured below, from the adopted workspace
+                    capture = rec  # captured below, from the adopted workspace
                 else:
                     # The chain runs on; the checkpoint taken after this call is the node's state.
-                    core.background(self._attach_checkpoint(node, branch, hit.index))
-            if not created:
-                node = await self._same_as_sibling(call, node, hit.observation)
-            self.node = node
+                    core.background(self._attach_checkpoint(rec, branch, hit.index))
+            self.node = rec.node if rec.created else await self._same_as_sibling(call, rec.node, hit.observation)
         if branch.exhausted:
             self.state = Live(core.workspaces.add(await branch.close()))
             self._after_real_call(call, capture)

@@ -42,7 +42,6 @@ class Starts(SampleServices):
         super().__init__(**kwargs)
         self._initial: dict[tuple[str, str], Future[SharedSnapshot]] = {}
         self._digests: dict[str, Future[str]] = {}
-        self._roots: dict[tuple[str, str], Future[Node]] = {}
         self._groups: dict[tuple[str, str], _Group] = {}
         self.history: list[Trajectory] = []  # every finished trajectory (the selector's training data)
         self._counters = {"rollouts": 0, "forks": 0}
@@ -111,26 +110,7 @@ class Starts(SampleServices):
         """The cache's root for the task's initialized workspace, made once however many samples
         ask at the same time."""
         assert self.cache is not None
-        digest = await self.digest(task)
-        root = self.cache.root(task.id, digest)
-        if root is not None:
-            return root
-        key = (task.id, digest)
-        with self._lock:
-            fut = self._roots.get(key)
-            mine = fut is None
-            if mine:
-                fut = self._roots[key] = Future()
-        assert fut is not None
-        if mine:
-            try:
-                fut.set_result(self.cache.add_root(task.id, digest, await self._initial_snapshot(task)))
-            except BaseException as e:
-                fut.set_exception(e)
-            finally:
-                with self._lock:
-                    self._roots.pop(key, None)
-        return await asyncio.wrap_future(fut)
+        return await self.cache.ensure_root(task.id, await self.digest(task), lambda: self._initial_snapshot(task))
 
     def _timeline(self, ctx: SampleContext, origin: float) -> SampleTimeline:
         return SampleTimeline(ctx.task_id, ctx.sample, ctx.epoch, started=time.monotonic() - origin)

@@ -46,11 +46,7 @@ class WarmWorkspaces:
             prev = asyncio.ensure_future(self._close_branch(st.branch))
         elif isinstance(st, Idle):
             prev = st.shadow
-        try:
-            plan_s = cache.plan(child).seconds + cache.fork_seconds
-        except LookupError:
-            plan_s = float("inf")
-        if prev is not None and child.exec_seconds <= plan_s:
+        if prev is not None and child.exec_seconds <= cache.rebuild_seconds(child):
             warm = asyncio.ensure_future(self._extend_shadow(prev, child))
         else:
             self._discard_shadow(prev)
@@ -108,7 +104,7 @@ class WarmWorkspaces:
         ws = await previous
         assert self.core.cache is not None
         try:
-            await self.core.cache.replay(ws, node, self.tools)
+            await self.core.cache.materialize(node, self.tools, warm=ws)
         except ReplayDiverged as e:
             await self._lose_diverged(e)
         except BaseException:
