@@ -1,8 +1,9 @@
 """bunshinrl inside SkyRL, through skyrl-gym's own entry points: `skyrl_gym.make("bunshin-workspace")`,
 driven exactly as SkyRL's SkyRLGymGenerator drives an env (init and step on its env executor or
 inline, get_metrics at the episode's end, close, the env class's aggregate_metrics), on real
-workspaces: a GRPO group forks one snapshot, a repeated trajectory is served from the prefix
-cache, a speculated call is adopted on a match and leaves no trace on a mismatch."""
+workspaces: a GRPO group forks one snapshot, a repeated trajectory's hits are validated on the
+sample's own workspace before they are served (validate, then serve: SkyRL cannot rewind its
+conversation), a speculated call is adopted on a match and leaves no trace on a mismatch."""
 
 from __future__ import annotations
 
@@ -17,11 +18,11 @@ import pytest
 # imports); bunshinrl needs no particular order (tests/test_embed.py).
 import skyrl_gym
 from omegaconf import DictConfig
-from rl_support import no_own_leaks  # noqa: F401 (fixture, used by name)
+from rl_support import counter_task, no_own_leaks  # noqa: F401 (fixture, used by name)
 from skyrl_gym.envs.registration import load_env_creator
 
 from bunshinrl import ToolCall, render_call
-from bunshinrl.adapters import Runtime
+from bunshinrl.adapters import Runtime, register_task
 from bunshinrl.adapters.skyrl import ENV_ID, BunshinEnv
 from bunshinrl.grpo import suite
 from bunshinrl.policies.chat import render_action
@@ -110,20 +111,43 @@ def test_a_group_of_four_forks_one_snapshot_and_episodes_end_with_the_verifiers_
     assert agg["episodes"] == 4 and agg["tool_calls"] == 8 and agg["reward"] == pytest.approx(3.5 / 4)
 
 
-def test_a_repeated_trajectory_is_served_from_the_prefix_cache() -> None:
+def test_a_repeated_trajectory_is_validated_then_served_from_the_prefix_cache() -> None:
     fresh = _episodes({"task": "files-ab", "runtime": {"cache_mib": 0, "speculation_depth": 0}},
                       [[({}, SOLUTION), ({}, DEVIATE)]])[0]
     cached = {"task": "files-ab", "runtime": {"cache_mib": 256, "speculation_depth": 0}}
     first, again = _episodes(cached, [[({}, SOLUTION)], [({}, SOLUTION), ({}, DEVIATE)]], inline=True)
-    assert first[0]["metrics"]["executed"] == 2 and first[0]["metrics"]["cache_hits"] == 0
+    assert first[0]["metrics"]["executed"] == 2 and first[0]["metrics"]["validated"] == 0
     repeat, deviate = again
-    assert repeat["metrics"]["cache_hits"] == 2 and repeat["metrics"]["executed"] == 0  # nothing ran
+    # Each hit ran on the sample's own workspace and matched its recording before it was served.
+    assert repeat["metrics"]["validated"] == 2 and repeat["metrics"]["cache_hits"] == 0
     assert (repeat["metrics"]["divergences"], repeat["metrics"]["rewound"]) == (0, 0)  # every hit reproduced
     assert repeat["observations"] == fresh[0]["observations"] and repeat["reward"] == fresh[0]["reward"] == 1.0
-    # The deviating sample shares the first call's prefix, then leaves the tree: forked from the
-    # cached state after it, and the state it observes is exactly a fresh run's.
-    assert deviate["metrics"]["cache_hits"] == 1 and deviate["metrics"]["executed"] == 1
+    # The deviating sample shares the first call's prefix, then leaves the tree; the state it
+    # observes is exactly a fresh run's.
+    assert deviate["metrics"]["validated"] == 1 and deviate["metrics"]["tool_calls"] == 2
     assert deviate["observations"] == fresh[1]["observations"] and deviate["reward"] == fresh[1]["reward"] == 0.5
+    agg = BunshinEnv.aggregate_metrics([repeat["metrics"], deviate["metrics"]])
+    assert agg["validated"] == 3 and agg["divergences"] == 0
+
+
+def test_a_hit_whose_replay_differs_is_never_served() -> None:
+    """`liar` claims determinism and observes something new each time. The second episode's
+    liar call is a hit recorded by the first; its replay on the episode's own workspace differs,
+    so the model gets that fresh observation, never the recorded one (without validate-then-serve
+    it got the first episode's 'tick N' while its workspace had observed another), and the
+    episode goes on off the tree, its later state exactly the history it was shown."""
+    register_task(counter_task("skyrl-liar"))
+    plan = [render_call(ToolCall("bump", {"n": 1})), render_call(ToolCall("liar")),
+            render_call(ToolCall("bump", {"n": 2})), render_call(ToolCall("state"))]
+    cfg = {"task": "skyrl-liar", "runtime": {"cache_mib": 256, "speculation_depth": 0}}
+    [[first], [second]] = _episodes(cfg, [[({}, plan)], [({}, plan)]], inline=True)
+    assert first["metrics"]["validated"] == 0 and first["metrics"]["divergences"] == 0
+    m = second["metrics"]
+    assert (m["validated"], m["divergences"], m["rewound"], m["rerolled"]) == (1, 1, 0, 0)
+    assert second["observations"][0] == first["observations"][0] == "1"  # bump n=1: validated, then served
+    assert second["observations"][1] != first["observations"][1]  # liar: its own observation
+    assert second["observations"][1].startswith("tick ")
+    assert second["observations"][3].splitlines()[:3] == ["3", "1", "2"]  # the counter and its log: 1 + 2
 
 
 def test_speculation_is_adopted_on_a_match_and_leaves_no_trace_on_a_mismatch() -> None:

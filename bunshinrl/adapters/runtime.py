@@ -8,6 +8,13 @@ speculator, guard), the tasks configs name, and the open rollouts by trajectory 
 trajectory's Rollout is started on its first use and closed when its driver ends it, or, for a
 driver that never says (verl's stock tool agent loop), once nobody has used it for
 `linger_seconds`.
+
+The invariant (a sample's workspace is exactly the history it was shown) meets drivers that
+cannot cut their model's conversation back, so neither rewinds (RolloutEngine's answer to a
+served step that did not reproduce): verl's agent loop re-rolls the trajectory on a second core
+without the prefix cache (`start(..., cached=False)`); SkyRL's env runs with `validate_hits`:
+every cache hit is re-executed on the sample's own workspace and compared before it is served
+(the guard audits every hit), so nothing it is shown comes from another workspace.
 """
 
 from __future__ import annotations
@@ -23,10 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from .._async import LoopThread, run_blocking
+from ..calls.guard import DeterminismGuard
 from ..calls.policy import SampleContext
 from ..calls.task import REWARD_TOOL, Task
 from ..prefix.cache import SnapshotPolicy
-from ..rollout.core import Rollout
+from ..rollout.core import Rollout, RolloutCore
 from ..rollout.wiring import CoreConfig, build_core
 
 # ---- tasks by name ----
@@ -76,7 +84,9 @@ class RuntimeConfig:
     """cache_mib: the prefix cache's resident budget (0: no cache); store: a directory for
     states evicted to disk (None: memory only); speculation_depth: calls per speculative chain
     (0: no speculation); slow_tool_seconds: only calls recorded at least this slow are chained
-    after the first; refit_every: retrain the next-call selector after this many trajectories."""
+    after the first; refit_every: retrain the next-call selector after this many trajectories;
+    validate_hits: a cache hit is served only once its call, run on the sample's own workspace,
+    observed what was recorded (SkyRL's env sets it: see the module doc)."""
 
     cache_mib: int = 512
     store: str | None = None
@@ -88,6 +98,7 @@ class RuntimeConfig:
     refit_every: int = 16
     memory: str = "auto"
     linger_seconds: float = 60.0
+    validate_hits: bool = False
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None) -> RuntimeConfig:
@@ -114,12 +125,18 @@ class Runtime:
     def __init__(self, config: RuntimeConfig | None = None) -> None:
         self.config = config or RuntimeConfig()
         c = self.config
+        # validate_hits: the guard audits every hit (Rollout re-executes it on the sample's
+        # workspace and serves that fresh observation; a different one drops the tool's subtrees).
+        guard = DeterminismGuard(audit_rate=1.0) if c.validate_hits else None
         self.core = build_core(CoreConfig(
             cache_bytes=c.cache_mib << 20, store=Path(c.store) if c.store else None,
             snapshot_policy=c.snapshot_policy, snapshot_every=c.snapshot_every,
             # No trainer's epoch boundary reaches the runtime: it persists as states come.
             persist_between_epochs=False, speculation_depth=c.speculation_depth,
-            slow_tool_seconds=c.slow_tool_seconds, min_probability=c.min_probability, memory=c.memory))
+            slow_tool_seconds=c.slow_tool_seconds, min_probability=c.min_probability, memory=c.memory), guard=guard)
+        # Re-rolled trajectories run here: no prefix cache, no speculation, nothing served that
+        # the trajectory's own workspace did not run. Made on the first re-roll.
+        self._uncached: RolloutCore | None = None
         self._open: dict[str, _Open] = {}
         # The last trajectories ended, (key, rollout), for inspection (tests, debugging); metrics
         # go to the framework.
@@ -152,16 +169,26 @@ class Runtime:
                 o.last_used = time.monotonic()
             return o.rollout if o is not None else None
 
+    @property
+    def uncached(self) -> RolloutCore:
+        """The core re-rolled trajectories run on (without the prefix cache and speculation)."""
+        with self._lock:
+            if self._uncached is None:
+                self._uncached = build_core(CoreConfig(persist_between_epochs=False, memory=self.config.memory))
+            return self._uncached
+
     async def start(self, key: str, task: Task, *, group: str | None = None, sample: int = 0,
-                    epoch: int = 0) -> Rollout:
-        """The rollout of trajectory `key` (started on first use; the same one after that)."""
+                    epoch: int = 0, cached: bool = True) -> Rollout:
+        """The rollout of trajectory `key` (started on first use; the same one after that).
+        cached=False: on the core without the prefix cache and speculation (a re-roll)."""
         r = self.get(key)
         if r is not None:
             if r.task.id != task.id:
                 raise ValueError(f"trajectory {key!r} belongs to task {r.task.id!r}, not {task.id!r}")
             return r
         await self.reap()
-        r = await self.core.start(task, SampleContext(task.id, sample, epoch, task.prompt), group=group)
+        core = self.core if cached else self.uncached
+        r = await core.start(task, SampleContext(task.id, sample, epoch, task.prompt), group=group)
         with self._lock:
             if key in self._open:  # a concurrent first use won: keep one rollout per trajectory
                 other = self._open[key].rollout
@@ -235,6 +262,8 @@ class Runtime:
         for k in self.live():
             await self.discard(k)
         await self.core.drain()
+        if self._uncached is not None:
+            await self._uncached.close()
         if self.core.cache is not None:
             await run_blocking(self.core.cache.close)
         self.closed = True

@@ -12,6 +12,15 @@ the prefix cache, or runs it for real, and returns the observations. The episode
 model answers without a tool call or its budget is spent; the task's verifier then scores the
 final workspace state as the step's reward.
 
+Validate, then serve. SkyRL's generator owns the conversation: an observation returned by step()
+is in it for good, so a trajectory cannot be rewound to a served step that does not reproduce.
+The env's runtime therefore runs with `validate_hits`: a cache hit's call is first run on the
+sample's own workspace and compared with what was recorded, and that fresh observation is what the
+model gets (equal: the sample stays on the prefix tree; different: the tool's cached subtrees are
+dropped and the sample goes on off the tree). Nothing the model sees came from another workspace.
+get_metrics counts `validated` (hits served after their replay matched) and `divergences` (those
+whose replay differed, besides the core's own).
+
 step() is synchronous (SkyRL runs it inline or on its env executor): it waits on the runtime's
 one loop thread, where every rollout, capture and speculative chain of the process runs, so a
 predicted call keeps running there while SkyRL's model generates. No thread is spawned per call.
@@ -64,7 +73,7 @@ class BunshinEnv(BaseTextEnv):
         cfg, ext = plain(env_config), plain(extras)
         name, template = task_options({**cfg, **{k: ext[k] for k in ("task", "template") if k in ext}})
         self.task = resolve_task(name, template)
-        self.runtime = Runtime.shared(cfg.get("runtime"))
+        self.runtime = Runtime.shared({**plain(cfg.get("runtime")), "validate_hits": True})
         self.max_turns = min(int(ext.get("max_turns") or self.task.budget), self.task.budget)
         self.group = str(ext["group"]) if ext.get("group") is not None else None
         self.tools_in_prompt = bool(cfg.get("tools_in_prompt", True))
@@ -72,6 +81,8 @@ class BunshinEnv(BaseTextEnv):
         self.trajectory_id = f"skyrl-{uuid.uuid4().hex}"
         self.rollout: Rollout | None = None
         self._ended = False
+        self.validated = 0  # cache hits served after their replay on this sample's workspace matched
+        self.diverged = 0  # cache hits whose replay there observed something else (not served)
 
     def init(self, prompt: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         self.rollout = self.runtime.run(self.runtime.start(self.trajectory_id, self.task, group=self.group))
@@ -105,10 +116,20 @@ class BunshinEnv(BaseTextEnv):
                                      metadata={"turn": self.turns, "served": r.served[-len(calls):]},
                                      postprocessed_action=None)
 
-    @staticmethod
-    async def _run(r: Rollout, calls: tuple[Any, ...]) -> list[str]:
+    async def _run(self, r: Rollout, calls: tuple[Any, ...]) -> list[str]:
         decision = len(r.history)
-        return [await r.call(c, decision) for c in calls]
+        out = []
+        for c in calls:
+            audits = r.timeline.count("audit")
+            out.append(await r.call(c, decision))
+            if r.timeline.count("audit") > audits:
+                # The call was a hit, re-run here before serving (validate_hits): the sample
+                # stays on the tree only when it observed what the hit recorded.
+                if r.node is not None:
+                    self.validated += 1
+                else:
+                    self.diverged += 1
+        return out
 
     def _end(self, messages: list[dict[str, Any]], answer: str | None) -> BaseTextEnvStepOutput:
         self._ended = True
@@ -123,6 +144,8 @@ class BunshinEnv(BaseTextEnv):
             return {}
         m = rollout_metrics(self.rollout)
         m["reward"] = m["reward"] if m["reward"] is not None else 0.0
+        m["validated"] = self.validated
+        m["divergences"] += self.diverged
         return m
 
     @staticmethod
@@ -132,11 +155,12 @@ class BunshinEnv(BaseTextEnv):
         if not metrics:
             return {}
         keys = ("tool_calls", "executed", "cache_hits", "spec_hits", "rejected", "spec_misses", "errors",
-                "divergences", "rewound", "rerolled")
+                "validated", "divergences", "rewound", "rerolled")
         out: dict[str, Any] = {k: sum(int(m.get(k, 0)) for m in metrics) for k in keys}
         out["reward"] = sum(float(m.get("reward") or 0.0) for m in metrics) / len(metrics)
         out["served_without_running"] = (out["cache_hits"] + out["spec_hits"]) / out["tool_calls"] \
             if out["tool_calls"] else 0.0
+        out["validated_share"] = out["validated"] / out["tool_calls"] if out["tool_calls"] else 0.0
         out["episodes"] = len(metrics)
         return out
 
