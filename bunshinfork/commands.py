@@ -450,10 +450,11 @@ class Commands:
 
     def _handle(self, cmd_id: str, pid: int, on_stdout: OutputCallback | None = None,
                 on_stderr: OutputCallback | None = None, *, timeout: float | None = None,
-                retain_output: bool = True, pty: bool = False) -> CommandHandle:
+                retain_output: bool = True, pty: bool = False, offsets: tuple[int, int] = (0, 0)) -> CommandHandle:
         return CommandHandle(self._init_pid, self._files, cmd_id, pid, on_stdout, on_stderr,
                              deadline=None if no_limit(timeout) else time.monotonic() + float(timeout),  # type: ignore[arg-type]
-                             raise_on_exit=self._conv.raise_on_exit, retain_output=retain_output, pty=pty)
+                             raise_on_exit=self._conv.raise_on_exit, retain_output=retain_output, pty=pty,
+                             offsets=offsets)
 
     def _prepare(self, user: str | None, envs: Mapping[str, str] | None, env: Mapping[str, str] | None,
                  cwd: str | None) -> tuple[str | None, dict[str, str], str]:
@@ -615,11 +616,22 @@ class Commands:
             self.send_stdin(pid, chunk, left)
 
     def connect(self, pid: int, timeout: float | None = 60, request_timeout: float | None = None, *,
-                retain_output: bool = True) -> CommandHandle:
-        """Follow a running background command again, from the start of its output."""
+                retain_output: bool = True, new_only: bool = False) -> CommandHandle:
+        """Follow a running background command (or terminal) again, from the start of its output;
+        `new_only`: from what it writes from now on, as envd's Process/Connect streams only the
+        events after it subscribed (e2b-dev/infra packages/envd/internal/services/process/connect.go)."""
         cmd_id, is_pty = self._find_background(pid)
-        return self._handle(cmd_id, pid, timeout=timeout, retain_output=retain_output, pty=is_pty)
+        offsets = (0, 0)
+        if new_only:
+            base = f"{protocol.CMD_DIR}/{cmd_id}"
+            offsets = (self._size(f"{base}/stdout"), self._size(f"{base}/stderr"))
+        return self._handle(cmd_id, pid, timeout=timeout, retain_output=retain_output, pty=is_pty, offsets=offsets)
 
+    def _size(self, path: str) -> int:
+        try:
+            return self._files.get_info(path, user="root").size
+        except NotFoundException:
+            return 0
 
     def _find_background(self, pid: int) -> tuple[str, bool]:
         """The id of the background command `pid` and whether it runs on a terminal."""

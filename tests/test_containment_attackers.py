@@ -11,14 +11,21 @@ timing targets here: those are `benchmarks/e2b_server.py --attackers`'s.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import os
+import select
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import e2b
 import e2b_attack_support as attack
 import e2b_server_support as support
 import pytest
+
+from bunshinfork import AsyncWorkspace
+from bunshinfork.aio import AsyncCommandHandle
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -91,3 +98,46 @@ def test_clients_are_answered_while_three_attackers_run(served: support.Served) 
         for s in made:
             with contextlib.suppress(Exception):
                 s.kill()
+
+
+def _fds() -> dict[int, str]:
+    out = {}
+    for n in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            out[int(n)] = os.readlink(f"/proc/self/fd/{n}")
+    return out
+
+
+def test_an_exit_future_closes_its_pidfd_once() -> None:
+    """What the benchmark's attacked windows hit (2 of 36,000 calls): a command's exit future
+    cancelled (as serve's follower does when the output brought the result) in the loop
+    iteration where its pidfd turned readable closed the pidfd twice, the second time whatever
+    now held that number: another request's control socket ('[Errno 9] Bad file descriptor'
+    at /.bunshin/ctl.sock) or the proxy's upstream connection (a 502 'port 8000 is not open').
+    The race is made here on purpose: the loop is held until the command exits, with the
+    cancel queued ahead of the pidfd's reader."""
+    problems: list[dict[str, Any]] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _loop, ctx: problems.append(ctx))
+        ws = await AsyncWorkspace.create()
+        try:
+            h = await ws.commands.run("sleep 1", background=True)
+            assert isinstance(h, AsyncCommandHandle)
+            before = _fds()
+            fut = h._exit_future()
+            assert fut is not None
+            (pidfd,) = [n for n, t in _fds().items() if n not in before and "pidfd" in t]
+            # The loop held until the command ends (no await since the future was made): its
+            # pidfd is readable, and the reader has not run.
+            select.select([pidfd], [], [], 60)
+            loop.call_soon(fut.cancel)  # ahead of the reader in the next iteration
+            for _ in range(5):
+                await asyncio.sleep(0)
+            await h.wait()
+        finally:
+            await ws.destroy()
+
+    asyncio.run(main())
+    assert not problems, [str(p.get("exception") or p.get("message")) for p in problems]

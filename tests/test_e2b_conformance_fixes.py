@@ -33,15 +33,15 @@ def test_permissions_are_go_filemode_strings(mode: int, text: str) -> None:
 
 
 def test_gzip_uploads_are_bounded_and_checked() -> None:
-    assert envd.gunzip(gzip.compress(b"hello" * 100)) == b"hello" * 100
+    assert envd.gunzip(gzip.compress(b"hello" * 100), 1 << 20) == b"hello" * 100
     bomb = gzip.compress(b"\0" * (4 << 20))  # 4 MiB from a few KiB
     assert len(bomb) < 16 << 10
     with pytest.raises(envd.UploadTooLarge):
         envd.gunzip(bomb, limit=1 << 20)
     with pytest.raises(InvalidArgumentException):
-        envd.gunzip(b"not gzip at all")
+        envd.gunzip(b"not gzip at all", 1 << 20)
     with pytest.raises(InvalidArgumentException):
-        envd.gunzip(gzip.compress(b"x" * 1000)[:-12])  # truncated
+        envd.gunzip(gzip.compress(b"x" * 1000)[:-12], 1 << 20)  # truncated
 
 
 def test_metadata_headers_and_signature_answers() -> None:

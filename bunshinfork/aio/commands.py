@@ -90,7 +90,16 @@ class AsyncCommandHandle:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
 
+        closed = False
+
         def ready() -> None:
+            nonlocal closed
+            # Once only: a cancel in the iteration where the pidfd turned readable runs this from
+            # both the reader and the done callback, and a second close closed whatever then
+            # held the number (another request's control socket, a proxied connection).
+            if closed:
+                return
+            closed = True
             loop.remove_reader(pidfd)
             os.close(pidfd)
             if not fut.done():
@@ -141,6 +150,11 @@ class AsyncCommandHandle:
         if self._h.raises_on_exit and result.exit_code != 0:
             raise exit_exception(result)
         return result
+
+    def exit_future(self) -> asyncio.Future[None] | None:
+        """A future resolved when the command's process exits (its pidfd, read by the event
+        loop; cancel it to close the pidfd), or None if it has exited already."""
+        return self._exit_future()
 
     async def kill(self) -> bool:
         try:
@@ -290,9 +304,13 @@ class AsyncCommands:
 
     async def connect(self, pid: int, timeout: float | None = 60, request_timeout: float | None = None,
                       on_stdout: Callback | None = None, on_stderr: Callback | None = None, *,
-                      retain_output: bool = True) -> AsyncCommandHandle:
-        handle = self._sync.connect(pid, timeout, request_timeout, retain_output=retain_output)
-        return follow(self._ws, handle, on_stdout, on_stderr)
+                      retain_output: bool = True, on_pty: Callback | None = None,
+                      new_only: bool = False) -> AsyncCommandHandle:
+        """Follow a running command again (Commands.connect). A terminal's output goes to
+        `on_pty` (bunshin's extra: envd's Process/Connect streams either kind of process)."""
+        handle = await blocking(self._sync.connect, pid, timeout, request_timeout, retain_output=retain_output,
+                                new_only=new_only)
+        return follow(self._ws, handle, on_stdout, on_stderr, on_pty)
 
 
 class AsyncPty:

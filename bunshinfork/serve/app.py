@@ -258,20 +258,20 @@ class Server:
                 return
             await envd.health()(scope, receive, send)
         elif path == "/files":
-            files = functools.partial(self._files, e.sbx, via)
+            files = functools.partial(self._files, e.sbx, via, self.limits.max_upload_bytes)
             await limit_body(files, self.limits.max_upload_bytes, _files_too_large)(scope, receive, send)
         else:
             await envd.http_error(404, f"no envd route {path}")(scope, receive, send)
 
 
     @staticmethod
-    async def _files(sbx: AsyncSandbox, via: str, scope: Scope, receive: Any, send: Any) -> None:
+    async def _files(sbx: AsyncSandbox, via: str, max_bytes: int, scope: Scope, receive: Any, send: Any) -> None:
         request = Request(scope, receive)
         if request.method == "GET":
             response = await envd.files_get(sbx, request)
         elif request.method == "POST":
             # A URL signed for one path writes that path, and nothing else.
-            response = await envd.files_post(sbx, request, signed=via == "signature")
+            response = await envd.files_post(sbx, request, signed=via == "signature", max_bytes=max_bytes)
         else:
             response = envd.http_error(405, "GET or POST")
         await response(scope, receive, send)

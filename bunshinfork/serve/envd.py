@@ -13,7 +13,7 @@ import logging
 import posixpath
 import secrets
 import zlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 from connectrpc.code import Code
@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..aio import AsyncCommandHandle, AsyncSandbox
+from ..aio.pool import blocking
 from ..commands import CommandExitException, CommandResult, PtySize
 from ..entries import EntryInfo, FileType
 from ..errors import (
@@ -41,6 +42,7 @@ from ..errors import (
 )
 from ..watch import FilesystemEvent, WatchHandle
 from . import authority
+from .limits import Limits
 
 log = logging.getLogger("bunshin.serve")
 INTERNAL = "internal error: the server's log has the details"
@@ -48,6 +50,7 @@ DEFAULT_USER = "user"  # envd's default user (e2b >= envd 0.4.0 sends none)
 NOT_FOUND = "was not found"  # what the SDKs read as a sandbox that is gone
 KEEPALIVE_HEADER = "keepalive-ping-interval"
 Lookup = Callable[[str], AsyncSandbox | None]
+Gone = Callable[[], Awaitable[bool]]
 
 _EVENTS = {"create": filesystem_pb.EventType.CREATE, "write": filesystem_pb.EventType.WRITE,
            "remove": filesystem_pb.EventType.REMOVE, "rename": filesystem_pb.EventType.RENAME,
@@ -143,6 +146,22 @@ class Base:
     def user(ctx: RequestContext[Any, Any]) -> str:
         return user_of(ctx.request_headers.get("authorization"))
 
+    def gone(self, sbx: AsyncSandbox) -> Gone:
+        """Whether `sbx` has ended (killed, paused, or dead), for a stream of it that broke. The
+        server forgets a sandbox before it kills it, so a stream that broke because its files
+        went is told so here, whatever the workspace's own state says by then."""
+        sandbox_id = authority.authorized()
+
+        async def check() -> bool:
+            if sandbox_id is None or self._lookup(sandbox_id) is not sbx:
+                return True
+            try:
+                return not await sbx.is_running()
+            except Exception:
+                return True
+
+        return check
+
 
 def _data_event(kind: str, data: bytes) -> process_pb.ProcessEvent:
     return process_pb.ProcessEvent(event=Oneof("data", process_pb.ProcessEvent.DataEvent(output=Oneof(kind, data))))
@@ -157,26 +176,57 @@ async def _result(handle: AsyncCommandHandle) -> CommandResult:
 
 # Output events held for a client at most (each at most a 1 MiB slice of a stream, commands.READ_SLICE).
 OUTPUT_QUEUE = 16
+# What a stream ends with when its sandbox is gone under it. E2B's proxy resets the sandbox's
+# connections when it is killed (e2b-dev/infra packages/shared/pkg/proxy/pool/client.go,
+# resetAllConnections), and the SDK (e2b/envd/rpc.py, is_ambiguous_unavailable) reads this
+# UNAVAILABLE, which says nothing of the sandbox, as a lost connection: it probes /health, whose
+# 502 "not found" makes the error "the sandbox was killed or reached its end of life".
+CONNECTION_LOST = "the connection to sandbox {} ended before the stream completed"
+DEADLINE_EXCEEDED = "context deadline exceeded"  # connect-go's message for the request's deadline
 
 
 async def _follow(handle: AsyncCommandHandle, queue: asyncio.Queue[tuple[str, bytes]],
-                  keepalive: float | None) -> AsyncIterator[process_pb.ProcessEvent]:
+                  keepalive: float | None, gone: Gone,
+                  deadline: float | None = None) -> AsyncIterator[process_pb.ProcessEvent]:
     """The command's events until it exits (keepalives while it is quiet). A client that goes
-    away closes this generator: the command is unfollowed, and keeps running."""
+    away closes this generator: the command is unfollowed, and keeps running. At `deadline`
+    (the loop's clock: the client's Connect-Timeout-Ms) the stream ends with DEADLINE_EXCEEDED,
+    as envd's does; a sandbox gone under the stream ends it as a lost connection."""
+    sandbox_id = authority.authorized() or ""
+    loop = asyncio.get_running_loop()
     waiter = asyncio.ensure_future(_result(handle))
+
+    def expired() -> bool:
+        return deadline is not None and loop.time() >= deadline
+
     try:
         while True:
+            if expired():
+                raise ConnectError(Code.DEADLINE_EXCEEDED, DEADLINE_EXCEEDED)
+            wait = keepalive
+            if deadline is not None:
+                left = max(0.0, deadline - loop.time())
+                wait = left if wait is None else min(wait, left)
             get = asyncio.ensure_future(queue.get())
-            done, _ = await asyncio.wait({get, waiter}, timeout=keepalive, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({get, waiter}, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
             if get in done:
                 yield _data_event(*get.result())
                 continue
             get.cancel()
             if waiter in done:
                 break
-            yield process_pb.ProcessEvent(event=Oneof("keepalive", process_pb.ProcessEvent.KeepAlive()))
+            if not expired():
+                yield process_pb.ProcessEvent(event=Oneof("keepalive", process_pb.ProcessEvent.KeepAlive()))
         while not queue.empty():
             yield _data_event(*queue.get_nowait())
+        if expired():
+            raise ConnectError(Code.DEADLINE_EXCEEDED, DEADLINE_EXCEEDED)
+        error = waiter.exception()
+        # The sandbox killed under the command (its files gone, or its process killed with it):
+        # envd dies with the sandbox and never sends an end, the connection is lost.
+        if (error is not None or waiter.result().signal is not None) and \
+                (isinstance(error, (WorkspaceNotFound, WorkspaceStateError)) or await gone()):
+            raise ConnectError(Code.UNAVAILABLE, CONNECTION_LOST.format(sandbox_id))
         with rpc_errors():
             r = waiter.result()
         end = process_pb.ProcessEvent.EndEvent(exit_code=r.exit_code, exited=True, status=f"exit status {r.exit_code}",
@@ -187,6 +237,33 @@ async def _follow(handle: AsyncCommandHandle, queue: asyncio.Queue[tuple[str, by
             waiter.cancel()
             with contextlib.suppress(Exception):
                 await handle.disconnect()
+
+
+def _deadline(ctx: RequestContext[Any, Any]) -> float | None:
+    """When (the loop's clock) the client's Connect-Timeout-Ms ends the request; None without
+    one, or with 0, which envd reads as no limit (e2b-dev/infra packages/envd/internal/services/
+    process/start.go, determineTimeoutFromHeader)."""
+    left = ctx.timeout_ms
+    if left is None or ctx.request_headers.get("connect-timeout-ms", "").strip() == "0":
+        return None
+    return asyncio.get_running_loop().time() + max(0.0, left) / 1000
+
+
+async def _kill_at(handle: AsyncCommandHandle, deadline: float) -> None:
+    """Kill the command at `deadline` unless it exited first: envd starts a process under a
+    context with the request's timeout, independent of the stream, so it dies at the client's
+    timeout whether or not the client is still there (start.go, procCtx). Its pidfd says when
+    it exits, so a pid reused after it is never signalled."""
+    exited = handle.exit_future()
+    if exited is None:
+        return
+    try:
+        done, _ = await asyncio.wait([exited], timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
+        if not done:
+            with contextlib.suppress(Exception):  # the sandbox ended meanwhile: nothing to kill
+                await handle.kill()
+    finally:
+        exited.cancel()
 
 
 def _keepalive(ctx: RequestContext[Any, Any]) -> float | None:
@@ -204,6 +281,10 @@ def _home_path(sbx: AsyncSandbox, user: str, path: str) -> str:
 
 
 class ProcessService(Base):
+    def __init__(self, lookup: Lookup) -> None:
+        super().__init__(lookup)
+        self._killers: set[asyncio.Task[None]] = set()  # each ends when its process exits or is killed
+
     async def list(self, request: process_pb.ListRequest, ctx: RequestContext[Any, Any]) -> process_pb.ListResponse:
         sbx = self.sandbox(ctx)
         with rpc_errors():
@@ -240,24 +321,34 @@ class ProcessService(Base):
     async def start(self, request: process_pb.StartRequest,
                     ctx: RequestContext[Any, Any]) -> AsyncIterator[process_pb.StartResponse]:
         queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(OUTPUT_QUEUE)
+        deadline = _deadline(ctx)
+        sbx = self.sandbox(ctx)
         handle = await self._start(request, ctx, queue)
+        if deadline is not None:
+            killer = asyncio.ensure_future(_kill_at(handle, deadline))
+            self._killers.add(killer)
+            killer.add_done_callback(self._killers.discard)
         start = process_pb.ProcessEvent.StartEvent(pid=handle.pid)
         yield process_pb.StartResponse(event=process_pb.ProcessEvent(event=Oneof("start", start)))
-        async for ev in _follow(handle, queue, _keepalive(ctx)):
+        async for ev in _follow(handle, queue, _keepalive(ctx), self.gone(sbx), deadline):
             yield process_pb.StartResponse(event=ev)
 
     async def connect(self, request: process_pb.ConnectRequest,
                       ctx: RequestContext[Any, Any]) -> AsyncIterator[process_pb.ConnectResponse]:
         sbx, pid = self.sandbox(ctx), _selected_pid(request.process)
         queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(OUTPUT_QUEUE)
+        # envd's Connect streams what the process writes from now on, a terminal's as `pty`
+        # events (connect.go: a fork of the process's data channel); its timeout ends the
+        # stream, never the process (only Start runs the process under the request's timeout).
         with rpc_errors():
             handle = await sbx.commands.connect(pid, timeout=0,
                                                 on_stdout=lambda s: queue.put(("stdout", s.encode())),
                                                 on_stderr=lambda s: queue.put(("stderr", s.encode())),
-                                                retain_output=False)
+                                                on_pty=lambda b: queue.put(("pty", bytes(b))),
+                                                retain_output=False, new_only=True)
         start = process_pb.ProcessEvent.StartEvent(pid=pid)
         yield process_pb.ConnectResponse(event=process_pb.ProcessEvent(event=Oneof("start", start)))
-        async for ev in _follow(handle, queue, _keepalive(ctx)):
+        async for ev in _follow(handle, queue, _keepalive(ctx), self.gone(sbx), _deadline(ctx)):
             yield process_pb.ConnectResponse(event=ev)
 
     async def update(self, request: process_pb.UpdateRequest,
@@ -476,29 +567,54 @@ async def files_get(sbx: AsyncSandbox, request: Request) -> Response:
     return StreamingResponse(chunks(), media_type="application/octet-stream")
 
 
-# A gzip body's decompressed size: a few KiB of gzip can expand a thousandfold, so the body
-# caps (counted as it arrives) say nothing of it. Past this, 413 (envd's answer to a body too big).
-MAX_GUNZIPPED_BYTES = 256 << 20
+# A gzip body's decompressed size: a few KiB of gzip can expand a thousandfold, so the body caps
+# (counted as it arrives) say nothing of it. It is held to the server's upload cap (Limits.
+# max_upload_bytes, --max-upload-bytes): past it, 413 (envd's answer to a body too big).
 METADATA_HEADER = "x-metadata-"  # envd >= 0.6.2: X-Metadata-<key>: <value>, the key lowercased
+# What one step of the decompression makes at most: the bytes in memory at once, and the
+# longest the pool thread doing it holds the GIL between releases.
+GUNZIP_SLICE = 1 << 20
 
 
 class UploadTooLarge(ValueError):
-    """A decompressed upload past MAX_GUNZIPPED_BYTES."""
+    """A decompressed upload past the server's upload cap."""
 
 
-def gunzip(body: bytes, limit: int = MAX_GUNZIPPED_BYTES) -> bytes:
+def gunzipped(body: bytes, limit: int) -> Iterator[bytes]:
     """A `Content-Encoding: gzip` upload's bytes (envd decompresses them: e2b-dev/infra
-    packages/envd/internal/api/upload.go), never more than `limit` of them in memory."""
+    packages/envd/internal/api/upload.go, getDecompressedBody), a GUNZIP_SLICE at a time;
+    UploadTooLarge once they pass `limit`, InvalidArgumentException for a corrupt or truncated
+    body. Decompression is CPU work: run it on a thread, never on the event loop."""
     d = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
-    try:
-        out = d.decompress(body, limit + 1)
-    except zlib.error as e:
-        raise InvalidArgumentException(f"the gzip body is corrupt: {e}") from None
-    if len(out) > limit:
-        raise UploadTooLarge(f"the upload decompresses to more than {limit} bytes")
-    if not d.eof:
-        raise InvalidArgumentException("the gzip body is truncated")
-    return out
+    total = 0
+    pending = body
+    while True:
+        try:
+            out = d.decompress(pending, GUNZIP_SLICE)
+        except zlib.error as e:
+            raise InvalidArgumentException(f"the gzip body is corrupt: {e}") from None
+        pending = d.unconsumed_tail
+        total += len(out)
+        if total > limit:
+            raise UploadTooLarge(f"the upload decompresses to more than {limit} bytes")
+        if out:
+            yield out
+        if d.eof:
+            return
+        if not out and not pending:
+            raise InvalidArgumentException("the gzip body is truncated")
+
+
+def check_gzip(body: bytes, limit: int) -> None:
+    """Decompress `body` to nothing, to refuse it (UploadTooLarge, InvalidArgumentException)
+    before a byte of it is written: a file is never left half-written by a refused upload."""
+    for _ in gunzipped(body, limit):
+        pass
+
+
+def gunzip(body: bytes, limit: int) -> bytes:
+    """gunzipped(), whole."""
+    return b"".join(gunzipped(body, limit))
 
 
 def upload_metadata(headers: Any) -> dict[str, str] | None:
@@ -507,13 +623,15 @@ def upload_metadata(headers: Any) -> dict[str, str] | None:
     return out or None
 
 
-async def files_post(sbx: AsyncSandbox, request: Request, signed: bool = False) -> Response:
+async def files_post(sbx: AsyncSandbox, request: Request, signed: bool = False,
+                     max_bytes: int = Limits.max_upload_bytes) -> Response:
     """Write the uploaded files. `signed`: the request's only credential is a URL signed for
-    the query's path: one file, written there (a second part would be a file nobody signed)."""
+    the query's path: one file, written there (a second part would be a file nobody signed).
+    `max_bytes`: the server's upload cap, which a gzip body's decompressed bytes are held to."""
     user = request.query_params.get("username") or DEFAULT_USER
     path = request.query_params.get("path")
     ctype = request.headers.get("content-type", "")
-    uploads: list[tuple[str, bytes]] = []
+    uploads: list[tuple[str, bytes | Iterator[bytes]]] = []
     if signed and not path:
         return http_error(400, "a signed upload URL names its path")
     try:
@@ -536,7 +654,14 @@ async def files_post(sbx: AsyncSandbox, request: Request, signed: bool = False) 
             if encoding not in ("", "identity", "gzip"):
                 return http_error(400, f"unsupported Content-Encoding {encoding!r}: gzip or none")
             body = await request.body()
-            uploads.append((path, gunzip(body) if encoding == "gzip" else body))
+            if encoding == "gzip":
+                # Checked whole on a thread first (the loop keeps serving meanwhile), then
+                # decompressed again a slice at a time as the write (on the pool) consumes it:
+                # never more than a slice of it in memory, nothing written if it is refused.
+                await blocking(check_gzip, body, max_bytes)
+                uploads.append((path, gunzipped(body, max_bytes)))
+            else:
+                uploads.append((path, body))
         metadata = upload_metadata(request.headers)
         out = []
         for name, data in uploads:
