@@ -7,30 +7,42 @@ deadline.
 Pause is E2B's and AgentENV's: the workspace's whole state (memory, processes, files) is saved
 to disk and its processes and memory go back to the host (Workspace.pause_to_disk: the
 workspace's status is then paused, and only its record is left); resume restores it under the
-same id (Workspace.resume_from_disk). Workspace.pause() stays a freeze.
+same id (Workspace.resume_from_disk). Workspace.pause() stays a freeze. A filesystem-only pause
+(E2B's pause {"memory": false}, autoPauseMemory false) keeps the files alone (pause_files) and
+its resume is a cold boot (boot_files): a new workspace, so a new hostname and boot id by the
+identity rule, with the files as they were.
 """
 
 from __future__ import annotations
 
 import datetime
 import heapq
+import json
 import logging
 import os
 import shutil
+import stat
+import tarfile
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import IO, Any, Literal, TypeVar
 
-from ..errors import InvalidArgumentException
+from .. import idmap
+from ..errors import InvalidArgumentException, WorkspaceStateError
+from ..fs import frozen
+from ..spec import WorkspaceSpec
 from ..workspace import Workspace, host_memory
+from . import sidecar
 from .types import SandboxMetrics
 
 OnTimeout = Literal["kill", "pause"]
 T = TypeVar("T")
 MAX_FORKS = 20  # E2B's limit per fork call
+MAX_SNAPSHOT_FORKS = 100  # POST /snapshots/{id}/fork's (e2b-dev/infra PR #3441: maxForkCount)
 DEFAULT_TIMEOUT = 300
 MAX_TIMEOUT = 24 * 3600  # E2B's longest lifetime (Pro)
 PAUSED_TO_DISK = "paused-to-disk"  # WorkspaceInfo.state of a workspace paused to disk
@@ -46,6 +58,7 @@ class Lifecycle:
 
     on_timeout: OnTimeout = "kill"
     auto_resume: bool = False
+    pause_memory: bool = True  # False: the deadline's pause keeps the files alone (autoPauseMemory)
 
     def to_api(self) -> dict[str, Any]:
         return {"onTimeout": self.on_timeout, "autoResume": self.auto_resume}
@@ -54,13 +67,24 @@ class Lifecycle:
         return {"on_timeout": self.on_timeout, "auto_resume": self.auto_resume}
 
 
-def lifecycle_of(auto_pause: Any = False, auto_resume: Any = None) -> Lifecycle:
-    """E2B's NewSandboxV2 fields (autoPause, autoResume) as a Lifecycle; other values are refused."""
+def lifecycle_of(auto_pause: Any = False, auto_resume: Any = None, auto_pause_memory: Any = None) -> Lifecycle:
+    """E2B's NewSandboxV2 fields (autoPause, autoResume, autoPauseMemory) as a Lifecycle; other
+    values are refused, and so is autoPauseMemory false without autoPause or with autoResume
+    (e2b-dev/infra packages/api/internal/handlers/sandbox_create.go: a filesystem-only pause
+    cannot be resumed by traffic)."""
     auto_pause = False if auto_pause is None else auto_pause
-    if not isinstance(auto_pause, bool) or (auto_resume is not None and not isinstance(auto_resume, (bool, dict))):
-        raise InvalidArgumentException("autoPause must be a boolean and autoResume a boolean or an object")
+    memory = True if auto_pause_memory is None else auto_pause_memory
+    if not isinstance(auto_pause, bool) or not isinstance(memory, bool) \
+            or (auto_resume is not None and not isinstance(auto_resume, (bool, dict))):
+        raise InvalidArgumentException("autoPause and autoPauseMemory must be booleans and autoResume a boolean "
+                                       "or an object")
     resume = auto_resume.get("enabled", False) if isinstance(auto_resume, dict) else bool(auto_resume)
-    return Lifecycle("pause" if auto_pause else "kill", bool(resume))
+    if not memory and not auto_pause:
+        raise InvalidArgumentException("autoPauseMemory=false only applies when autoPause is true.")
+    if not memory and resume:
+        raise InvalidArgumentException("autoPauseMemory=false (filesystem-only auto-pause) cannot be combined with "
+                                       "autoResume: a filesystem-only snapshot must be resumed explicitly.")
+    return Lifecycle("pause" if auto_pause else "kill", bool(resume), memory)
 
 
 def lifecycle_from_sdk(options: dict[str, Any] | None) -> Lifecycle:
@@ -85,10 +109,10 @@ def check_timeout(timeout: Any, default: int = DEFAULT_TIMEOUT) -> int:
     return t
 
 
-def check_fork_count(count: Any) -> int:
+def check_fork_count(count: Any, most: int = MAX_FORKS) -> int:
     n = 1 if count is None else count
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_FORKS:
-        raise InvalidArgumentException(f"count must be an integer between 1 and {MAX_FORKS}, got {count!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= most:
+        raise InvalidArgumentException(f"count must be an integer between 1 and {most}, got {count!r}")
     return n
 
 
@@ -237,11 +261,34 @@ def metrics(ws: Workspace) -> SandboxMetrics:
     elapsed = max(time.time() - info.created_at, 1e-3)
     layer = ws.layer_dir
     disk = shutil.disk_usage(layer or ws.state_dir)
-    used = sum(f.lstat().st_size for f in (layer / "upper").rglob("*") if f.is_file()) if layer else 0
+    used = layer_bytes(layer / "upper") if layer else 0
     total = info.memory_limit or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return SandboxMetrics(cpu_count=cpus, cpu_used_pct=round(100.0 * cpu_s / elapsed / cpus, 2),
                           disk_total=disk.total, disk_used=used, mem_total=total, mem_used=cost.total,
                           mem_cache=cost.page_cache, timestamp=datetime.datetime.now(datetime.UTC))
+
+
+def layer_bytes(top: Path) -> int:
+    """What the entries under `top` (a workspace's layer, written by whatever runs in it) take:
+    each one's own size, a link's included, and no link followed: a link's target is a path
+    inside the workspace, which here, on the host, would name the host's files."""
+    total = 0
+    dirs = [str(top)]
+    while dirs:
+        try:
+            it = os.scandir(dirs.pop())
+        except OSError:
+            continue  # removed meanwhile
+        with it:
+            for entry in it:
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        dirs.append(entry.path)
+                    else:
+                        total += entry.stat(follow_symlinks=False).st_size
+                except OSError:
+                    continue
+    return total
 
 
 # ---- pause to disk ----
@@ -274,3 +321,125 @@ def resume(ws: Workspace, life: Lifecycle, deadline: float) -> None:
         ws.resume_from_disk(timeout=workspace_lifetime(life, deadline))
     elif ws.info().state == "paused":
         ws.resume()
+
+
+# ---- filesystem-only pause, and the cold boot that resumes it ----
+
+FILES = "files"  # a filesystem-only pause's directory, under the sandbox's paused directory
+_LAYER, _META = "layer", "meta.json"
+# The old boot's identity and init: a cold boot gets its own (the identity rule).
+_IDENTITY = {".bunshin", "etc/hostname", "etc/hosts"}
+_ARCHIVE, _DELETED, _OPAQUE = "/.bunshin-files.tar", "/.bunshin-files.del", "/.bunshin-files.opq"
+_APPLY_SECONDS = 600
+
+
+def files_paused(dest: Path) -> bool:
+    """Whether `dest` holds a filesystem-only pause (pause_files)."""
+    return (dest / _META).is_file()
+
+
+def pause_files(ws: Workspace, dest: Path) -> None:
+    """E2B's filesystem-only pause: the workspace's files (its layers above the rootfs, flattened,
+    whiteouts and opaque directories kept, copied while it is frozen) saved at `dest` with its
+    spec and egress rules; then the workspace is destroyed: no memory, no process is kept. A
+    failed save leaves it running, unchanged."""
+    rec = ws.record
+    fs = rec.fs
+    if fs is None or fs.layer is None:
+        raise WorkspaceStateError(f"workspace {ws.id} has no layer to keep")
+    tmp = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(mode=0o700, parents=True)
+    was_frozen = ws.info().state == "paused"
+    try:
+        if not was_frozen:
+            ws.pause()  # the files stop changing while they are copied
+        flat = frozen.flatten([fs.layer, *fs.lowers], tmp / _LAYER, subvolume=False)
+        os.rename(flat.path, tmp / _LAYER)
+        side = ws.state_dir / sidecar.FILE  # the in-process Sandbox's E2B state, kept with the files
+        meta = {"spec": rec.spec.to_dict(), "egress": ws.info().egress,
+                "sidecar": side.read_text() if side.is_file() else None}
+        (tmp / _META).write_text(json.dumps(meta))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not was_frozen:
+            ws.resume()
+        raise
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(tmp, dest)
+    ws.destroy()  # frozen still: nothing it does after the copy is kept or half-kept
+
+
+def boot_files(dest: Path, timeout: float) -> Workspace:
+    """The cold boot of a filesystem-only pause: a new workspace (new hostname, new boot id) with
+    the saved spec and egress rules, its `timeout` (0: none), and the saved files put back as
+    they were (what was deleted deleted). `dest` is left for the caller to remove once it
+    records the new workspace."""
+    meta = json.loads((dest / _META).read_text())
+    spec = WorkspaceSpec(**meta["spec"])
+    ws = Workspace.create(spec, timeout=timeout or None)
+    try:
+        if meta.get("egress") is not None:
+            ws.set_egress(meta["egress"])
+        if meta.get("sidecar") is not None:
+            (ws.state_dir / sidecar.FILE).write_text(meta["sidecar"])
+        _put_back(ws, dest / _LAYER / "upper", idmap.BASE if spec.userns else 0)
+    except BaseException:
+        ws.destroy()
+        raise
+    return ws
+
+
+def _put_back(ws: Workspace, upper: Path, shift: int) -> None:
+    """The saved layer's entries, written into the new workspace by tar in it (as root: nothing
+    it extracts can reach past the workspace's own root), after what the layer's whiteouts
+    delete and what its opaque directories hide is removed there."""
+    with tempfile.TemporaryFile() as archive:
+        whiteouts, opaque = _archive(upper, archive, shift)
+        archive.seek(0)
+        ws.files.write(_ARCHIVE, archive)
+    ws.files.write(_DELETED, b"".join(p.encode() + b"\0" for p in whiteouts))
+    ws.files.write(_OPAQUE, b"".join(p.encode() + b"\0" for p in opaque))
+    keep = " ".join(f"! -path /{p}" for p in sorted(_IDENTITY))
+    script = (f"set -e; xargs -0 -r rm -rf -- < {_DELETED}; "
+              f"xargs -0 -r -I% sh -c 'test ! -d \"$1\" || find \"$1\" -mindepth 1 -maxdepth 1 {keep} "
+              f"-exec rm -rf -- {{}} +' sh % < {_OPAQUE}; "
+              f"tar -xpf {_ARCHIVE} -C / --numeric-owner; rm -f {_ARCHIVE} {_DELETED} {_OPAQUE}")
+    result = ws.commands.run(["/bin/sh", "-c", script], timeout=_APPLY_SECONDS)
+    if result.exit_code != 0:
+        raise WorkspaceStateError(f"putting the saved files back into {ws.id} failed: {result.stderr.strip()}")
+
+
+def _archive(upper: Path, out: IO[bytes], shift: int) -> tuple[list[str], list[str]]:
+    """A tar of the layer's entries (no link followed: they are the sandbox's); the paths its
+    whiteouts delete, and its opaque directories (whose earlier contents it hides)."""
+    whiteouts: list[str] = []
+    opaque: list[str] = []
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        dirs = [""]
+        while dirs:
+            rel = dirs.pop()
+            with os.scandir(upper / rel) as it:
+                for entry in sorted(it, key=lambda e: e.name):
+                    name = f"{rel}/{entry.name}" if rel else entry.name
+                    if name in _IDENTITY:
+                        continue
+                    st = entry.stat(follow_symlinks=False)
+                    if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+                        whiteouts.append("/" + name)
+                        continue
+                    if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) or stat.S_ISSOCK(st.st_mode):
+                        continue  # inert on a nodev root; a socket is nobody's once its process is gone
+                    info = tar.gettarinfo(entry.path, arcname=name)
+                    if shift:
+                        info.uid, info.gid = max(0, info.uid - shift), max(0, info.gid - shift)
+                    if info.isreg():
+                        with open(entry.path, "rb") as f:
+                            tar.addfile(info, f)
+                    else:
+                        tar.addfile(info)
+                    if stat.S_ISDIR(st.st_mode):
+                        if frozen._is_opaque(entry.path):
+                            opaque.append("/" + name)
+                        dirs.append(name)
+    return whiteouts, opaque

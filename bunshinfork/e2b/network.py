@@ -11,6 +11,7 @@ bunshinfork.egress_from_e2b's to say; this module only resolves the shapes.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,28 @@ def _https_ports(value: object) -> None:
     if not isinstance(value, (list, tuple)) or any(isinstance(p, bool) or not isinstance(p, int)
                                                    or not 1 <= p <= 65535 for p in value):
         raise InvalidArgumentException(f"network https_ports must be a list of port numbers, got {value!r}")
+
+
+# network.maskRequestHost: a host, or host:port, for the Host header a sandbox's ports get;
+# ${PORT} stands for the port asked for (E2B's pool.MaskRequestHostPortPlaceholder). ASCII only,
+# nothing that could end a header or start another (E2B's validateNetworkConfig refuses
+# non-ASCII and what splitHostPortOptional cannot split).
+PORT_PLACEHOLDER = "${PORT}"
+_MASK = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.${}-]+)(?::(?:\d{1,5}|\$\{PORT\}))?")
+_MASK_MAX = 255
+
+
+def check_mask_request_host(value: object) -> str:
+    """network.maskRequestHost as given at create, checked (InvalidArgumentException otherwise)."""
+    if not isinstance(value, str) or not 0 < len(value) <= _MASK_MAX or not _MASK.fullmatch(value) \
+            or "$" in value.replace(PORT_PLACEHOLDER, ""):
+        raise InvalidArgumentException(f"mask request host is not valid: {value!r}")
+    return value
+
+
+def masked_host(mask: str, port: int) -> str:
+    """The Host a request to `port` is sent in with (E2B's orchestrator proxy.go)."""
+    return mask.replace(PORT_PLACEHOLDER, str(port))
 
 
 def create_policy(network: Mapping[str, Any] | None, allow_internet_access: bool | None) -> EgressPolicy | None:

@@ -74,7 +74,9 @@ class Server:
         """What a previous server left: paused sandboxes stay (with their deadlines), running
         ones are reaped, as their workspaces cannot be handed over."""
         for e in self.store.recorded():
-            if e.paused and e.workspace_id and await asyncio.to_thread(_paused_to_disk, e.workspace_id):
+            if e.paused and e.workspace_id and (await asyncio.to_thread(_paused_to_disk, e.workspace_id) or
+                                                await asyncio.to_thread(lifecycle.files_paused,
+                                                                        self.rest.files_dir(e))):
                 self.store.entries[e.sandbox_id] = e
                 self.schedule(e)
                 continue
@@ -163,7 +165,7 @@ class Server:
             await self._refuse(scope, receive, send, authority.refusal(scope, str(err)))
             return
         if target is not None and target[0] != ports.ENVD_PORT:
-            await ports.serve(self.store, target, scope, receive, send, headers)
+            await ports.serve(self.store, target, scope, receive, send, headers, self.rest.auto_resume)
             return
         if sandbox_id is None and scope.get("path") == "/files" and scope["type"] == "http":
             # download_url/upload_url: a plain client sends no header; the signature names the sandbox.
@@ -215,17 +217,14 @@ class Server:
             return
         path: str = scope.get("path", "")
         e = self.store.entries.get(sandbox_id)
-        if e is not None and e.paused and e.lifecycle.auto_resume:
-            async with e.lock:  # E2B's auto-resume: traffic to a paused sandbox resumes it
-                if e.paused:
-                    try:
-                        with self.rest.slots(1):  # within the server's cap, as a connect is
-                            await self.rest.resume(e, None)
-                    except ApiError as err:
-                        await JSONResponse({"code": err.status, "message": err.message, "sandboxId": sandbox_id},
-                                           status_code=err.status)(scope, receive, send)
-                        return
-                    await self.rest.apply_deadline(e)
+        # E2B's auto-resume (traffic to a paused sandbox resumes it), for a request it would then
+        # take: one with its envd token or a signature (E2B's ResumeSandbox checks envd's token).
+        if e is not None and e.paused and credential(e, scope, headers) is not None:
+            err = await self.rest.auto_resume(e)
+            if err is not None:
+                await JSONResponse({"code": err.status, "message": err.message, "sandboxId": sandbox_id},
+                                   status_code=err.status)(scope, receive, send)
+                return
         rpc = path.startswith(("/process.Process/", "/filesystem.Filesystem/"))
         if e is None or e.paused or e.sbx is None:
             state = "paused" if e is not None and e.paused else "not found"
@@ -247,11 +246,11 @@ class Server:
         elif path.startswith("/filesystem.Filesystem/"):
             await self.fs_limited(scope, receive, send)
         elif path == "/health":
-            if not await e.sbx.is_running():
-                # Dead before its deadline's timer (its init ended it, or it was killed outside):
-                # answer as E2B's proxy does for a sandbox that is gone, and forget it.
-                with contextlib.suppress(BaseException):
-                    await self.rest.kill_entry(e)
+            now = "running" if await e.sbx.is_running() else await self.rest.reap_if_dead(e, e.sbx)
+            if now != "running":
+                # Dead before its deadline's timer (its init ended it, or it was killed outside),
+                # or paused meanwhile (a deadline's pause held its lock: kept, never killed here):
+                # answer as E2B's proxy does for a sandbox that is not running.
                 msg = f"The sandbox {sandbox_id} {envd.NOT_FOUND}"
                 await JSONResponse({"code": 502, "message": msg, "sandboxId": sandbox_id},
                                    status_code=502)(scope, receive, send)

@@ -14,13 +14,14 @@ import ipaddress
 import logging
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
+from ..e2b.network import masked_host
 from ..errors import BunshinError
 from .authority import RequestHeaders
 from .store import Entry, Store
@@ -36,6 +37,10 @@ log = logging.getLogger("bunshin.serve")
 _E2B = {TRAFFIC_HEADER, "e2b-sandbox-id", "x-access-token", "x-api-key"}
 _HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
         "transfer-encoding", "upgrade", "host", "content-length", "proxy-connection"}
+# The client's own X-Forwarded-* stop here too (Go's ReverseProxy with Rewrite, E2B's proxy, drops them).
+_FORWARDED = {"x-forwarded-for", "x-forwarded-host", "x-forwarded-proto"}
+# Auto-resume of a paused sandbox (Rest.auto_resume): an error to answer, or None.
+Resumer = Callable[[Entry], Awaitable[Any]]
 
 
 def parse_host(host: str, domain: str) -> tuple[int, str] | None:
@@ -118,7 +123,18 @@ def forwarded(headers: RequestHeaders) -> list[tuple[str, str]]:
     the server's business and credentials code in the sandbox must not see."""
     named = {t.strip().lower() for v in headers.all("connection") for t in v.split(",")}
     return [(k, v) for k, v in headers.items
-            if k not in _HOP and k not in named and k not in _E2B and not k.startswith("e2b-")]
+            if k not in _HOP and k not in named and k not in _E2B and not k.startswith("e2b-") and k not in _FORWARDED]
+
+
+def host_headers(e: Entry, port: int, headers: RequestHeaders) -> list[tuple[str, str]]:
+    """The Host the sandbox's port gets, as E2B's proxy sends it (e2b-dev/infra
+    packages/shared/pkg/proxy/pool/client.go, Rewrite): the client's own Host, or where the
+    sandbox was created with network.maskRequestHost, that host (${PORT}: the port) with the
+    client's Host in X-Forwarded-Host."""
+    given = headers.one("host") or ""
+    if e.mask_request_host is None:
+        return [("host", given)] if given else []
+    return [("host", masked_host(e.mask_request_host, port))] + ([("x-forwarded-host", given)] if given else [])
 
 
 def _upstream_target(scope: dict[str, Any]) -> bytes:
@@ -129,21 +145,38 @@ def _upstream_target(scope: dict[str, Any]) -> bytes:
 
 
 async def serve(store: Store, target: tuple[int, str], scope: dict[str, Any], receive: Any, send: Any,
-                headers: RequestHeaders) -> None:
+                headers: RequestHeaders, resume: Resumer | None = None) -> None:
     port, sandbox_id = target
     e = store.entries.get(sandbox_id)
+    # E2B's auto-resume by traffic, only for a request the sandbox would take once running: one
+    # with its traffic token where it has one (e2b-dev/infra packages/api/internal/handlers/
+    # proxy_grpc.go, ResumeSandbox: PermissionDenied, nothing resumed, otherwise). A sandbox
+    # created with public traffic allowed is resumed by any request to its port, as E2B's is.
+    if e is not None and e.paused and resume is not None and _token_ok(e, headers):
+        err = await resume(e)
+        if err is not None:
+            if scope["type"] == "websocket":
+                await receive()
+                await send({"type": "websocket.close", "code": 1013})
+            else:
+                await JSONResponse({"code": err.status, "message": err.message, "sandboxId": sandbox_id},
+                                   status_code=err.status)(scope, receive, send)
+            return
     if scope["type"] == "websocket":
         await _websocket(e, port, scope, receive, send, headers)
         return
     if scope["type"] != "http":
+        return
+    refused = JSONResponse({"code": 403, "message": "a traffic access token is required"}, status_code=403)
+    if e is not None and e.paused and e.lifecycle.auto_resume and not _token_ok(e, headers):
+        await refused(scope, receive, send)  # E2B: resume permission denied (nothing resumed)
         return
     if e is None or e.paused or e.sbx is None:
         await JSONResponse({"code": 502, "message": f"The sandbox {sandbox_id} was not found",
                             "sandboxId": sandbox_id}, status_code=502)(scope, receive, send)
         return
     if not _token_ok(e, headers):
-        await JSONResponse({"code": 403, "message": "a traffic access token is required"},
-                           status_code=403)(scope, receive, send)
+        await refused(scope, receive, send)
         return
     closed = JSONResponse({"code": 502, "message": f"port {port} is not open", "sandboxId": sandbox_id,
                            "port": port}, status_code=502)
@@ -165,7 +198,8 @@ async def serve(store: Store, target: tuple[int, str], scope: dict[str, Any], re
     # was 1 GiB of the server's memory), with its length when the client gave one.
     length = next(iter(headers.all("content-length")), None)  # h11 checked it (repeats agree)
     has_body = length not in (None, "0") or bool(headers.all("transfer-encoding"))
-    sent = forwarded(headers) + ([("content-length", length)] if length is not None and has_body else [])
+    sent = forwarded(headers) + host_headers(e, port, headers) \
+        + ([("content-length", length)] if length is not None and has_body else [])
     try:
         upstream = await client.send(client.build_request(
             request.method, url, headers=sent, content=request.stream() if has_body else None), stream=True)

@@ -6,20 +6,24 @@ import asyncio
 import contextlib
 import datetime
 import json
+import logging
 import os
 import secrets
+import shutil
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .. import Sandbox, Workspace
+from .. import Sandbox, Snapshot, Workspace
 from ..aio import AsyncSandbox
 from ..e2b import lifecycle
+from ..e2b import network as e2b_network
 from ..e2b import templates as e2b_templates
 from ..e2b.lifecycle import Lifecycle, ListQuery
 from ..errors import BunshinError, InvalidArgumentException, NotFoundException
@@ -33,6 +37,7 @@ from .store import Entry, Store
 # workspace has no network mount to refuse). The SDK gates each feature on this version.
 ENVD_VERSION = "0.6.4"
 CLIENT_ID = "bunshin"
+log = logging.getLogger("bunshin.serve")
 
 
 class ApiError(Exception):
@@ -179,7 +184,8 @@ class Rest:
         if not isinstance(template, str) or not template:
             raise ApiError(400, "templateID is required")
         timeout = lifecycle.check_timeout(body.get("timeout"), Sandbox.default_sandbox_timeout)
-        life = lifecycle.lifecycle_of(body.get("autoPause", False), body.get("autoResume"))
+        life = lifecycle.lifecycle_of(body.get("autoPause", False), body.get("autoResume"),
+                                      body.get("autoPauseMemory"))
         # mcp is the SDK's to start (it runs mcp-gateway in the sandbox after create): accepted.
         if body.get("mcp") is not None and not isinstance(body.get("mcp"), dict):
             raise ApiError(400, "mcp must be an object")
@@ -193,8 +199,12 @@ class Rest:
         if not isinstance(network, dict):
             raise ApiError(400, "network must be an object")
         network = dict(network)
-        # allowPublicTraffic guards the sandbox's URLs, which this server serves (its traffic token).
+        # allowPublicTraffic guards the sandbox's URLs, which this server serves (its traffic token);
+        # maskRequestHost is the Host its port proxy sends in (ingress, as E2B's proxy does).
         public = network.pop("allowPublicTraffic", True)
+        mask = network.pop("maskRequestHost", None)
+        if mask is not None:
+            mask = e2b_network.check_mask_request_host(mask)
         internet = body.get("allow_internet_access", body.get("allowInternetAccess"))
         internet = True if internet is None else internet  # E2B's default: online
         if not isinstance(internet, bool) or not isinstance(public, bool):
@@ -213,7 +223,7 @@ class Rest:
         e = Entry(sandbox_id=sbx.sandbox_id, template=template, metadata=dict(metadata), started_at=time.time(),
                   deadline=deadline, lifecycle=life, envd_token=secrets.token_hex(16),
                   traffic_token=None if public else secrets.token_hex(16), allow_internet_access=internet,
-                  workspace_id=sbx.sandbox_id, sbx=sbx)
+                  workspace_id=sbx.sandbox_id, sbx=sbx, mask_request_host=mask)
         self.store.add(e)
         self.schedule(e)
         return JSONResponse(self.sandbox_json(e), status_code=201)
@@ -233,9 +243,23 @@ class Rest:
             await self.apply_deadline(e)
         return JSONResponse(self.sandbox_json(e), status_code=201 if resumed else 200)
 
+    def files_dir(self, e: Entry) -> Path:
+        """Where a filesystem-only pause keeps the sandbox's files."""
+        return self.store.paused_dir(e.sandbox_id) / lifecycle.FILES
+
     async def resume(self, e: Entry, timeout: int | None) -> None:
         assert e.workspace_id is not None
         e.deadline = lifecycle.resumed_deadline(timeout)
+        files = self.files_dir(e)
+        if await asyncio.to_thread(lifecycle.files_paused, files):
+            # A filesystem-only pause resumes as a cold boot: a new workspace behind the same
+            # sandbox id and tokens, with the files as they were and none of the processes.
+            ws = await asyncio.to_thread(lifecycle.boot_files, files,
+                                         lifecycle.workspace_lifetime(e.lifecycle, e.deadline))
+            e.workspace_id, e.sbx, e.paused = ws.id, AsyncSandbox(ws), False
+            self.store.save(e)
+            await asyncio.to_thread(shutil.rmtree, files, True)
+            return
         ws = await asyncio.to_thread(Workspace.connect, e.workspace_id)
         await asyncio.to_thread(lifecycle.resume, ws, e.lifecycle, e.deadline)
         e.sbx, e.paused = AsyncSandbox(ws), False
@@ -305,12 +329,53 @@ class Rest:
 
     async def kill_entry(self, e: Entry) -> None:
         async with e.lock:
-            sbx, paused = e.sbx, e.paused
-            self.store.drop(e.sandbox_id)
-            if sbx is not None:
-                await sbx.kill()
-            elif paused and e.workspace_id:  # its record and saved state
-                await AsyncSandbox.kill(e.workspace_id)
+            await self._kill_locked(e)
+
+    async def _kill_locked(self, e: Entry) -> None:
+        sbx, paused = e.sbx, e.paused
+        self.store.drop(e.sandbox_id)
+        if sbx is not None:
+            await sbx.kill()
+        elif paused and e.workspace_id:  # its record and saved state (none left after a files-only pause)
+            await AsyncSandbox.kill(e.workspace_id)
+
+    async def reap_if_dead(self, e: Entry, sbx: AsyncSandbox) -> str:
+        """What became of `e`, whose workspace `sbx` was just seen not running: "paused" (a pause
+        held its lock, a deadline's among them, and it is kept), "running" (frozen for a moment
+        by a fork or snapshot under its lock, or resumed since), or "gone": it died by itself
+        (its init ended it, or it was killed outside) and is forgotten, its remains killed.
+        Decided under its lock, so that a probe never takes a pause under way for a death."""
+        async with e.lock:
+            if self.store.entries.get(e.sandbox_id) is not e:
+                return "gone"
+            if e.paused:
+                return "paused"
+            if e.sbx is not sbx or await sbx.is_running():
+                return "running"
+            try:
+                await self._kill_locked(e)
+            except Exception:  # forgotten already; what is left of it is gc's
+                log.exception("sandbox %s: removing what its death left failed", e.sandbox_id)
+            return "gone"
+
+    async def auto_resume(self, e: Entry) -> ApiError | None:
+        """E2B's auto-resume of a paused sandbox by traffic, within the server's cap (429 past it,
+        as a connect). The caller has checked the request would be served once it runs (E2B's
+        proxy_grpc.go ResumeSandbox checks the traffic token, or envd's token, first). A
+        filesystem-only pause is not resumed by traffic: it must be resumed explicitly (E2B:
+        getAutoResumeSnapshot refuses it), so the request meets a paused sandbox."""
+        if not e.lifecycle.auto_resume:
+            return None
+        async with e.lock:
+            if not e.paused or await asyncio.to_thread(lifecycle.files_paused, self.files_dir(e)):
+                return None
+            try:
+                with self.slots(1):
+                    await self.resume(e, None)
+            except ApiError as err:
+                return err
+            await self.apply_deadline(e)
+        return None
 
     async def set_timeout(self, request: Request) -> Response:
         body = await body_of(request)
@@ -325,19 +390,26 @@ class Rest:
 
     async def pause(self, request: Request) -> Response:
         body = await body_of(request)
-        if body.get("memory") is False:
-            raise ApiError(400, "a filesystem-only pause drops the sandbox's memory: a sandbox pauses whole")
+        memory = body.get("memory", True)
+        if not isinstance(memory, bool):
+            raise ApiError(400, "memory must be a boolean")
         e = self.entry(request.path_params["sandbox_id"])
         async with e.lock:
             if e.paused:
                 raise ApiError(409, f"sandbox {e.sandbox_id!r} is paused already")
-            await self.pause_entry(e)
+            await self.pause_entry(e, memory)
         return Response(status_code=204)
 
-    async def pause_entry(self, e: Entry) -> None:
-        """Save to disk and release the workspace (the caller holds e.lock)."""
+    async def pause_entry(self, e: Entry, memory: bool | None = None) -> None:
+        """Save to disk and release the workspace (the caller holds e.lock): whole, or with
+        `memory` False (None: as the lifecycle's autoPauseMemory says) its files alone, for a
+        cold boot at resume (E2B's sandbox_pause.go: memory false is filesystem-only)."""
         assert e.sbx is not None
-        await asyncio.to_thread(lifecycle.pause, e.sbx.workspace, self.store.paused_dir(e.sandbox_id))
+        keep_memory = e.lifecycle.pause_memory if memory is None else memory
+        if keep_memory:
+            await asyncio.to_thread(lifecycle.pause, e.sbx.workspace, self.store.paused_dir(e.sandbox_id))
+        else:
+            await asyncio.to_thread(lifecycle.pause_files, e.sbx.workspace, self.files_dir(e))
         e.sbx, e.paused = None, True
         self.store.save(e)
         self.schedule(e)
@@ -367,6 +439,45 @@ class Rest:
             self.schedule(e)
             out.append({"sandbox": self.sandbox_json(e)})
         return JSONResponse(out, status_code=201)
+
+    async def fork_snapshot(self, request: Request) -> Response:
+        """POST /snapshots/{id}/fork (e2b-dev/infra PR #3441, commit 252a382e2): `count` (body,
+        1 to 100, at most the server's cap) sandboxes from one of this server's snapshots, each
+        living `timeout` (default 15 s), one entry per child, each a sandbox or its error. The
+        snapshot is loaded once and forked `count` times; no source needs to run."""
+        body = await body_of(request)
+        count = lifecycle.check_fork_count(body.get("count"), lifecycle.MAX_SNAPSHOT_FORKS)
+        timeout = lifecycle.check_timeout(body.get("timeout"), SNAPSHOT_FORK_TIMEOUT)
+        if count > self.cap.limit:
+            raise ApiError(400, f"Count must not exceed the maximum number of concurrent sandboxes ({self.cap.limit})")
+        snapshot_id = urllib.parse.unquote(request.path_params["snapshot_id"])
+        name = await asyncio.to_thread(self.own_snapshot, snapshot_id)
+        with self.slots(count):
+            children = await asyncio.to_thread(_fork_saved, name, count, timeout)
+        out: list[dict[str, Any]] = []
+        for child in children:
+            if isinstance(child, BaseException):
+                out.append({"error": {"code": status_of(child), "message": str(child)}})
+                continue
+            egress = child.info().egress or {}
+            e = Entry(sandbox_id=child.id, template=name, metadata={}, started_at=time.time(),
+                      deadline=lifecycle.deadline_after(timeout), lifecycle=Lifecycle(),
+                      envd_token=secrets.token_hex(16), traffic_token=None,
+                      allow_internet_access=lifecycle_internet(egress), workspace_id=child.id,
+                      sbx=AsyncSandbox(child))
+            self.store.add(e)
+            self.schedule(e)
+            out.append({"sandbox": self.sandbox_json(e)})
+        return JSONResponse(out, status_code=201)
+
+    def own_snapshot(self, snapshot_id: str) -> str:
+        """The store's id of this server's snapshot that `snapshot_id` names (an id or a name);
+        a warm template, another server's snapshot or nothing: one not-found answer."""
+        own = self.store.snapshots()
+        for d in store_templates.saved():
+            if d.name in own and (snapshot_id == d.name or snapshot_id in store_templates.names(d)):
+                return d.name
+        raise ApiError(404, f"Snapshot {snapshot_id!r} not found")
 
     async def create_snapshot(self, request: Request) -> Response:
         body = await body_of(request)
@@ -434,6 +545,7 @@ class Rest:
             ("/sandboxes/{sandbox_id}/metrics", self.metrics, "GET"),
             ("/sandboxes/{sandbox_id}/network", self.network, "PUT"),
             ("/snapshots", self.list_snapshots, "GET"),
+            ("/snapshots/{snapshot_id:path}/fork", self.fork_snapshot, "POST"),
             ("/templates/{template_id:path}", self.delete_template, "DELETE"),
         ]
         return [Route(path, wrap(fn), methods=[method]) for path, fn, method in r]
@@ -450,6 +562,27 @@ _SNAKE = {v: k for k, v in _CAMEL.items()}
 def _snake(network: dict[str, Any]) -> dict[str, Any]:
     """A network object of the wire, in the SDK's names (unknown ones kept: refused downstream)."""
     return {_SNAKE.get(k, k): v for k, v in network.items()}
+
+
+SNAPSHOT_FORK_TIMEOUT = 15  # E2B's SandboxTimeoutDefault, which PR #3441's fork uses
+
+
+def _fork_saved(name: str, count: int, timeout: int) -> list[Workspace | Exception]:
+    """`count` clones of the saved snapshot `name` (loaded once, used in place), each ended by
+    its init `timeout` seconds from now (0: never)."""
+    d = store_templates.find(name)
+    if d is None:
+        raise ApiError(404, f"Snapshot {name!r} not found")
+    snap = Snapshot.load(d)
+    try:
+        return snap.fork(count, timeout=timeout or None)
+    finally:
+        snap.release()
+
+
+def lifecycle_internet(egress: dict[str, Any]) -> bool:
+    """Whether egress rules leave the internet on: E2B's allow_internet_access=False is deny_out 0.0.0.0/0."""
+    return e2b_network.ALL_TRAFFIC not in (egress.get("deny_out") or [])
 
 
 def _str_map(d: Any) -> bool:

@@ -32,6 +32,7 @@ class Entry:
     allow_internet_access: bool = False
     workspace_id: str | None = None  # the bunshin workspace behind it (paused to disk, it keeps its id)
     paused: bool = False
+    mask_request_host: str | None = None  # network.maskRequestHost: the Host its port proxy sends in
     sbx: AsyncSandbox | None = field(default=None, repr=False, compare=False)  # None while paused
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
     timer: asyncio.TimerHandle | None = field(default=None, repr=False, compare=False)
