@@ -4,17 +4,21 @@ something a replay of them will not.
 `inject_faults(task, rate, seed)` wraps every agent tool of a task: after the real call, with
 probability `rate` the observation gains a token specific to the sample whose fork ran it. The
 draw and the token are keyed by (seed, task, epoch, sample, call), never by a clock or a global
-generator, so a run is reproducible and a sample's own re-execution (a rewind's fresh step, the
-trajectory audit) observes what the sample was shown, while another sample replaying the same
-call from the same state (the prefix cache's replay, a rebuilt state, the begin() race) observes
-something else: exactly the divergence the rollout core must catch. The tools still claim to be
-deterministic, as a buggy environment's would.
+generator, so a run is reproducible, while another sample replaying the same call from the same
+state (the prefix cache's replay, a rebuilt state, the begin() race) observes something else:
+exactly the divergence the rollout core must catch. The tools still claim to be deterministic,
+as a buggy environment's would. The mark names the sample that drew it.
 
 Who runs a call is carried by a context variable (`running_as`), not by the workspace: the
 rollout core runs a sample's replays, rebuilds and speculative chains in tasks made from the
-sample's own, which inherit it. `KeyedPolicy` sets it at each decision of a sample, and
-`FaultAuditor` sets it while auditing that sample. Outside both (check_family, a tool run by
-hand) nothing is injected.
+sample's own, which inherit it. `KeyedPolicy` sets it at each decision of a sample. Outside it
+(check_family, a tool run by hand) nothing is injected.
+
+`FaultAuditor` is the trajectory audit with the faults' one non-reproducible part pinned: each
+step is re-executed as the execution that produced what the sample was shown (the sample named
+by its mark; none for an unmarked observation), since a state captured by another sample with
+the same history is one the invariant lets a sample fork. Every other byte of every observation,
+and the reward, must reproduce as in the plain audit.
 
 `FaultGuard` is a DeterminismGuard with its auto-disable off: a mismatch still drops the tool's
 cached subtrees (so samples end up under removed nodes), but the tool stays reusable, and the
@@ -27,6 +31,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import hashlib
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,8 +48,12 @@ from ..rollout.timeline import SampleTimeline
 # (task id, epoch, sample) of the sample whose fork runs the calls of this context.
 running_as: contextvars.ContextVar[tuple[str, int, int] | None] = contextvars.ContextVar(
     "bunshinrl_fault_sample", default=None)
+# While auditing: per faulty call still to run, in order, the sample it runs as (None: nobody).
+_audit_plan: contextvars.ContextVar[list[tuple[str, int, int] | None] | None] = contextvars.ContextVar(
+    "bunshinrl_fault_audit_plan", default=None)
 
 MARK = "[injected fault "
+_MARK_RE = re.compile(re.escape(MARK) + r"(?P<task>.+)/(?P<epoch>\d+)/(?P<sample>\d+) [0-9a-f]{16}\]$")
 
 
 def _digest(*parts: object) -> bytes:
@@ -66,11 +75,12 @@ def faulty(tool: Tool, rate: float, seed: int) -> Tool:
 
     async def execute(ws: Workspace, args: dict[str, Any]) -> str:
         obs = await tool.run(ws, args)
-        who = running_as.get()
+        plan = _audit_plan.get()
+        who = (plan.pop(0) if plan else None) if plan is not None else running_as.get()
         if who is None:
             return obs
         token = fault_token(seed, who, ToolCall(tool.name, args), rate)
-        return obs if token is None else f"{obs}\n{MARK}{token}]"
+        return obs if token is None else f"{obs}\n{MARK}{'/'.join(map(str, who))} {token}]"
 
     return dataclasses.replace(tool, execute=execute)
 
@@ -99,12 +109,19 @@ class KeyedPolicy:
         return await self.policy.act(ctx, history)
 
 
+def producer(observation: str) -> tuple[str, int, int] | None:
+    """The sample whose fault marked `observation`, or None when it carries no mark."""
+    m = _MARK_RE.search(observation)
+    return None if m is None else (m["task"], int(m["epoch"]), int(m["sample"]))
+
+
 class FaultAuditor(TrajectoryAuditor):
-    """The trajectory audit, each sample re-executed as itself: its own faults repeat, so a
-    mismatch means the sample was shown what its own workspace did not produce."""
+    """The trajectory audit with each faulty step re-executed as the execution that produced
+    what the sample was shown (see the module doc)."""
 
     async def audit_sample(self, s: SampleTimeline) -> SampleAudit:
-        running_as.set(_who(s.task_id, s.epoch, s.sample))
+        tools = self.tasks[s.task_id].agent_tools
+        _audit_plan.set([producer(step.observation) for step in s.steps if step.call.name in tools])
         return await super().audit_sample(s)
 
 
@@ -124,5 +141,5 @@ class FaultGuard(DeterminismGuard):
         return {**super().report(), "auto_disable": False}
 
 
-__all__ = ["MARK", "FaultAuditor", "FaultGuard", "KeyedPolicy", "fault_token", "faulty", "inject_faults",
+__all__ = ["MARK", "FaultAuditor", "FaultGuard", "KeyedPolicy", "fault_token", "faulty", "inject_faults", "producer",
            "running_as"]
