@@ -94,6 +94,9 @@ def test_a_replay_diverging_mid_plan_rewinds_the_sample(prefetch: bool) -> None:
     assert [s.call for s in served.steps] == plan(1)
     assert served.steps[1].observation != recorded.steps[1].observation  # liar's fresh observation
     assert served.rewound == 1 and served.divergences >= 1 and served.rewound_steps >= 1
+    # liar is the plan's second replayed call (on-miss: the rebuild's plan from the root; warm:
+    # the shadow had replayed bump already): a mid-plan divergence, in the epoch's JSON too.
+    assert served.divergences_mid_plan >= 1 and second.summary()["divergences_mid_plan"] >= 1
     assert policy.asked.count((1, 2)) == 2  # the policy decided step 2 again, after the rewind
     assert second.rewound == 1 and second.summary()["rewound"] == 1
     assert first.summary()["divergences"] == 0
@@ -134,6 +137,43 @@ def test_hits_under_a_removed_node_are_refused() -> None:
     cache.close()
 
 
+def test_a_sample_standing_on_a_removed_node_is_revalidated_at_its_next_call() -> None:
+    """A sample served bump and liar stands on liar's node when liar's subtree is dropped (another
+    replay of it diverged). Its next call gets no hit there: its state is rebuilt and every served
+    call replayed, liar does not reproduce, and the sample is rewound to it: a divergence under a
+    removed node, counted as such."""
+    cache = _cache()
+    core = RolloutCore(cache=cache, prefetch=False, critical_path_captures=False)
+    task = counter_task()
+
+    async def main() -> None:
+        a = await core.start(task, SampleContext(task.id, 0, 0))
+        try:
+            for c in (C("bump", {"n": 1}), C("liar"), C("state")):
+                await a.call(c)
+        finally:
+            await a.close()
+        b = await core.start(task, SampleContext(task.id, 1, 0), rewinds=True)
+        try:
+            await b.call(C("bump", {"n": 1}))
+            await b.call(C("liar"))
+            assert b.served == ["cache", "cache"] and b.node is not None
+            assert not core.guard.check(C("liar"), "tick", "tock", source="replay")  # drops liar's subtree
+            assert b.node.removed
+            with pytest.raises(Exception) as raised:
+                await b.call(C("state"))
+            assert type(raised.value).__name__ == "Rewound" and raised.value.step == 1  # type: ignore[attr-defined]
+            assert b.timeline.divergences_removed_node == 1 and b.timeline.divergences_mid_plan == 1
+            await b.call(C("state"))
+            _assert_state_is_the_history(b.history)
+        finally:
+            await b.close()
+            await core.close()
+            cache.close()
+
+    asyncio.run(main())
+
+
 def test_the_sibling_race_compares_observations(monkeypatch: pytest.MonkeyPatch) -> None:
     """The sample misses, and while it gets its workspace a sibling begins the same call and
     records another observation: the sample runs the call itself and may stand on the sibling's
@@ -164,7 +204,7 @@ def test_the_sibling_race_compares_observations(monkeypatch: pytest.MonkeyPatch)
             assert r.node is not planted[0], "placed on a node whose observation it was not shown"
             assert r.node is None and planted[0].removed
             assert core.guard.report()["detected_nondeterministic"] == ["touch"]
-            assert r.timeline.divergences == 1
+            assert r.timeline.divergences == 1 and r.timeline.divergences_sibling_race == 1
         finally:
             await r.close()
             await core.close()
@@ -209,6 +249,7 @@ def test_nothing_speculates_on_a_diverged_workspace(monkeypatch: pytest.MonkeyPa
             except Exception as e:
                 error = e
             assert launched == [], "a chain was launched on a workspace whose replay diverged"
+            assert b.timeline.divergences_speculation == 1
             assert type(error).__name__ == "Rewound" and error.step == 1  # type: ignore[union-attr]
             assert [s.call for s in b.history] == [C("bump", {"n": 1}), C("liar")]
             assert b.history[1].observation != recorded
@@ -246,6 +287,7 @@ def test_adopting_a_speculative_call_a_sibling_recorded_otherwise_leaves_the_tre
             assert await r.call(nxt) == "a\n" and r.served[-1] == "speculation"
             assert r.node is not sibling, "placed on a node whose observation it was not shown"
             assert r.node is None and r.timeline.divergences == 1
+            assert r.timeline.divergences_sibling_race == 1 and r.timeline.divergences_speculation == 1
         finally:
             await r.close()
             await core.close()

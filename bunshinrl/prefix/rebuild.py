@@ -23,8 +23,10 @@ class ReplayDiverged(RuntimeError):
     `fresh` where `node` recorded something else): the caller destroys it, or keeps it for a
     history whose last step is that fresh observation, never for the recorded one."""
 
-    def __init__(self, message: str, workspace: Workspace, node: Node | None = None, fresh: str | None = None) -> None:
+    def __init__(self, message: str, workspace: Workspace, node: Node | None = None, fresh: str | None = None,
+                 index: int = 0) -> None:
         super().__init__(message)
+        self.index = index  # the diverging call's position among the calls replayed (0: the first)
         self.workspace = workspace
         self.node = node
         self.fresh = fresh
@@ -119,8 +121,8 @@ class Reconstruction:
                 break
         ws = await self._fork_source(plan)
         try:
-            for step in plan.replay:
-                await self._replay(ws, step, tools)
+            for i, step in enumerate(plan.replay):
+                await self._replay(ws, step, tools, i)
         except ReplayDiverged:
             raise
         except BaseException:
@@ -178,7 +180,7 @@ class Reconstruction:
         with what `node` recorded (ReplayDiverged, with `ws` attached, when they differ)."""
         await self._replay(ws, node, tools)
 
-    async def _replay(self, ws: Workspace, node: Node, tools: Mapping[str, Tool]) -> None:
+    async def _replay(self, ws: Workspace, node: Node, tools: Mapping[str, Tool], index: int = 0) -> None:
         assert node.call is not None
         t0 = time.monotonic()
         fresh = await tools[node.call.name].run(ws, node.call.args)
@@ -188,4 +190,5 @@ class Reconstruction:
             self.counters["replayed_calls"] += 1
             node.exec_seconds = ewma(node.exec_seconds, took)
         if not self.guard.check(node.call, recorded, fresh, source="replay"):
-            raise ReplayDiverged(f"replaying {node.call.key} observed something else than recorded", ws, node, fresh)
+            raise ReplayDiverged(f"replaying {node.call.key} observed something else than recorded", ws, node, fresh,
+                                 index)

@@ -14,7 +14,7 @@ from ..calls.signature import ToolCall
 from ..calls.task import REWARD_TOOL
 from ..prefix.recording import Recording
 from ..prefix.tree import Node
-from ..speculation.selector import SelectorContext
+from ..speculation.selector import SelectorContext, is_fitted
 from ..speculation.speculator import SpeculativeBranch
 from ..states.backend import SharedSnapshot
 from .sample_state import Live, Settling, Speculating
@@ -39,7 +39,7 @@ class Captures:
             return True
         spec = self.core.speculator
         sel = spec.selector if spec is not None else None
-        if sel is None or not hasattr(sel, "classes_") or node.call is None:
+        if sel is None or not is_fitted(sel) or node.call is None:
             return False
         calls = tuple(h.call for h in self.history if h.call.name != REWARD_TOOL)
         top = sel.top_k(SelectorContext(self.task.id, calls), 1)
@@ -57,7 +57,7 @@ class Captures:
         if capture is None and not chain:
             return
         ws = self.state.ws
-        self.state = Settling(ws, asyncio.ensure_future(self._post_call(ws, capture, chain)))
+        self._enter(Settling(ws, asyncio.ensure_future(self._post_call(ws, capture, chain))))
 
     async def _post_call(self, ws: Workspace, capture: Recording | None, chain: list[ToolCall]) -> Live | Speculating:
         core = self.core

@@ -20,10 +20,11 @@ class Rewinding:
         below it replayed and compared (since: when a divergence sent us here, for its cost)."""
         cache = self.core.cache
         assert cache is not None and self.node is not None
+        removed = self.node.removed  # a sample standing on a dropped subtree, revalidated
         try:
             ws = await cache.materialize(self.node, self.tools)
         except ReplayDiverged as e:
-            self.timeline.divergences += 1
+            self.timeline.diverged(mid_plan=e.index > 0, removed_node=removed)
             await self._rewind(e)
         if since is not None:
             self.timeline.divergence_seconds += self.now() - since
@@ -38,7 +39,7 @@ class Rewinding:
         if j is None or e.fresh is None:
             await self.core.destroy(ws)
             raise RuntimeError(f"a replay diverged off this sample's path: {e}") from e
-        self.state = Live(ws)
+        self._enter(Live(ws))
         self.node = None
         await self.note_fork(ws)
         dropped = len(self.history) - j

@@ -21,7 +21,7 @@ from ..prefix.tree import Node
 from ..speculation.speculator import SpeculativeBranch
 from .captures import Captures
 from .rewind import Rewinding
-from .sample_state import Closed, Idle, Live, Settling, Speculating, State
+from .sample_state import Closed, Idle, Live, Settling, Speculating, State, transition
 from .services import SampleServices
 from .speculating import SpeculationGlue
 from .timeline import SampleTimeline
@@ -50,7 +50,7 @@ class Rollout(WarmWorkspaces, Rewinding, Captures, SpeculationGlue):
         self.tools: ToolSet = task.engine_tools
         self.origin = origin
         self.node = node
-        self.state: State = Live(ws) if ws is not None else Idle()
+        self._state: State | None = None
         self.history: list[Step] = []
         # Whether the driver acts again on a history cut back by Rewound (RolloutEngine, the Ray
         # cluster). A driver that cannot (its model's conversation goes on) gets the trajectory
@@ -75,12 +75,27 @@ class Rollout(WarmWorkspaces, Rewinding, Captures, SpeculationGlue):
         self._on_close = on_close
         self._lock: asyncio.Lock | None = None
         self._returned: float | None = None  # when the last call returned (reasoning steps)
+        self._shadow_replays = 0  # calls the warm workspace replays beyond one the sample held
         self._decision: int | None = None
-        if forking is not None:
-            self.state = Settling(None, asyncio.ensure_future(self._forked(forking)))
-        if isinstance(self.state, Idle) and core.prefetch and core.cache is not None and node is not None:
+        if ws is not None:
+            self._enter(Live(ws))
+        elif forking is not None:
+            self._enter(Settling(None, asyncio.ensure_future(self._forked(forking))))
+        elif core.prefetch and core.cache is not None and node is not None:
             # The root is always prefetched, as Base forks its group while the first step is reasoned.
-            self.state.shadow = asyncio.ensure_future(self._rebuild(node))
+            self._enter(Idle(asyncio.ensure_future(self._rebuild(node))))
+        else:
+            self._enter(Idle())
+
+    @property
+    def state(self) -> State:
+        """Where the sample's state lives (bunshinrl.rollout.sample_state)."""
+        assert self._state is not None
+        return self._state
+
+    def _enter(self, new: State) -> None:
+        """Move the sample's state along an edge of its state machine (the only assignment)."""
+        self._state = transition(self._state, new)
 
     def now(self) -> float:
         return time.monotonic() - self.origin
@@ -150,7 +165,7 @@ class Rollout(WarmWorkspaces, Rewinding, Captures, SpeculationGlue):
         with contextlib.suppress(Exception):
             await self._settle()
         st = self.state
-        self.state = Closed()
+        self._enter(Closed())
         if isinstance(st, Speculating):
             with contextlib.suppress(Exception):
                 await self.core.destroy(await st.branch.close())
@@ -176,7 +191,7 @@ class Rollout(WarmWorkspaces, Rewinding, Captures, SpeculationGlue):
     async def _settle(self) -> None:
         if isinstance(self.state, Settling):
             t, kind = self.now(), self.state.kind
-            self.state = await self.state.task
+            self._enter(await self.state.task)
             if self.now() - t > 0.001:
                 self.timeline.add(kind, t, self.now())
 
@@ -223,7 +238,7 @@ class Rollout(WarmWorkspaces, Rewinding, Captures, SpeculationGlue):
         if isinstance(st, Speculating):
             t = self.now()
             ws = self.core.workspaces.add(await st.branch.close())
-            self.state = Live(ws)
+            self._enter(Live(ws))
             self.timeline.add("spec_miss", t, self.now(), detail)
         elif isinstance(st, Idle):
             await self._materialize(st)
@@ -290,7 +305,8 @@ class Rollout(WarmWorkspaces, Rewinding, Captures, SpeculationGlue):
             self._after_real_call(call, None)
         return obs
 
-    async def _same_as_sibling(self, call: ToolCall, node: Node, observation: str) -> Node | None:
+    async def _same_as_sibling(self, call: ToolCall, node: Node, observation: str,
+                               speculation: bool = False) -> Node | None:
         """`node`, created by another sample for the call this sample ran itself, when its
         recorded observation is the one this sample was shown; None (off the tree) otherwise,
         the tool then marked non-deterministic."""
@@ -300,5 +316,5 @@ class Rollout(WarmWorkspaces, Rewinding, Captures, SpeculationGlue):
             return None  # its call failed: nothing recorded to stand on
         if self.core.guard.check(call, recorded, observation, source="sibling"):
             return node
-        self.timeline.divergences += 1
+        self.timeline.diverged(sibling_race=True, speculation=speculation)
         return None

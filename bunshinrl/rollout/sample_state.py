@@ -1,4 +1,5 @@
-"""Where a sample's state lives (Rollout.state), and the errors that move it back.
+"""Where a sample's state lives (Rollout.state), the one checked way it changes (transition,
+along TRANSITIONS only), and the errors that move a sample back.
 
     Idle         no workspace of its own: its state is the prefix-cache node it stands on
                  (a shadow may be rebuilding that state ahead of an expected miss)
@@ -7,6 +8,9 @@
                  branch, while the policy reasons; the next call waits for it
     Speculating  a speculative branch owns the workspace and runs predicted calls
     Closed
+
+A state changes only by transition(); an edge the machine does not have raises
+IllegalTransition (runc's libcontainer checks its container states the same way).
 """
 
 from __future__ import annotations
@@ -48,6 +52,37 @@ class Closed:
 
 State = Idle | Live | Settling | Speculating | Closed
 
+# (from, to): every edge of a sample's state machine; None is "not started yet".
+TRANSITIONS: frozenset[tuple[type | None, type]] = frozenset({
+    (None, Idle), (None, Live), (None, Settling),
+    # Idle: a hit moves on (a new shadow), a miss materializes, a chain speculates on the shadow.
+    (Idle, Idle), (Idle, Live), (Idle, Settling), (Idle, Closed),
+    # Live: a hit leaves the workspace behind (warm), a real call settles (capture, speculation).
+    (Live, Idle), (Live, Settling), (Live, Closed),
+    # Settling: the capture or launch ends Live, Speculating, or Idle (the warm workspace lost).
+    (Settling, Live), (Settling, Speculating), (Settling, Idle), (Settling, Closed),
+    # Speculating: a miss rolls the branch back, a hit leaves it behind, an adopted chain ends.
+    (Speculating, Live), (Speculating, Idle), (Speculating, Closed),
+})
+
+
+class IllegalTransition(RuntimeError):
+    """A sample's state was asked to move along an edge TRANSITIONS does not have."""
+
+    def __init__(self, before: State | None, after: State) -> None:
+        name = "none" if before is None else type(before).__name__
+        super().__init__(f"a sample's state cannot go from {name} to {type(after).__name__}")
+        self.before = before
+        self.after = after
+
+
+def transition(before: State | None, after: State) -> State:
+    """The one way a sample's state changes: `after`, when (before, after) is an edge of
+    TRANSITIONS (before None: the sample's first state); IllegalTransition otherwise."""
+    if (None if before is None else type(before), type(after)) not in TRANSITIONS:
+        raise IllegalTransition(before, after)
+    return after
+
 
 class Diverged(Exception):
     """A warm workspace's replay observed something else than the sample was shown; the
@@ -67,4 +102,3 @@ class Rewound(RuntimeError):
         self.step = step
         self.observation = observation
         self.dropped = dropped
-

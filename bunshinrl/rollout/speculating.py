@@ -22,6 +22,7 @@ class SpeculationGlue:
         try:
             ws = await warm
         except Diverged:
+            self.timeline.divergences_speculation += 1  # counted as it was met; the chain is its kind
             return Idle()
         except Exception as e:
             self.timeline.errors.append(f"prefetch failed: {e!r}")
@@ -51,9 +52,10 @@ class SpeculationGlue:
                 else:
                     # The chain runs on; the checkpoint taken after this call is the node's state.
                     core.background(self._attach_checkpoint(rec, branch, hit.index))
-            self.node = rec.node if rec.created else await self._same_as_sibling(call, rec.node, hit.observation)
+            self.node = rec.node if rec.created else \
+                await self._same_as_sibling(call, rec.node, hit.observation, speculation=True)
         if branch.exhausted:
-            self.state = Live(core.workspaces.add(await branch.close()))
+            self._enter(Live(core.workspaces.add(await branch.close())))
             self._after_real_call(call, capture)
 
     async def _close_and_destroy(self, branch: SpeculativeBranch) -> None:

@@ -19,6 +19,7 @@ from ..speculation.selector import Trajectory
 KINDS = ("reason", "tool", "cache_hit", "spec_hit", "spec_miss", "materialize", "audit", "setup", "post_wait",
          "sibling_wait")
 _VERIFIER_KEY = ToolCall(REWARD_TOOL).key
+DIVERGENCE_KINDS = ("mid_plan", "removed_node", "speculation", "sibling_race")
 
 
 @dataclass
@@ -57,6 +58,26 @@ class SampleTimeline:
     rewound_steps: int = 0
     rewound_seconds: float = 0.0
     rerolled: int = 0
+    # The divergences by kind (flags, not exclusive: one divergence may be of several kinds):
+    # mid_plan, at a replayed call after the first on its workspace (a rebuild's plan past its
+    # first step, a warm workspace that had replayed a call already); removed_node, while the node
+    # replayed to was already dropped (a sample revalidated under an invalidated subtree);
+    # speculation, one that stopped a speculative chain meant for the warm workspace or was met
+    # adopting a speculative hit; sibling_race, the sample's own run of a call another sample
+    # recorded first (cache.begin's race) observing something else.
+    divergences_mid_plan: int = 0
+    divergences_removed_node: int = 0
+    divergences_speculation: int = 0
+    divergences_sibling_race: int = 0
+
+    def diverged(self, *, mid_plan: bool = False, removed_node: bool = False, speculation: bool = False,
+                 sibling_race: bool = False) -> None:
+        """Count one divergence, with its kinds."""
+        self.divergences += 1
+        self.divergences_mid_plan += mid_plan
+        self.divergences_removed_node += removed_node
+        self.divergences_speculation += speculation
+        self.divergences_sibling_race += sibling_race
 
     def add(self, kind: str, start: float, end: float, detail: str = "") -> None:
         self.events.append(Event(kind, start, end, detail))
@@ -98,7 +119,12 @@ class SampleTimeline:
         """The divergence counters (see the fields)."""
         return {"divergences": self.divergences, "divergence_seconds": round(self.divergence_seconds, 3),
                 "rewound": self.rewound, "rewound_steps": self.rewound_steps,
-                "rewound_seconds": round(self.rewound_seconds, 3), "rerolled": self.rerolled}
+                "rewound_seconds": round(self.rewound_seconds, 3), "rerolled": self.rerolled,
+                **{f"divergences_{k}": v for k, v in self.divergence_kinds().items()}}
+
+    def divergence_kinds(self) -> dict[str, int]:
+        """The divergences by kind (see the fields): mid_plan, removed_node, speculation, sibling_race."""
+        return {k: getattr(self, f"divergences_{k}") for k in DIVERGENCE_KINDS}
 
 
 @dataclass
@@ -170,6 +196,11 @@ class EpochResult:
     @property
     def rerolled(self) -> int:
         return sum(s.rerolled for s in self.samples)
+
+    @property
+    def divergence_kinds(self) -> dict[str, int]:
+        """The samples' divergences by kind, summed (SampleTimeline.divergence_kinds)."""
+        return {k: sum(s.divergence_kinds()[k] for s in self.samples) for k in DIVERGENCE_KINDS}
 
     def invariant(self) -> dict[str, Any]:
         """The samples' divergence counters summed (SampleTimeline.invariant)."""

@@ -36,7 +36,7 @@ class WarmWorkspaces:
                 self.core.background(self.core.destroy(st.ws))
             elif isinstance(st, Idle):
                 self._discard_shadow(st.shadow)
-            self.state = Idle()
+            self._enter(Idle())
             return
         prev: asyncio.Future[Workspace] | None = None
         if isinstance(st, Live):
@@ -46,17 +46,21 @@ class WarmWorkspaces:
             prev = asyncio.ensure_future(self._close_branch(st.branch))
         elif isinstance(st, Idle):
             prev = st.shadow
+        # How many calls the warm workspace will have replayed (a divergence past the first is mid-plan).
+        replayed = self._shadow_replays if isinstance(st, Idle) and st.shadow is not None else 0
         if prev is not None and child.exec_seconds <= cache.rebuild_seconds(child):
-            warm = asyncio.ensure_future(self._extend_shadow(prev, child))
+            warm = asyncio.ensure_future(self._extend_shadow(prev, child, mid_plan=replayed > 0))
+            self._shadow_replays = replayed + 1
         else:
             self._discard_shadow(prev)
             warm = asyncio.ensure_future(self._rebuild(child))
-        self.state = Idle(warm)
+            self._shadow_replays = 0
+        self._enter(Idle(warm))
         if self.core.speculator is not None and not child.children:
             chain = self.core.speculator.predict(self.task.id, self.ctx.sample, [h.call for h in self.history] + [call],
                                                  self.tools, real_calls=self.timeline.count("tool"))
             if chain and self.core.worth_a_snapshot(self.task.id):
-                self.state = Settling(None, asyncio.ensure_future(self._speculate_on(warm, chain)), "materialize")
+                self._enter(Settling(None, asyncio.ensure_future(self._speculate_on(warm, chain)), "materialize"))
 
     async def _close_branch(self, branch: SpeculativeBranch) -> Workspace:
         return self.core.workspaces.add(await branch.close())
@@ -82,40 +86,42 @@ class WarmWorkspaces:
             ws = await self._verified_rebuild(t if diverged else None)
         if self.node is not None and self.node.removed:
             self.node = None  # verified, but nothing is recorded under a dropped subtree
-        self.state = Live(self.core.workspaces.add(ws))
+        self._enter(Live(self.core.workspaces.add(ws)))
         await self.note_fork(ws)
         tl.add("materialize", t, self.now())
 
     async def _rebuild(self, node: Node) -> Workspace:
         assert self.core.cache is not None
         t = time.monotonic()
+        removed = node.removed
         try:
             ws = self.core.workspaces.add(await self.core.cache.materialize(node, self.tools))
         except ReplayDiverged as e:
-            await self._lose_diverged(e)
+            await self._lose_diverged(e, mid_plan=e.index > 0, removed_node=removed)
         await self._capture_for_second_visitor(ws, node, t)
         return ws
 
-    async def _extend_shadow(self, previous: asyncio.Future[Workspace], node: Node) -> Workspace:
+    async def _extend_shadow(self, previous: asyncio.Future[Workspace], node: Node, mid_plan: bool) -> Workspace:
         """The warm workspace brought from the previous shadow's state to `node`'s by replaying
         its call. A previous shadow that diverged or failed left no workspace: its error is
         passed on and nothing is replayed."""
         t = time.monotonic()
         ws = await previous
         assert self.core.cache is not None
+        removed = node.removed
         try:
             await self.core.cache.materialize(node, self.tools, warm=ws)
         except ReplayDiverged as e:
-            await self._lose_diverged(e)
+            await self._lose_diverged(e, mid_plan=mid_plan, removed_node=removed)
         except BaseException:
             await self.core.destroy(ws)
             raise
         await self._capture_for_second_visitor(ws, node, t)
         return ws
 
-    async def _lose_diverged(self, e: ReplayDiverged) -> NoReturn:
+    async def _lose_diverged(self, e: ReplayDiverged, *, mid_plan: bool, removed_node: bool) -> NoReturn:
         """A warm workspace's replay diverged: it is destroyed, never adopted (Diverged)."""
-        self.timeline.divergences += 1
+        self.timeline.diverged(mid_plan=mid_plan, removed_node=removed_node)
         self.timeline.errors.append(str(e))
         await self.core.destroy(self.core.workspaces.add(e.workspace))
         raise Diverged(str(e)) from None

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 from sklearn.base import BaseEstimator, ClassifierMixin
+from sklearn.exceptions import NotFittedError
 from sklearn.feature_extraction import FeatureHasher
 from sklearn.linear_model import LogisticRegression
+from sklearn.utils.validation import check_is_fitted
 
 from ..calls.signature import ToolCall
 
@@ -83,6 +85,8 @@ class ToolSelector(ClassifierMixin, BaseEstimator):
         return self
 
     def predict_proba(self, X: Sequence[SelectorContext]) -> np.ndarray:
+        """Raises NotFittedError (scikit-learn's) before fit()."""
+        check_is_fitted(self, ("classes_", "model_"))
         if self.model_ is None:
             return np.ones((len(X), 1))
         return self.model_.predict_proba(self._matrix(X))
@@ -109,6 +113,17 @@ class ToolSelector(ClassifierMixin, BaseEstimator):
             out.append(call)
             calls = (*calls, call)
         return out
+
+
+def is_fitted(selector: ToolSelector | None) -> bool:
+    """Whether `selector` may predict (scikit-learn's check_is_fitted passes); False for None."""
+    if selector is None:
+        return False
+    try:
+        check_is_fitted(selector, ("classes_", "model_"))
+    except NotFittedError:
+        return False
+    return True
 
 
 def examples(trajectories: Iterable[Trajectory]) -> tuple[list[SelectorContext], list[str]]:
@@ -165,3 +180,7 @@ def train_selector(trajectories: Sequence[Trajectory], held_out_epochs: Iterable
     sel = ToolSelector(**params).fit(Xtr, ytr)  # type: ignore[arg-type]
     top1, topk = evaluate(sel, Xte, yte, k)
     return sel, SelectorReport(top1, topk, k, len(Xtr), len(Xte), len(sel.classes_), held)
+
+
+__all__ = ["FINAL", "NotFittedError", "SelectorContext", "SelectorReport", "ToolSelector", "Trajectory", "evaluate",
+           "examples", "is_fitted", "train_selector"]

@@ -30,7 +30,7 @@ from ..calls.tools import Tool
 from ..states.backend import SharedSnapshot
 from ..states.metrics import WorkspaceRegistry
 from .branch import PLACEMENTS, Placement, SpecHit, SpeculationError, SpeculativeBranch, check_placement
-from .selector import SelectorContext, ToolSelector
+from .selector import SelectorContext, ToolSelector, is_fitted
 from .tail import TailPolicy
 
 # "closed": a speculative chain's workspace cannot reach outside (an uncommitted call must have no
@@ -82,7 +82,7 @@ class Speculator:
         """The chain worth speculating from here: empty when the selector has no guess, the first
         guess is an unreusable tool, or the tail policy does not consider this sample slow.
         real_calls: how many calls this rollout has executed for real so far."""
-        if self.selector is None or not hasattr(self.selector, "classes_"):
+        if self.selector is None or not is_fitted(self.selector):
             return []
         chain = self.selector.predict_chain(SelectorContext(task_id, tuple(calls)), self.depth,
                                             self.min_probability)
