@@ -137,6 +137,11 @@ def host_headers(e: Entry, port: int, headers: RequestHeaders) -> list[tuple[str
     return [("host", masked_host(e.mask_request_host, port))] + ([("x-forwarded-host", given)] if given else [])
 
 
+def _canonical(name: str) -> str:
+    """textproto.CanonicalMIMEHeaderKey: x-forwarded-host -> X-Forwarded-Host."""
+    return "-".join(part[:1].upper() + part[1:].lower() for part in name.split("-"))
+
+
 def _upstream_target(scope: dict[str, Any]) -> bytes:
     """The origin-form target as sent (the router refused any other form)."""
     raw: bytes = scope.get("raw_path") or b"/"
@@ -198,8 +203,9 @@ async def serve(store: Store, target: tuple[int, str], scope: dict[str, Any], re
     # was 1 GiB of the server's memory), with its length when the client gave one.
     length = next(iter(headers.all("content-length")), None)  # h11 checked it (repeats agree)
     has_body = length not in (None, "0") or bool(headers.all("transfer-encoding"))
-    sent = forwarded(headers) + host_headers(e, port, headers) \
-        + ([("content-length", length)] if length is not None and has_body else [])
+    # Names as Go's net/http writes them (E2B's proxy is Go): "Host", "X-Forwarded-Host", ...
+    sent = [(_canonical(k), v) for k, v in forwarded(headers) + host_headers(e, port, headers)] \
+        + ([("Content-Length", length)] if length is not None and has_body else [])
     try:
         upstream = await client.send(client.build_request(
             request.method, url, headers=sent, content=request.stream() if has_body else None), stream=True)
