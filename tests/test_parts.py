@@ -673,3 +673,107 @@ def test_bunshinrl_has_no_cycle_no_private_import_and_floors_one_way() -> None:
     assert u == ["bunshinrl.calls.task imports bunshinrl.rollout.core",
                  "bunshinrl.calls.task imports bunshinrl.prefix.cache"]
     assert p == ["bunshinrl.calls.task imports bunshinrl.prefix.cache._ewma"]
+
+
+# ---- bunshinrl: no reads of another object's privates, small files, a core that sequences ----
+
+# The rollout core: the modules split from rollout/core.py (issue 37). The engine, wiring and
+# audit drive it from above and are not counted.
+RL_CORE = ("core", "services", "starts", "sample", "sample_state", "warm", "rewind", "captures", "speculating")
+RL_MAX_LINES = 400
+RL_MAX_CACHE_VERBS = 8
+
+
+def _private_reads(source: str) -> list[str]:
+    """`obj._x` where obj is not self, cls or super(): a read of another object's private
+    attribute (a module's own privates are imported by name, which the import rule checks)."""
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        v = node.value
+        if isinstance(v, ast.Name) and v.id in ("self", "cls"):
+            continue
+        if isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "super":
+            continue
+        out.append((node.lineno, ast.unparse(node)))
+    return [f"{line}: {text}" for line, text in sorted(out)]
+
+
+def _cache_verbs(source: str) -> set[str]:
+    """The methods called on the prefix cache (`cache.x(...)` or `<anything>.cache.x(...)`)."""
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            if (isinstance(owner, ast.Name) and owner.id == "cache") or \
+                    (isinstance(owner, ast.Attribute) and owner.attr == "cache"):
+                out.add(node.func.attr)
+    return out
+
+
+def _state_assignments(source: str) -> list[int]:
+    """Lines assigning a sample's state (`x.state = ...`, `x._state = ...`, `x.state.y = ...`)
+    outside Rollout._enter, the one checked transition (None, "not started yet", may be set)."""
+    out = []
+
+    def targets(node: ast.AST) -> list[ast.expr]:
+        if isinstance(node, ast.Assign):
+            return list(node.targets)
+        if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            return [node.target]
+        return []
+
+    def touches_state(t: ast.expr) -> bool:
+        while isinstance(t, ast.Attribute):
+            if t.attr in ("state", "_state"):
+                return True
+            t = t.value
+        return False
+
+    def walk(node: ast.AST, in_enter: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inside = in_enter or (isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) and child.name == "_enter")
+            value = getattr(child, "value", None)
+            unset = isinstance(value, ast.Constant) and value.value is None  # "not started yet"
+            if not inside and not unset and any(touches_state(t) for t in targets(child)):
+                out.append(child.lineno)
+            walk(child, inside)
+
+    walk(ast.parse(source), False)
+    return out
+
+
+def test_bunshinrl_reads_no_private_attribute_of_another_object() -> None:
+    found = {str(p.relative_to(RL_PACKAGE.parent)): reads for p in sorted(RL_PACKAGE.rglob("*.py"))
+             if (reads := _private_reads(p.read_text()))}
+    assert found == {}, "reach another object through its documented methods, not its _attributes"
+    assert _private_reads("self.core._background(x)\ncache._lock\nws._rec.network\n") == \
+        ["1: self.core._background", "2: cache._lock", "3: ws._rec"]
+    assert _private_reads("self._x\ncls._y\nsuper()._z()\nx.__class__\n") == []
+
+
+def test_bunshinrl_files_are_small() -> None:
+    long = {str(p.relative_to(RL_PACKAGE.parent)): n for p in sorted(RL_PACKAGE.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > RL_MAX_LINES}
+    assert long == {}, f"split these by concern (at most {RL_MAX_LINES} lines a file)"
+
+
+def test_the_rollout_core_holds_few_of_the_caches_verbs_and_moves_state_only_by_transition() -> None:
+    verbs: set[str] = set()
+    assignments = {}
+    for name in RL_CORE:
+        source = (RL_PACKAGE / "rollout" / f"{name}.py").read_text()
+        verbs |= _cache_verbs(source)
+        if lines := _state_assignments(source):
+            assignments[name] = lines
+    assert len(verbs) <= RL_MAX_CACHE_VERBS, f"the core uses {len(verbs)} of the cache's verbs: {sorted(verbs)}"
+    assert assignments == {}, "a sample's state changes only through Rollout._enter (sample_state.transition)"
+    # The whole package assigns no state outside the transition either.
+    others = {str(p.relative_to(RL_PACKAGE.parent)): lines for p in sorted(RL_PACKAGE.rglob("*.py"))
+              if (lines := _state_assignments(p.read_text()))}
+    assert others == {}
+    # The checkers see what they are for.
+    assert _cache_verbs("self.core.cache.begin(n, c)\ncache.attach(n, p)\nother.lookup(x)\n") == {"begin", "attach"}
+    assert _state_assignments("r.state = Live(ws)\nself.state.shadow = t\nself._state = None\n"
+                              "def _enter(self, new):\n    self._state = transition(self._state, new)\n") == [1, 2]
