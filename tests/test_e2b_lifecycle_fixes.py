@@ -1,10 +1,10 @@
 """Issue 39's lifecycle and ingress fixes, through a real `bunshin serve` and E2B's own SDK (and
 plain HTTP where the SDK has no call): a filesystem-only pause (pause {"memory": false},
-autoPauseMemory false) keeps the files and cold-boots; a /health probe during a deadline's pause
-never kills the sandbox (50 runs); a request to a paused auto-resume sandbox's port resumes it,
-and one the sandbox would refuse does not; network.maskRequestHost is the Host its ports get;
-POST /snapshots/{id}/fork (e2b-dev/infra PR #3441) under the server's cap; the metrics' walk of
-a layer follows no link."""
+autoPauseMemory false) keeps the files and cold-boots, and so does connect {"memory": false};
+a /health probe during a deadline's pause never kills the sandbox (50 runs); a request to a
+paused auto-resume sandbox's port resumes it, and one the sandbox would refuse does not;
+network.maskRequestHost is the Host its ports get; POST /snapshots/{id}/fork (e2b-dev/infra
+PR #3441) under the server's cap; the metrics' walk of a layer follows no link."""
 
 from __future__ import annotations
 
@@ -106,6 +106,20 @@ def test_auto_pause_without_memory(served: support.Served, made: list[str]) -> N
     resumed = sbx.connect()
     assert resumed.files.read("/home/user/m.txt") == "m"
     assert _identity(resumed)[0] != before[0]
+
+
+def test_reboot_ignores_the_memory_a_pause_saved(served: support.Served, made: list[str]) -> None:
+    """connect(on_resume="reboot") (memory false): a cold boot from the files of a memory pause."""
+    sbx = e2b.Sandbox.create(timeout=120)
+    made.append(sbx.sandbox_id)
+    sbx.files.write("/home/user/r.txt", "r")
+    sbx.commands.run("sleep 1000", background=True)
+    before = _identity(sbx)
+    assert sbx.pause()
+    resumed = sbx.connect(on_resume="reboot")
+    assert resumed.files.read("/home/user/r.txt") == "r"
+    assert _identity(resumed)[0] != before[0]
+    assert "sleep 1000" not in _processes(resumed)
 
 
 # ---- 2. /health during a deadline's pause ----

@@ -33,8 +33,9 @@ from typing import IO, Any, Literal, TypeVar
 
 from .. import idmap
 from ..errors import InvalidArgumentException, WorkspaceStateError
-from ..fs import frozen
+from ..fs import SAVED_LAYER, frozen
 from ..spec import WorkspaceSpec
+from ..state import SnapshotMeta
 from ..workspace import Workspace, host_memory
 from . import sidecar
 from .types import SandboxMetrics
@@ -388,6 +389,28 @@ def boot_files(dest: Path, timeout: float) -> Workspace:
         ws.destroy()
         raise
     return ws
+
+
+def reboot_saved(ws: Workspace, timeout: float) -> Workspace:
+    """E2B's on_resume="reboot" (connect {"memory": false}) of a workspace paused to disk with
+    its memory: a cold boot from the files its pause saved (the saved snapshot's flattened
+    layer, its spec and egress rules), its memory ignored; the paused workspace is then
+    destroyed. The rescue path for a memory image that will not restore."""
+    saved = ws.record.saved
+    if ws.info().state != PAUSED_TO_DISK or saved is None:
+        raise WorkspaceStateError(f"workspace {ws.id} is not paused to disk")
+    meta = SnapshotMeta.load(Path(saved))
+    new = Workspace.create(meta.spec, timeout=timeout or None)
+    try:
+        _put_back(new, Path(saved) / SAVED_LAYER / "upper", idmap.BASE if meta.spec.userns else 0)
+        side = ws.state_dir / sidecar.FILE
+        if side.is_file():
+            (new.state_dir / sidecar.FILE).write_text(side.read_text())
+    except BaseException:
+        new.destroy()
+        raise
+    ws.destroy()
+    return new
 
 
 def _put_back(ws: Workspace, upper: Path, shift: int) -> None:

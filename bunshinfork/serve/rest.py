@@ -233,12 +233,15 @@ class Rest:
         timeout = body.get("timeout")
         if timeout is not None:
             timeout = lifecycle.check_timeout(timeout)
+        memory = body.get("memory", True)  # False: on_resume="reboot", a cold boot from the files
+        if not isinstance(memory, bool):
+            raise ApiError(400, "memory must be a boolean")
         e = self.entry(request.path_params["sandbox_id"])
         async with e.lock:
             resumed = e.paused
             if e.paused:
                 with self.slots(1):
-                    await self.resume(e, timeout)
+                    await self.resume(e, timeout, memory)
             e.deadline = lifecycle.extended(e.deadline, timeout)
             await self.apply_deadline(e)
         return JSONResponse(self.sandbox_json(e), status_code=201 if resumed else 200)
@@ -247,7 +250,7 @@ class Rest:
         """Where a filesystem-only pause keeps the sandbox's files."""
         return self.store.paused_dir(e.sandbox_id) / lifecycle.FILES
 
-    async def resume(self, e: Entry, timeout: int | None) -> None:
+    async def resume(self, e: Entry, timeout: int | None, memory: bool = True) -> None:
         assert e.workspace_id is not None
         e.deadline = lifecycle.resumed_deadline(timeout)
         files = self.files_dir(e)
@@ -261,6 +264,14 @@ class Rest:
             await asyncio.to_thread(shutil.rmtree, files, True)
             return
         ws = await asyncio.to_thread(Workspace.connect, e.workspace_id)
+        if not memory and await asyncio.to_thread(lifecycle.is_paused, ws):
+            # connect {"memory": false}: E2B's reboot ignores the memory its pause saved.
+            ws = await asyncio.to_thread(lifecycle.reboot_saved, ws,
+                                         lifecycle.workspace_lifetime(e.lifecycle, e.deadline))
+            e.workspace_id, e.sbx, e.paused = ws.id, AsyncSandbox(ws), False
+            self.store.save(e)
+            await asyncio.to_thread(shutil.rmtree, self.store.paused_dir(e.sandbox_id), True)
+            return
         await asyncio.to_thread(lifecycle.resume, ws, e.lifecycle, e.deadline)
         e.sbx, e.paused = AsyncSandbox(ws), False
         self.store.save(e)
