@@ -24,7 +24,7 @@ import pytest
 # (which rl_support imports); bunshinrl needs no particular order (tests/test_embed.py).
 import verl  # noqa: F401
 from hydra import compose, initialize_config_dir
-from rl_support import no_own_leaks, serve_vllm  # noqa: F401 (no_own_leaks: a fixture, used by name)
+from rl_support import liar, no_own_leaks, serve_vllm  # noqa: F401 (no_own_leaks: a fixture, used by name)
 from verl.experimental.agent_loop.agent_loop import AgentLoopWorker, _agent_loop_registry
 from verl.experimental.agent_loop.tool_agent_loop import AgentData
 from verl.protocol import DataProto
@@ -35,9 +35,11 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.import_utils import resolve_config_path
 from verl.workers.config import RolloutConfig
 
-from bunshinrl.adapters import Runtime
+from bunshinrl import Task, Tool
+from bunshinrl.adapters import Runtime, register_task
 from bunshinrl.adapters.verl import BunshinAgentLoop, BunshinTool, VLLMServerClient
 from bunshinrl.grpo import VLLMServer, suite
+from bunshinrl.policies.actions import FINAL, call
 from bunshinrl.policies.chat import SYSTEM_PROMPT
 
 pytestmark = pytest.mark.usefixtures("no_own_leaks")
@@ -144,23 +146,24 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     yield from serve_vllm(model_dir, tmp_path_factory, max_num_seqs=1)
 
 
-def _batch(groups: int) -> DataProto:
+def _batch(groups: int, task: Task = TASK) -> DataProto:
     """`groups` GRPO groups of GROUP samples of the task's prompt, each under its own uid, as verl's
     trainer hands them to the agent loop workers (AgentLoopManager adds the per-sample priority,
     which names the request under full_determinism: det-<priority>)."""
     n = groups * GROUP
     raw = np.empty(n, dtype=object)
-    raw[:] = [[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": TASK.prompt}]
+    raw[:] = [[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.prompt}]
               for _ in range(n)]
     return DataProto(non_tensor_batch={
         "raw_prompt": raw, "uid": np.array([f"uid-{i // GROUP}" for i in range(n)], dtype=object),
         "index": np.array([i // GROUP for i in range(n)], dtype=np.int64),
         "agent_name": np.array(["bunshin_agent"] * n, dtype=object), "priority": np.arange(n),
-        "extra_info": np.array([{"bunshin_task": TASK.id}] * n, dtype=object)}, meta_info={})
+        "extra_info": np.array([{"bunshin_task": task.id}] * n, dtype=object)}, meta_info={})
 
 
 def _run_batches(model_dir: Path, server: VLLMServer, tmp: Path, runtime: dict[str, Any],
-                 batches: list[int]) -> list[tuple[DataProto, dict[str, Any]]]:
+                 batches: list[int], task: Task = TASK,
+                 tool_config: Path = EXAMPLES / "tool_config.yaml") -> list[tuple[DataProto, dict[str, Any]]]:
     """Batches (of so many GRPO groups each) through AgentLoopWorker.generate_sequences, the
     runtime configured by the agent-loop registry entry; per batch verl's output and each
     request's trajectory (calls, observations, what served them, reward, forked_from)."""
@@ -169,7 +172,7 @@ def _run_batches(model_dir: Path, server: VLLMServer, tmp: Path, runtime: dict[s
                      f"  constrain: true\n  runtime: {runtime!r}\n".replace("'", '"'))
     cfg = _config(str(model_dir), entry, full_determinism="true", calculate_log_probs="true", prompt_length=1536,
                   response_length=1536, **{"multi_turn.max_assistant_turns": 5,
-                                           "multi_turn.tool_config_path": EXAMPLES / "tool_config.yaml"})
+                                           "multi_turn.tool_config_path": tool_config})
 
     async def main() -> list[tuple[DataProto, dict[str, Any]]]:
         client = VLLMServerClient(cfg, server.base_url, server.model)
@@ -178,7 +181,7 @@ def _run_batches(model_dir: Path, server: VLLMServer, tmp: Path, runtime: dict[s
         seen = 0
         try:
             for groups in batches:
-                result = await worker.generate_sequences(_batch(groups))
+                result = await worker.generate_sequences(_batch(groups, task))
                 rt = Runtime.shared()  # the agent loop made it, with the registry entry's options
                 await rt.core.drain()  # a selector refit, started at the batch's end, finishes
                 out.append((result, {key: {"calls": [s.call.key for s in r.history],
@@ -239,3 +242,56 @@ def test_the_agent_loop_runs_grpo_groups_with_the_cache_and_speculation(model_di
     assert all(s == "cache" for t in d.values() for s in _agent_steps(t))
     assert sum(m["cache_hits"] for m in out_d.non_tensor_batch["bunshin"]) == \
         sum(len(_agent_steps(t)) for t in d.values()) > 0
+
+
+# ---- a served step that does not reproduce: the trajectory is re-rolled ----
+
+
+def _note(ws: Any, args: dict[str, Any]) -> str:
+    r = ws.commands.run("echo n >> /root/notes && wc -l < /root/notes", timeout=30)
+    return str(r.stdout).strip()
+
+
+def _notes_kept(ws: Any) -> float:
+    return float(ws.commands.run("test -s /root/notes", timeout=30).exit_code == 0)
+
+
+def _reroll_task() -> Task:
+    """`liar` claims determinism and observes something new on every call (a replay of it never
+    reproduces); `note` appends to a file and shows how many lines it holds (the state)."""
+    tools = [Tool("liar", liar), Tool("note", _note)]
+    return Task("verl-reroll", "Call the tools, then answer.", tools, lambda ws: None, verify=_notes_kept,
+                spec={"rootfs": "host", "network": "none", "memory_limit": "1G"}, budget=4,
+                actions=(call("liar"), call("note"), FINAL), fingerprint="verl-reroll-v1")
+
+
+def test_a_trajectory_whose_served_step_does_not_reproduce_is_rerolled(model_dir: Path, server: VLLMServer,
+                                                                      tmp_path: Path) -> None:
+    """The same batch twice through verl's AgentLoopWorker with the prefix cache (the second
+    batch's samples are served the first's liar observations, and their own workspaces would have
+    observed other ones). Before, such a trajectory was refused: its later calls failed and it was
+    scored None. Now it is re-rolled with the cache off: scored, every observation its own
+    workspace's, the notes count what its history shows, and the metrics say so."""
+    task = register_task(_reroll_task())
+    tool_config = tmp_path / "reroll_tools.yaml"
+    tool_config.write_text("tools:\n" + "".join(
+        f"  - class_name: bunshinrl.adapters.verl.BunshinTool\n    config: {{type: native, task: {task.id}, "
+        f"tool: {name}}}\n" for name in ("liar", "note")))
+    batches = _run_batches(model_dir, server, tmp_path, {"cache_mib": 256, "speculation_depth": 0}, [1, 1],
+                           task=task, tool_config=tool_config)
+    trajectories = [t for _, batch in batches for t in batch.values()]
+    metrics = [m for out, _ in batches for m in out.non_tensor_batch["bunshin"]]
+    rerolled = [m for m in metrics if m["rerolled"]]
+    print("per sample (divergences, rerolled, rerolled_seconds):",
+          [(m["divergences"], m["rerolled"], m["rerolled_seconds"]) for m in metrics])
+    assert rerolled, "no trajectory diverged: the batches never served a liar observation"
+    for m in rerolled:
+        assert m["rerolled"] == 1 and m["divergences"] >= 1 and m["rerolled_seconds"] > 0
+        assert m["cache_hits"] == 0 and m["tool_calls"] == m["executed"]  # the re-roll ran every call itself
+    for out, batch in batches:
+        rewards = [batch[f"det-{i}"]["reward"] for i in range(GROUP)]
+        assert None not in rewards  # never refused
+        assert out.batch["rm_scores"].sum(-1).tolist() == pytest.approx(rewards)
+    for t in trajectories:
+        notes = [obs for c, obs in zip(t["calls"], t["observations"], strict=True) if c.startswith("note")]
+        assert notes == [str(i + 1) for i in range(len(notes))]  # the state is the history it was shown

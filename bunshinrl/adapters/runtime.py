@@ -243,7 +243,7 @@ class Runtime:
             return
         self._since_fit = 0
         # Retrained off the loop: the rollouts go on with the old selector meanwhile.
-        self._fitting = self.core._background(run_blocking(self.core.fit_selector))
+        self._fitting = self.core.background(run_blocking(self.core.fit_selector))
 
     # ---- synchronous callers ----
 

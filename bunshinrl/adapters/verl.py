@@ -17,12 +17,21 @@ fork one snapshot of the task's initialized workspace; with the prefix cache the
 root state), its turns' tool calls go through BunshinTool (parallel calls run in order), the
 calls it predicts run while the server generates, and when the episode ends the task's
 verifier scores the final state into `AgentLoopOutput.reward_score`.
+
+verl's conversation cannot be cut back, so a sample whose served step does not reproduce (the
+rollout core's Rewound: a cached observation its own workspace would not have produced) is not
+rewound: BunshinAgentLoop ends the episode there, discards it, and re-rolls the whole trajectory
+with the cache off for it (Runtime.start(cached=False): every call runs on the trajectory's own
+workspace). `extra_fields["bunshin"]` counts `rerolled` and `rerolled_seconds` (the discarded
+attempt's time) beside the divergences. A BunshinTool driven by another agent loop refuses such a
+trajectory instead: its later calls fail and it is scored 0.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -38,9 +47,20 @@ from verl.workers.rollout.replica import TokenOutput
 from ..calls.signature import ToolCall
 from ..calls.task import Task
 from ..calls.tools import is_hidden
+from ..rollout.core import Rewound, Rollout
 from .runtime import Runtime, plain, resolve_task, rollout_metrics, task_options
 
 log = logging.getLogger(__name__)
+
+
+class _Reroll(BaseException):
+    """A served step of a trajectory BunshinAgentLoop runs did not reproduce: the episode ends
+    here and is rolled again. A BaseException so that verl's tool agent loop, which turns a tool's
+    Exception into the model's next observation, lets it through to BunshinAgentLoop.run."""
+
+
+# Trajectories (request ids) whose agent loop re-rolls them on a divergence.
+_REROLLING: set[str] = set()
 
 
 class BunshinTool(BaseTool):
@@ -89,7 +109,12 @@ class BunshinTool(BaseTool):
                       **kwargs: Any) -> tuple[ToolResponse, float, dict[str, Any]]:
         key = self._trajectory(instance_id, kwargs)
         rollout = self.runtime.get(key) or await self.runtime.start(key, self.task)
-        obs = await rollout.call(ToolCall(self.name, parameters))
+        try:
+            obs = await rollout.call(ToolCall(self.name, parameters))
+        except Rewound:
+            if key in _REROLLING:
+                raise _Reroll() from None
+            raise  # refused: verl's loop shows the model the error, later calls fail
         return ToolResponse(text=obs), 0.0, {"trajectory_id": key, "served": rollout.served[-1]}
 
     async def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
@@ -126,6 +151,7 @@ class BunshinAgentLoop(ToolAgentLoop):
         self._task: Task | None = None
         self._group: str | None = None
         self._agent_data: AgentData | None = None
+        self._cached = True
 
     def _sample_task(self, kwargs: Mapping[str, Any]) -> Task:
         name = plain(kwargs.get("extra_info")).get("bunshin_task")
@@ -144,26 +170,69 @@ class BunshinAgentLoop(ToolAgentLoop):
             from ..policies.chat import candidate_replies
 
             sampling_params = {**sampling_params, "structured_outputs": {"choice": list(candidate_replies(task))}}
+        t = time.monotonic()
+        episode = await self._episode(sampling_params, kwargs, cached=True)
+        rerolled_seconds, diverged = 0.0, None
+        if isinstance(episode, Rollout):
+            # A served step did not reproduce: the attempt is discarded, the trajectory rolled
+            # again with every call run on its own workspace.
+            diverged, rerolled_seconds = episode, time.monotonic() - t
+            episode = await self._episode(sampling_params, kwargs, cached=False)
+        assert not isinstance(episode, Rollout)
+        output, rollout = episode
+        output.reward_score = rollout.reward
+        metrics = rollout_metrics(rollout)
+        if diverged is not None:
+            first = rollout_metrics(diverged)
+            metrics["divergences"] += first["divergences"]
+            metrics["divergence_seconds"] = round(metrics["divergence_seconds"] + first["divergence_seconds"], 3)
+            metrics["rerolled"] += 1
+        metrics["rerolled_seconds"] = round(rerolled_seconds, 3)
+        output.extra_fields["bunshin"] = metrics
+        return output
+
+    async def _episode(self, sampling_params: dict[str, Any], kwargs: Mapping[str, Any],
+                       cached: bool) -> tuple[AgentLoopOutput, Rollout] | Rollout:
+        """One attempt at the sample's trajectory: (verl's output, the scored rollout), or the
+        discarded rollout when a served step did not reproduce (only with the cache)."""
+        self._cached = cached
+        self._agent_data = None
         try:
             output = await super().run(sampling_params, **kwargs)
+            assert self._agent_data is not None
+            last = self._agent_data.messages[-1] if self._agent_data.messages else {}
+            answered = last.get("role") == "assistant" and not last.get("tool_calls")
+            rollout = await self.runtime.end(self._agent_data.request_id,
+                                             str(last.get("content") or "") if answered else None)
+        except (_Reroll, Rewound):  # Rewound: the verifier's call found it, in end()
+            if self._agent_data is None or not cached:
+                raise
+            key = self._agent_data.request_id
+            discarded = self.runtime.get(key)
+            if discarded is not None:
+                await self.runtime.discard(key)
+            else:  # end() had closed it
+                discarded = next(r for k, r in reversed(self.runtime.finished) if k == key)
+            return discarded
         except BaseException:
             if self._agent_data is not None:
                 await self.runtime.discard(self._agent_data.request_id)
             raise
-        assert self._agent_data is not None
-        last = self._agent_data.messages[-1] if self._agent_data.messages else {}
-        answered = last.get("role") == "assistant" and not last.get("tool_calls")
-        rollout = await self.runtime.end(self._agent_data.request_id, str(last.get("content") or "") if answered
-                                         else None)
+        finally:
+            if self._agent_data is not None:
+                _REROLLING.discard(self._agent_data.request_id)
         assert rollout is not None
-        output.reward_score = rollout.reward
-        output.extra_fields["bunshin"] = rollout_metrics(rollout)
-        return output
+        return output, rollout
 
     async def _handle_pending_state(self, agent_data: AgentData, sampling_params: dict[str, Any]) -> AgentState:
         assert self._task is not None
         self._agent_data = agent_data
-        await self.runtime.start(agent_data.request_id, self._task, group=self._group)
+        if not self._cached and self.runtime.get(agent_data.request_id) is not None:
+            # A parallel call of the discarded attempt, still unwinding, may have opened the key again.
+            await self.runtime.discard(agent_data.request_id)
+        await self.runtime.start(agent_data.request_id, self._task, group=self._group, cached=self._cached)
+        if self._cached:
+            _REROLLING.add(agent_data.request_id)
         return await super()._handle_pending_state(agent_data, sampling_params)
 
 
