@@ -684,22 +684,6 @@ RL_MAX_LINES = 400
 RL_MAX_CACHE_VERBS = 8
 
 
-def _private_reads(source: str) -> list[str]:
-    """`obj._x` where obj is not self, cls or super(): a read of another object's private
-    attribute (a module's own privates are imported by name, which the import rule checks)."""
-    out: list[tuple[int, str]] = []
-    for node in ast.walk(ast.parse(source)):
-        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
-            continue
-        v = node.value
-        if isinstance(v, ast.Name) and v.id in ("self", "cls"):
-            continue
-        if isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "super":
-            continue
-        out.append((node.lineno, ast.unparse(node)))
-    return [f"{line}: {text}" for line, text in sorted(out)]
-
-
 def _cache_verbs(source: str) -> set[str]:
     """The methods called on the prefix cache (`cache.x(...)` or `<anything>.cache.x(...)`)."""
     out = set()
@@ -745,11 +729,12 @@ def _state_assignments(source: str) -> list[int]:
 
 
 def test_bunshinrl_reads_no_private_attribute_of_another_object() -> None:
+    """bunshinfork's rule (_private_reads), over bunshinrl."""
     found = {str(p.relative_to(RL_PACKAGE.parent)): reads for p in sorted(RL_PACKAGE.rglob("*.py"))
              if (reads := _private_reads(p.read_text()))}
     assert found == {}, "reach another object through its documented methods, not its _attributes"
-    assert _private_reads("self.core._background(x)\ncache._lock\nws._rec.network\n") == \
-        ["1: self.core._background", "2: cache._lock", "3: ws._rec"]
+    assert sorted(_private_reads("self.core._background(x)\ncache._lock\nws._rec.network\n")) == \
+        [(1, "self.core._background"), (2, "cache._lock"), (3, "ws._rec")]
     assert _private_reads("self._x\ncls._y\nsuper()._z()\nx.__class__\n") == []
 
 
