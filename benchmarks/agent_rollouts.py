@@ -110,6 +110,7 @@ from bunshinrl.envs import coding, gui, webshop
 from bunshinrl.envs.faults import FaultAuditor, FaultGuard, KeyedPolicy, inject_faults
 from bunshinrl.rollout.audit import AUDIT_MODES, TrajectoryAuditor, cache_roots
 from bunshinrl.rollout.reasoning import ReasoningClock
+from bunshinrl.rollout.timeline import DIVERGENCE_KINDS
 from bunshinrl.rollout.wiring import CoreConfig, build_core
 from bunshinrl.speculation.speculator import PLACEMENTS
 
@@ -369,8 +370,10 @@ def summarize(run: ConfigRun) -> dict[str, Any]:
         "wasted_speculation_seconds_per_epoch": [e["wasted_speculation_seconds"] for e in ep],
         "errors": [x for e in ep for x in e["errors"]],
         # The invariant at work: replays that diverged, samples rewound, trajectories re-rolled.
+        # and the divergences by kind (divergences_mid_plan, _removed_node, _speculation, _sibling_race).
         "invariant_per_epoch": [{k: e[k] for k in ("divergences", "divergence_seconds", "rewound", "rewound_steps",
-                                                   "rewound_seconds", "rerolled")} for e in ep],
+                                                   "rewound_seconds", "rerolled",
+                                                   *(f"divergences_{d}" for d in DIVERGENCE_KINDS))} for e in ep],
         "phases_per_epoch": [e["phases"] for e in ep],
         # The trajectory audit per epoch (Full's; None where it did not run).
         "audit_per_epoch": [e["audit"] for e in ep],

@@ -89,8 +89,6 @@ class SampleServices:
         fut.add_done_callback(self._bg.discard)
         return fut
 
-    _background = background  # the name adapters/ used before; to go once they call background()
-
     async def destroy(self, ws: Workspace) -> None:
         """Destroy a workspace the core holds (and forget it in the memory sampling)."""
         self.workspaces.discard(ws)
