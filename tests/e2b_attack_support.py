@@ -63,7 +63,8 @@ http.server.ThreadingHTTPServer(("0.0.0.0", 8000), H).serve_forever()
 def serve_count(sbx: e2b.Sandbox) -> str:
     """Start the counting server on the sandbox's port 8000; the port's proxy host name."""
     sbx.files.write("/tmp/count.py", COUNT_SERVER)
-    sbx.commands.run("python3 /tmp/count.py", background=True)
+    # timeout=0: E2B's default (60 s) would end the server a minute in.
+    sbx.commands.run("python3 /tmp/count.py", background=True, timeout=0)
     # The listener is up when a connect succeeds (polled inside the sandbox, bounded by seq).
     sbx.commands.run("for i in $(seq 400); do python3 -c 'import socket; socket.create_connection("
                      "(\"127.0.0.1\", 8000), 1)' 2>/dev/null && exit 0; sleep 0.05; done; exit 1",
@@ -83,8 +84,8 @@ class AttackResult:
     bodies: int = 0  # bodies sent without a key, each answered with its length by the sandbox
     body_bytes: int = 0
     half_open_opened: int = 0
-    # Seconds from a half-open connection's last byte (its connect or its partial head) to the
-    # server's close of it.
+    # Seconds from a half-open connection's connect (the instant before it) to the server's
+    # close of it: the head deadline runs from the connect, partial bytes do not extend it.
     half_open_closed_after: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -166,18 +167,20 @@ class Attackers:
 
     def _hold(self) -> None:
         """Keep `half_open` connections open, each with a partial head or none; a connection the
-        server closes is timed (from its last byte) and, unless `once`, opened again."""
+        server closes is timed (from its connect) and, unless `once`, opened again."""
         addr = server_addr(self.served)
         sel = selectors.DefaultSelector()
         opened = 0
 
         def open_one() -> None:
             nonlocal opened
+            # The server's deadline runs from its accept, which comes after this instant.
+            began = time.monotonic()
             s = socket.create_connection(addr, 10)
             if opened % 2:  # half stop mid-header, half send nothing at all
                 s.sendall(b"GET /sandboxes HTTP/1.1\r\nHost: localhost\r\nX-Slow: ")
             s.setblocking(False)
-            sel.register(s, selectors.EVENT_READ, time.monotonic())
+            sel.register(s, selectors.EVENT_READ, began)
             opened += 1
 
         try:

@@ -84,10 +84,10 @@ def test_clients_are_answered_while_three_attackers_run(served: support.Served) 
         assert hit.bodies == 1 and hit.body_bytes == BODY_BYTES
 
         # Every half-open connection was closed by the server, and by the head deadline: not
-        # before it (the client's clock starts after the server's, a little later).
+        # before it (timed from the instant before its connect, which precedes the server's accept).
         closes = sorted(hit.half_open_closed_after)
         assert hit.half_open_opened == 100 and len(closes) == 100, (hit.half_open_opened, len(closes))
-        assert closes[0] >= HEADER_TIMEOUT - 0.25, closes[:5]
+        assert closes[0] >= HEADER_TIMEOUT, closes[:5]
 
         # Nothing held: connections closed, fds and threads back within the baseline.
         after = attack.settle(served, within=base)
