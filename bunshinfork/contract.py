@@ -103,6 +103,9 @@ class Build:
     # still stopped under CRIU's ptrace, before any of them runs again.
     pre_resume: list[Callable[[list[int]], None]] = field(default_factory=list)
     pidfd: int | None = None  # process: the init's pidfd, once it runs
+    # network: CRIU --external entries for a clone's restore (the veth whose host end it makes,
+    # or a pre-made one it moves in).
+    criu_external: list[str] = field(default_factory=list)
     # Run when the build ends, whether it succeeded or not (a mount the host no longer needs,
     # the end of a ksm burst).
     deferred: list[Callable[[], None]] = field(default_factory=list)

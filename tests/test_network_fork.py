@@ -137,6 +137,26 @@ def test_fork_keeps_internal_closes_external(internet: FakeHost, memory: str, na
     assert clones.table_rules() == []
 
 
+def test_fork_in_a_user_namespace_is_online(internet: FakeHost) -> None:
+    """A clone in a user namespace (serve's default) gets eth0 as the source had it (CRIU moves
+    in a veth made beforehand: its own veth restore through usernsd fails with EOPNOTSUPP), and
+    its ICMP sockets (ping_group_range in the map's host gids, which CRIU's dump maps into the
+    namespace: the whole-range value failed the restore with EINVAL)."""
+    with Workspace.create(rootfs="debian", userns=True, network="bridge", nat=True) as src:
+        start(src, internet)
+        kids = forked(src.fork(2, "copy"))
+        try:
+            check_family(src, kids, internet)
+            for k in kids:
+                assert run_ok(k, ["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", "python3", "-c",
+                                  "import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM, "
+                                  "socket.IPPROTO_ICMP); print('icmp')"]).stdout.strip() == "icmp"
+        finally:
+            for k in kids:
+                k.destroy()
+    assert clones.table_rules() == []
+
+
 def test_fork_of_a_saved_snapshot(internet: FakeHost, tmp_path: object) -> None:
     with Workspace.create(network="bridge") as src:
         start(src, internet)

@@ -42,9 +42,9 @@ from __future__ import annotations
 
 from pyroute2 import IPRoute
 
-from .. import state
+from .. import idmap, state
 from ..contract import Build, Capture, Check, Held, Part
-from ..state import NetworkState
+from ..state import NetworkState, Record
 from . import bridge, ports
 from .bridge import (
     BRIDGE,
@@ -88,6 +88,14 @@ def check_nftables() -> Check:
 PING_GROUPS = {"ipv4/ping_group_range": "0 2147483647"}
 
 
+def ping_groups(rec: Record) -> dict[str, str]:
+    """PING_GROUPS, or in a user namespace the host gids of its map (written from the host, they
+    are read back so by CRIU's dump, which maps them into the namespace for its restore; a gid
+    outside the map, as 2147483647, fails the clone's restore with EINVAL)."""
+    shift = rec.fs.rootfs.shift if rec.fs is not None else 0
+    return {"ipv4/ping_group_range": f"{shift} {shift + idmap.SIZE - 1}"} if shift else PING_GROUPS
+
+
 class NetworkPart(Part):
     name = "network"
     probes = (check_netlink, check_nftables)
@@ -97,7 +105,7 @@ class NetworkPart(Part):
         assert rec.process is not None
         rec.network = setup(rec.id, rec.process.pid, rec.spec.network, nat=rec.spec.nat, egress_spec=rec.spec.egress,
                             block_private=rec.spec.block_private, isolated=rec.spec.port_isolation)
-        sysctls_in(rec.process.pid, PING_GROUPS)
+        sysctls_in(rec.process.pid, ping_groups(rec))
 
     def capture(self, c: Capture) -> None:
         net = c.source.network
@@ -112,19 +120,28 @@ class NetworkPart(Part):
         captured = load_capture(b.source.dir)
         if captured is None:
             b.rec.network = NetworkState("none")
-            b.pre_resume.append(lambda pids: sysctls_in(pids[0], PING_GROUPS) if pids else None)
+            groups = ping_groups(b.rec)
+            b.pre_resume.append(lambda pids: sysctls_in(pids[0], groups) if pids else None)
             return
         source, flows = captured
         # Recorded as soon as its rules exist, so that a failed fork's release removes them too.
         spec = b.rec.spec
         b.rec.network = net = setup_clone(b.rec.id, source, flows, spec.egress, spec.block_private, spec.port_isolation)
+        assert net.host_if is not None
+        if spec.userns:
+            # CRIU makes a veth with a host end only through usernsd, which this kernel refuses
+            # (EOPNOTSUPP): the pair is made here and CRIU moves its inner end in (netdev[],
+            # with the ifindex, name and address eth0 had), as LXD has it do.
+            b.criu_external.append(f"netdev[eth0]:{bridge.make_clone_pair(net.host_if)}")
+        else:
+            b.criu_external.append(f"veth[eth0]:{net.host_if}")  # CRIU makes the pair, host end named
 
         def finish(pids: list[int]) -> None:
             # Every task is still stopped: the link goes up, and the inherited connections are
             # aborted inside the clone (their RSTs die in the host's raw table) before any runs.
             # IPv6 stays off and ping open inside, whatever the restored namespace says.
             if pids:
-                sysctls_in(pids[0], {**NS_IPV6_OFF, **PING_GROUPS})
+                sysctls_in(pids[0], {**NS_IPV6_OFF, **ping_groups(b.rec)})
             clone_link_up(b.rec.id, net)
             if flows and pids:
                 destroy_tcp(pids[0], flows)

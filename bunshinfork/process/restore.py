@@ -81,10 +81,7 @@ def restore_tree(b: Build) -> int:
     try:
         opts = restore_opts(b.source.images, wfd, str(b.root.path), cg.hierarchy_paths(), fresh_net,
                             cgyard.of(b.source.dir), spec.userns)
-        net = b.rec.network
-        if net is not None and net.mode == "bridge" and net.host_if:
-            # eth0's peer is the host's: CRIU makes the pair with this host end (network part).
-            opts.external.append(f"veth[eth0]:{net.host_if}")
+        opts.external.extend(b.criu_external)  # eth0's veth (the network part)
         started = time.time()
         try:
             resp = criu.request("restore", opts, on_notify, keep_fds=(wfd,), ksm_merge=b.ksm_merge,
