@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import accounting, images, pipeline, snapshot, state
+from . import accounting, coldboot, images, pipeline, snapshot, state
 from . import memory as memory_engines
 from .accounting import HostMemory
 from .cgroups import Cgroup
@@ -449,6 +449,32 @@ class Workspace:
         shutil.rmtree(str(saved), ignore_errors=True)
         with self._lock:  # the same object runs again: its commands, files and pty with it
             self._rec, self._pidfd = b.rec, b.pidfd
+
+    def pause_files(self, path: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> None:
+        """E2B's filesystem-only pause: save the workspace's files alone (its layers above the
+        rootfs, flattened) at `path` with its spec, egress rules and `extra` (JSON, a front
+        door's own state), then destroy it: no memory, no process is kept. boot_files() cold-boots
+        them. A failed save leaves it running, unchanged."""
+        coldboot.save(self, Path(path), extra)
+
+    @staticmethod
+    def files_saved(path: str | os.PathLike[str]) -> bool:
+        """Whether `path` holds what pause_files() saved."""
+        return coldboot.saved(Path(path))
+
+    @staticmethod
+    def boot_files(path: str | os.PathLike[str], *, timeout: float | None = None) -> tuple[Workspace, dict[str, Any]]:
+        """The cold boot of pause_files(): a new workspace (new hostname and boot id) with the saved
+        spec, egress rules and files, and the `extra` saved with them; `timeout` its lifetime
+        (None or 0: none). `path` is left for the caller to remove."""
+        return coldboot.boot(Path(path), timeout, Workspace.create)
+
+    def reboot(self, *, timeout: float | None = None, keep: tuple[str, ...] = ()) -> Workspace:
+        """A cold boot of a workspace paused to disk (pause_to_disk), its memory ignored: a new
+        workspace with the saved files and spec, and the files named in `keep` (relative to
+        state_dir) carried over; this one is then destroyed. WorkspaceStateError where it is
+        not paused to disk."""
+        return coldboot.reboot(self, timeout, keep, Workspace.create)
 
     def signal(self, sig: int) -> None:
         """Send `sig` to the workspace's init: KILL ends the workspace (destroy() removes what is

@@ -81,7 +81,7 @@ def overlay_options(stack: Iterable[Layer], rootfs_lowers: Iterable[str], upper:
 # ---- flattening: several overlay layers into one, as overlayfs shows them ----
 
 
-def _is_opaque(path: str) -> bool:
+def is_opaque(path: str) -> bool:
     try:
         return os.getxattr(path, OPAQUE, follow_symlinks=False) == b"y"
     except OSError:
@@ -119,7 +119,7 @@ def _apply(src: str, dst: str) -> None:
     with os.scandir(src) as it:
         for e in it:
             d = os.path.join(dst, e.name)
-            if e.is_dir(follow_symlinks=False) and not _is_opaque(e.path) \
+            if e.is_dir(follow_symlinks=False) and not is_opaque(e.path) \
                     and os.path.isdir(d) and not os.path.islink(d):
                 merge.append((e.path, d))
             else:
