@@ -2,8 +2,11 @@
 others (issue 36 #9, #14): each drives the real server (a child process on loopback) with the
 real `e2b` SDK, httpx or raw sockets.
 
-- sandboxes of one server reach each other by no path (port isolation), and get memory and
-  pids limits, reported as cpuCount/memoryMB;
+- sandboxes of one server reach each other by no path (port isolation), and get CPU, memory,
+  pids and disk limits (a template's own where the operator set them), reported as
+  cpuCount/memoryMB/diskSizeMB;
+- they run in a user namespace: root inside, sudo's included, is an unprivileged host id;
+  `base` is a Debian rootfs with E2B's base tools (sudo for `user`, python3, git, curl);
 - running sandboxes are capped per server (429, the SDK's RateLimitException);
 - bodies: a control-plane body past 1 MiB, an upload past --max-upload-bytes are refused with
   413, the port proxy streams a body through instead of holding it;
@@ -60,7 +63,8 @@ http.server.ThreadingHTTPServer(("0.0.0.0", 8000), H).serve_forever()
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[support.Served]:
     extra = ("--max-sandboxes", str(MAX_SANDBOXES), "--max-upload-bytes", str(UPLOAD_CAP),
-             "--header-timeout", str(HEADER_TIMEOUT), "--block-private")
+             "--header-timeout", str(HEADER_TIMEOUT), "--block-private",
+             "--template-limits", "debian", "cpu=1,memory-mb=256,disk-mb=1024,pids=512")
     with support.serving(tmp_path_factory.mktemp("serve"), extra) as s:
         yield s
 
@@ -110,10 +114,45 @@ def test_sandboxes_of_one_server_do_not_reach_each_other(pair: tuple[e2b.Sandbox
 def test_sandboxes_get_limits_reported_in_their_info(served: support.Served,
                                                      pair: tuple[e2b.Sandbox, e2b.Sandbox]) -> None:
     info = Workspace.connect(pair[0].sandbox_id).info()
-    assert info.memory_limit == 512 << 20 and info.pids_limit == 1024
+    assert (info.memory_limit, info.pids_limit, info.cpu_limit, info.disk_limit) == (
+        512 << 20, 1024, 2.0, 10240 << 20)
     got = _api(served, "GET", f"/sandboxes/{pair[0].sandbox_id}").json()
-    assert got["memoryMB"] == 512 and got["cpuCount"] == min(2, os.cpu_count() or 1)
+    assert (got["memoryMB"], got["cpuCount"], got["diskSizeMB"]) == (512, min(2, os.cpu_count() or 1), 10240)
     assert pair[0].get_info().memory_mb == 512
+    # The operator's --template-limits for debian: held and reported.
+    sbx = e2b.Sandbox.create("debian", timeout=120)
+    try:
+        info = Workspace.connect(sbx.sandbox_id).info()
+        assert (info.memory_limit, info.pids_limit, info.cpu_limit, info.disk_limit) == (
+            256 << 20, 512, 1.0, 1024 << 20)
+        got = _api(served, "GET", f"/sandboxes/{sbx.sandbox_id}").json()
+        assert (got["memoryMB"], got["cpuCount"], got["diskSizeMB"]) == (256, 1, 1024)
+        # A busy loop gets at most one core's worth, whatever the host has free.
+        used = sbx.commands.run("python3 -c 'import os, time\nt = time.time()\nwhile time.time() - t < 2: pass\n"
+                                "c = os.times(); print(c.user + c.system)' & python3 -c 'import os, time\n"
+                                "t = time.time()\nwhile time.time() - t < 2: pass\nc = os.times(); "
+                                "print(c.user + c.system)'; wait", timeout=60).stdout.split()
+        assert sum(float(x) for x in used) < 1.0 * 2 * 1.5 + 0.2, used
+        stat = Path(Workspace.connect(sbx.sandbox_id)._cgroup().paths.get("cpu", ""), "cpu.stat")
+        if stat.parent.name:  # the v1 cpu hierarchy (this host); cgroup v2 keeps it in unified/
+            assert "nr_throttled 0\n" not in stat.read_text()
+    finally:
+        sbx.kill()
+
+
+def test_sandboxes_run_in_a_user_namespace_with_e2b_base_tools(pair: tuple[e2b.Sandbox, e2b.Sandbox]) -> None:
+    """serve's base: sudo for `user` (E2B's base image), python3, git and curl, all the rootfs's
+    own; root inside, sudo's too, is host uid 100000 and up, not the host's root."""
+    sbx = pair[1]
+    out = sbx.commands.run("sudo -n id -u; git --version; curl --version | head -1; python3 -V; "
+                           "sudo -n sleep 30 & sleep 0.5; cat /proc/self/uid_map", timeout=60).stdout.split("\n")
+    assert out[0] == "0" and out[1].startswith("git version") and out[2].startswith("curl ")
+    assert out[3].startswith("Python 3")
+    assert out[4].split()[:2] == ["0", "100000"], out[4]  # root inside is host uid 100000
+    assert Workspace.connect(sbx.sandbox_id).record.spec.userns
+    ws = Workspace.connect(sbx.sandbox_id)
+    host_uids = {int(Path(f"/proc/{p}/status").read_text().split("Uid:")[1].split()[1]) for p in ws.host_pids()}
+    assert host_uids and min(host_uids) >= 100000, host_uids  # the sudo'd sleep among them
 
 
 def test_cli_defaults_are_the_limits_defaults() -> None:
@@ -144,13 +183,15 @@ def test_traffic_resumes_within_the_cap(served: support.Served) -> None:
     r = _api(served, "POST", "/v2/sandboxes", json={"templateID": "base", "timeout": 120, "autoPause": True,
                                                     "autoResume": {"enabled": True}})
     assert r.status_code == 201, r.text
-    paused = r.json()["sandboxID"]
+    paused, token = r.json()["sandboxID"], r.json()["envdAccessToken"]
     extra: list[e2b.Sandbox] = []
     try:
         assert _api(served, "POST", f"/sandboxes/{paused}/pause").status_code == 204
         running = len(_api(served, "GET", "/v2/sandboxes?state=running").json())
         extra = [e2b.Sandbox.create(timeout=120) for _ in range(MAX_SANDBOXES - running)]
-        r = httpx.get(served.url + "/health", headers={"Host": f"49983-{paused}.localhost"}, timeout=30)
+        # With its envd token: a request the sandbox would take (one without wakes nothing).
+        r = httpx.get(served.url + "/health", headers={"Host": f"49983-{paused}.localhost",
+                                                       "X-Access-Token": token}, timeout=30)
         assert r.status_code == 429 and r.json()["code"] == 429, r.text
         assert _api(served, "GET", f"/sandboxes/{paused}").json()["state"] == "paused"
     finally:

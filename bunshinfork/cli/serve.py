@@ -27,6 +27,8 @@ class DEFAULTS:
     max_sandboxes = 100
     memory_mb = 512
     pids = 1024
+    cpu_count = 2
+    disk_mb = 10240
     max_upload_bytes = 256 << 20
     header_timeout = 10.0
 
@@ -71,6 +73,16 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help=f"each sandbox's memory limit (default {limits.memory_mb}, E2B's base template's)")
     p.add_argument("--sandbox-pids", type=_positive, default=limits.pids, metavar="N",
                    help=f"each sandbox's process and thread limit (default {limits.pids})")
+    p.add_argument("--sandbox-cpus", type=_positive, default=limits.cpu_count, metavar="N",
+                   help=f"each sandbox's CPU time, in cores (default {limits.cpu_count}, E2B's base template's)")
+    p.add_argument("--sandbox-disk-mb", type=_positive, default=limits.disk_mb, metavar="MB",
+                   help=f"what each sandbox may write (default {limits.disk_mb}): its layer, /tmp and /dev/shm each")
+    p.add_argument("--template-limits", nargs=2, action="append", default=[], metavar=("TEMPLATE", "LIMITS"),
+                   help="other limits for sandboxes started from TEMPLATE (exactly, or a '*' pattern), as "
+                        "cpu=N,memory-mb=N,disk-mb=N,pids=N, any of them (repeatable; the first match wins)")
+    p.add_argument("--no-userns", dest="userns", action="store_false",
+                   help="run sandboxes without a user namespace (root inside is the host's root, held by "
+                        "capabilities, seccomp and masks alone); by default each runs in one (docs/security.md)")
     p.add_argument("--max-upload-bytes", type=_positive, default=limits.max_upload_bytes, metavar="BYTES",
                    help=f"the largest /files upload or envd request body (default {limits.max_upload_bytes}, "
                         "256 MiB); control-plane bodies are held to 1 MiB")
@@ -123,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
     from ..serve import make_app
     from ..serve.allow import TemplatePolicy
     from ..serve.limits import Limits, header_timeout_protocol
+    from ..serve.resources import parse_override
 
     policy = TemplatePolicy(tuple(args.allow_template), args.allow_images, tuple(args.allow_registry))
     key = _key(args.api_key_file)
@@ -149,8 +162,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"{where}\nexport E2B_API_KEY={shown_key}", flush=True)
 
     limits = Limits(max_sandboxes=args.max_sandboxes, memory_mb=args.sandbox_memory_mb, pids=args.sandbox_pids,
+                    cpu_count=args.sandbox_cpus, disk_mb=args.sandbox_disk_mb,
                     max_upload_bytes=args.max_upload_bytes, block_private=args.block_private,
-                    header_timeout=args.header_timeout)
+                    header_timeout=args.header_timeout, userns=args.userns,
+                    template_limits=tuple(parse_override(t, spec) for t, spec in args.template_limits))
     app = make_app(key, args.state_dir, args.domain, on_ready=ready, public_domain=public_domain, policy=policy,
                    limits=limits)
     # h11, whatever else is installed: it hands the request-target over as sent (httptools would

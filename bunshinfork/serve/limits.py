@@ -1,12 +1,14 @@
-"""What one server lets its clients use (issue 36 #9, #14): what its sandboxes get (memory,
-pids, each other's ports), how many run, how large a body may be, how long a client may
-take to send a request's headers."""
+"""What one server lets its clients use (issue 36 #9, #14): what its sandboxes get (CPU,
+memory, pids, disk: resources.py; a user namespace; each other's ports), how many run, how
+large a body may be, how long a client may take to send a request's headers."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
 from typing import Any
+
+from .resources import Resources, for_template
 
 REST_BODY_BYTES = 1 << 20  # a control-plane body is a small JSON object
 MiB = 1 << 20
@@ -23,16 +25,28 @@ class Limits:
     max_sandboxes: int = 100  # running ones, forks included; past it 429, as E2B's concurrency cap
     memory_mb: int = 512
     pids: int = 1024
-    cpu_count: int = 2  # reported (E2B's default); CPU time is shared, not capped
+    cpu_count: int = 2  # E2B's default; a quota of that many cores
+    disk_mb: int = 10240
     max_upload_bytes: int = 256 * MiB  # one /files upload, or one envd RPC body
     block_private: bool = False
     header_timeout: float = 10.0
+    # Templates run in a user namespace (issue 36 item 11): root inside is an unprivileged id
+    # range of the host, so an escape from the other namespaces holds nothing there.
+    userns: bool = True
+    # (template or pattern, the resources it sets): --template-limits, first match wins.
+    template_limits: tuple[tuple[str, dict[str, int]], ...] = ()
 
-    def spec(self) -> dict[str, Any]:
-        """The WorkspaceSpec fields every sandbox of the server gets: no sandbox reaches another
-        (bridged or routed), memory and pids held by its cgroup."""
-        return {"port_isolation": True, "block_private": self.block_private,
-                "memory_limit": self.memory_mb * MiB, "pids_limit": self.pids}
+    def resources(self, template: str) -> Resources:
+        default = Resources(cpu_count=self.cpu_count, memory_mb=self.memory_mb, disk_mb=self.disk_mb,
+                            pids=self.pids)
+        return for_template(default, self.template_limits, template)
+
+    def spec(self, template: str = "base") -> dict[str, Any]:
+        """The WorkspaceSpec fields a sandbox started from `template` gets: no sandbox reaches
+        another (bridged or routed), its resources held by its cgroup and its layer's quota,
+        in a user namespace unless the operator opted out."""
+        return {"port_isolation": True, "block_private": self.block_private, "userns": self.userns,
+                **self.resources(template).spec()}
 
 
 class BodyTooLarge(Exception):

@@ -7,7 +7,6 @@ import contextlib
 import datetime
 import json
 import logging
-import os
 import secrets
 import shutil
 import time
@@ -37,6 +36,7 @@ from .store import Entry, Store
 # workspace has no network mount to refuse). The SDK gates each feature on this version.
 ENVD_VERSION = "0.6.4"
 CLIENT_ID = "bunshin"
+SERVE_BASE = "debian"
 log = logging.getLogger("bunshin.serve")
 
 
@@ -110,8 +110,7 @@ class Rest:
         return {"templateID": e.template, "alias": e.template, "sandboxID": e.sandbox_id, "clientID": CLIENT_ID,
                 "startedAt": _iso(e.started_at),
                 "endAt": _iso(e.deadline if e.deadline != float("inf") else time.time() + lifecycle.MAX_TIMEOUT),
-                "cpuCount": min(self.limits.cpu_count, os.cpu_count() or 1), "memoryMB": self.limits.memory_mb,
-                "diskSizeMB": 0,
+                **self.limits.resources(e.template).reported(), **e.reported(),
                 "metadata": dict(e.metadata), "state": e.state, "envdVersion": ENVD_VERSION, "volumeMounts": []}
 
     def detail_json(self, e: Entry) -> dict[str, Any]:
@@ -213,17 +212,21 @@ class Rest:
         if e2b_templates.is_builtin(template):
             if not self.policy.allows(template):  # the same answer as for a name nothing has
                 raise ApiError(404, not_found(template))
-            start = template
+            # serve's `base` is a Debian rootfs with E2B's base tools (rootfs.DEBIAN_PACKAGES), which
+            # a user namespace can own; the library's stays the host's /usr.
+            start = SERVE_BASE if template == e2b_templates.DEFAULT else template
         else:
             start = await asyncio.to_thread(self.stored, template)
         with self.slots(1):
             sbx = await AsyncSandbox.create(start, timeout=lifecycle.workspace_lifetime(life, deadline),
                                             metadata=metadata, envs=envs, allow_internet_access=internet,
-                                            network=_snake(network), spec=self.limits.spec())
+                                            network=_snake(network), spec=self.limits.spec(template))
         e = Entry(sandbox_id=sbx.sandbox_id, template=template, metadata=dict(metadata), started_at=time.time(),
                   deadline=deadline, lifecycle=life, envd_token=secrets.token_hex(16),
                   traffic_token=None if public else secrets.token_hex(16), allow_internet_access=internet,
                   workspace_id=sbx.sandbox_id, sbx=sbx, mask_request_host=mask)
+        # What it got (a snapshot's clone keeps the snapshot's limits), for its info.
+        e.limits_from(await asyncio.to_thread(sbx.workspace.info))
         self.store.add(e)
         self.schedule(e)
         return JSONResponse(self.sandbox_json(e), status_code=201)

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..aio import AsyncSandbox
 from ..e2b.lifecycle import Lifecycle
+from ..workspace import WorkspaceInfo
 
 
 @dataclass
@@ -32,10 +33,26 @@ class Entry:
     allow_internet_access: bool = False
     workspace_id: str | None = None  # the bunshin workspace behind it (paused to disk, it keeps its id)
     paused: bool = False
+    # The resources it got (0: not recorded, the template's by the server's limits apply).
+    cpu_count: int = 0
+    memory_mb: int = 0
+    disk_mb: int = 0
     mask_request_host: str | None = None  # network.maskRequestHost: the Host its port proxy sends in
     sbx: AsyncSandbox | None = field(default=None, repr=False, compare=False)  # None while paused
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
     timer: asyncio.TimerHandle | None = field(default=None, repr=False, compare=False)
+
+    def limits_from(self, info: WorkspaceInfo) -> None:
+        if info.cpu_limit:
+            self.cpu_count = max(1, round(info.cpu_limit))
+        self.memory_mb = (info.memory_limit or 0) >> 20
+        self.disk_mb = (info.disk_limit or 0) >> 20
+
+    def reported(self) -> dict[str, int]:
+        """E2B's cpuCount, memoryMB and diskSizeMB, where recorded."""
+        got = {"cpuCount": min(self.cpu_count, os.cpu_count() or 1), "memoryMB": self.memory_mb,
+               "diskSizeMB": self.disk_mb}
+        return {k: v for k, v in got.items() if v}
 
     @property
     def state(self) -> str:
