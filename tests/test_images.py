@@ -327,6 +327,7 @@ def test_template_never_ready_leaves_nothing(engine: Engine, tmp_path: Path, mon
     assert not (tmp_path / "saved").exists() or not any((tmp_path / "saved").iterdir())
 
 
+NOSUDO_IMAGE = "bunshin-test/swe-nosudo:1"
 SUDO_IMAGE = "bunshin-test/sudo-nouser:1"  # sudo, no "user", a User and WorkingDir of its own
 E2B_CHECKS = "id -un; pwd; echo $HOME; stat -c %U $HOME; sudo -n id -u"
 
@@ -359,8 +360,10 @@ USER nobody
                 _e2b_user_with_sudo(sbx)
             finally:
                 sbx.kill()
-    # An image without sudo: "user" is added all the same, and no sudoers appears.
-    sbx = Sandbox.create(f"docker:{SWE}")
+    # An image without sudo (the base rootfs has it: it is purged here): "user" is added all
+    # the same, and no sudoers appears.
+    engine.build(NOSUDO_IMAGE, f"FROM {SWE}\nRUN SUDO_FORCE_REMOVE=yes dpkg --purge sudo && test ! -e /etc/sudoers\n")
+    sbx = Sandbox.create(f"docker:{NOSUDO_IMAGE}")
     try:
         assert sbx.commands.run("id -un; pwd; test -e /etc/sudoers || echo none").stdout.split() == \
             ["user", "/repo", "none"]
