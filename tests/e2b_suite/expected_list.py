@@ -12,7 +12,7 @@ MODES = ("http", "domain")
 # E2B's cloud templates or cloud-only services, or it fails against E2B's own cloud with the
 # pinned SDK; `plain-http` is a test that needs `<port>-<id>.<domain>` names and TLS, which the
 # domain mode runs.
-CATEGORIES = ("internet", "cloud-template", "sdk-version", "plain-http")
+CATEGORIES = ("internet", "cloud-template", "sdk-version", "plain-http", "rootfs-fs")
 
 
 @dataclass(frozen=True)
