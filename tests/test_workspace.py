@@ -281,6 +281,22 @@ def test_cpu_limit_holds_the_workspace_and_its_fork() -> None:
             clone.destroy()
 
 
+def test_a_clone_makes_no_cgroup_of_another_workspace() -> None:
+    """CRIU's dump records the subtree of each cgroup a task is in, and its restore makes what is
+    missing. A workspace without a CPU limit once sat in the cpu hierarchy's root, so its
+    snapshot recorded every CPU-limited workspace's directory, and a clone made them again after
+    those workspaces had gone (the E2B suite leaked nine). Every workspace has its own now."""
+    with Workspace.create() as plain:
+        other = Workspace.create(cpu_limit=1.0)
+        dirs = [Path(d) for d in other._cgroup().paths.values()]
+        with plain.snapshot() as snap:
+            other.destroy()
+            assert not any(d.exists() for d in dirs)
+            [clone] = snap.fork(1)
+            clone.destroy()
+        assert not any(d.exists() for d in dirs), [str(d) for d in dirs if d.exists()]
+
+
 # ---- typed spec errors ----
 
 

@@ -30,7 +30,7 @@ from .devices import restrict as restrict_devices
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PARENT = HOST.cgroup_parent
 V1_CONTROLLERS = ("memory", "pids")
-CPU = "cpu"  # a v1 hierarchy of its own, joined only by a workspace with a CPU limit
+CPU = "cpu"  # a v1 hierarchy of its own: every workspace joins it, a quota only with a CPU limit
 CFS_PERIOD_US = 100_000  # the kernel's default period; the quota is cores times it
 UNIFIED = "unified"  # where systemd's hybrid layout mounts the cgroup2 hierarchy under CGROUP_ROOT
 
@@ -122,10 +122,15 @@ class Cgroup:
                     _write(Path(cg.paths["memory"]) / "memory.limit_in_bytes", str(memory_limit))
                 if pids_limit is not None:
                     _write(Path(cg.paths["pids"]) / "pids.max", str(pids_limit))
-                if cpu_limit is not None:
+                # Every workspace has a cpu directory where the hierarchy exists, a limit or not:
+                # CRIU's dump records the whole subtree of a task's cgroup, so a task left in the
+                # hierarchy's root recorded every other workspace's cpu directory, and its restore
+                # made them again after those workspaces were gone (and named them to the clone).
+                if cpu_limit is not None or (root / CPU).is_dir():
                     d = root / CPU / PARENT / name
                     d.mkdir(parents=True, exist_ok=False)
                     cg.paths[CPU] = str(d)
+                if cpu_limit is not None:
                     _write(d / "cpu.cfs_period_us", str(CFS_PERIOD_US))
                     _write(d / "cpu.cfs_quota_us", str(_quota(cpu_limit)))
                 d = unified_root(root) / PARENT / name
