@@ -44,10 +44,10 @@ HOST_ETC_COPY = (
 )
 DEBIAN_SUITE = "bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
-# E2B's base template (e2b-dev/E2B templates/base) gives its user python3, git, curl and
+# E2B's base template (e2b-dev/E2B templates/base) gives its user python3, git, curl, ps and
 # password-less sudo; serve's `base` is this rootfs, so a sandbox's tools are the rootfs's own
 # (ownable by a user namespace), not the host's /usr.
-DEBIAN_PACKAGES = ("python3", "sudo", "git", "curl", "ca-certificates")
+DEBIAN_PACKAGES = ("python3", "sudo", "git", "curl", "ca-certificates", "procps")
 
 
 def resolve(source: str, shift: int = 0) -> Rootfs:
