@@ -109,7 +109,7 @@ def test_gui_candidates_follow_the_window_titles() -> None:
     C = ToolCall
     gui = gui_candidates("Ship it")
     assert gui("gui-0", [])[0] == C("list_windows")
-    windows = "0x1 at (0, 0) size 640x480 'notes.txt - Mousepad'\n0x2 at (9, 9) size 80x24 'Terminal'"
+    windows = "window 1 at (0, 0) size 640x480 'notes.txt - Mousepad'\nwindow 2 at (9, 9) size 80x24 'Terminal'"
     seen = [Step(C("list_windows"), windows)]
     assert gui("gui-0", seen) == [C("activate_window", {"title": "Mousepad"}),
                                   C("activate_window", {"title": "Terminal"})]
@@ -121,7 +121,7 @@ def test_gui_candidates_follow_the_window_titles() -> None:
     saved = [*typed, Step(C("key", {"combo": "ctrl+s"}), "pressed ctrl+s")]
     assert gui("gui-0", saved)[0] == C("list_windows")
     # The title still marks the file modified: save again; once it does not, the task is done.
-    dirty = [*saved, Step(C("list_windows"), "0x1 at (0, 0) size 640x480 '*notes.txt - Mousepad'")]
+    dirty = [*saved, Step(C("list_windows"), "window 1 at (0, 0) size 640x480 '*notes.txt - Mousepad'")]
     assert gui("gui-0", dirty)[0] == C("key", {"combo": "ctrl+s"})
     assert isinstance(gui("gui-0", [*saved, Step(C("list_windows"), windows)])[0], FinalAnswer)
     # The headline's task: the editor is not running; start it (or read the help page first).

@@ -3,6 +3,7 @@ editor itself and reads a help page in Chromium, on a real X11 desktop."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -31,6 +32,9 @@ def test_launch_app_and_open_page_then_the_task_is_solved() -> None:
         # The workspace's id (its hostname before clones kept their source's) is no part of what
         # the agent sees, or a replay of the listing in another workspace never matches.
         assert ws.id not in listing, listing
+        # Nor an X window id: the X server numbers windows in the order clients ask, which a
+        # replay on another workspace does not repeat (the audit's mismatches were these).
+        assert not re.search(r"\b0x[0-9a-f]+", listing) and listing.startswith("window 1 at "), listing
         assert env.call(ws, "activate_window", title="Mousepad").startswith("activated")
         env.call(ws, "key", combo="ctrl+a")
         env.call(ws, "type_text", text="Ship it")

@@ -100,10 +100,13 @@ def clipboard_set(ws: Workspace, text: str) -> str:
 
 @agent_tool
 def list_windows(ws: Workspace) -> str:
-    """Top-level windows: id, position, size, title; one a line."""
+    """Top-level windows: position, size, title; one a line, in the desktop's order."""
     g = _gui(ws)
-    return "\n".join(f"{w.id} at ({w.x}, {w.y}) size {w.width}x{w.height} {w.title!r}"
-                     + ("  [active]" if w.focused else "") for w in g.windows())
+    # No X window id: the server hands ids out in the order clients ask, so a replay of this
+    # listing in another workspace named other ids for the same windows (the fault-injection
+    # run's only audit mismatches); the agent addresses windows by title anyway.
+    return "\n".join(f"window {i} at ({w.x}, {w.y}) size {w.width}x{w.height} {w.title!r}"
+                     + ("  [active]" if w.focused else "") for i, w in enumerate(g.windows(), 1))
 
 
 @agent_tool
