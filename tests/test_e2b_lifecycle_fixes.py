@@ -19,7 +19,6 @@ import httpx
 import pytest
 
 from bunshinfork.e2b import lifecycle
-from bunshinfork.serve.limits import Limits
 
 pytestmark = pytest.mark.timeout(600)
 CAP = 4  # the server's --max-sandboxes
@@ -27,10 +26,8 @@ CAP = 4  # the server's --max-sandboxes
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[support.Served]:
-    extra = ("--max-sandboxes", str(CAP))
-    if getattr(Limits(), "userns", False):  # CRIU cannot restore a userns sandbox's memory pause here yet
-        extra += ("--no-userns",)
-    with support.serving(tmp_path_factory.mktemp("serve"), extra=extra) as s:
+    # The server's defaults: every sandbox in a user namespace, whose memory pause restores.
+    with support.serving(tmp_path_factory.mktemp("serve"), extra=("--max-sandboxes", str(CAP))) as s:
         yield s
 
 

@@ -117,72 +117,6 @@ def test_quickstart(served: support.Served, capsys: pytest.CaptureFixture[str], 
     assert isinstance(ns["sandbox"], e2b.Sandbox) and not ns["sandbox"].is_running()
 
 
-def test_create(served: support.Served, cleanup: None) -> None:
-    sbx = run_sync(ex.CREATE)["sandbox"]
-    info = sbx.get_info()
-    assert sbx.is_running() and info.end_at > info.started_at and info.state == "running"
-    sbx2 = run_async(ex.ASYNC_CREATE)["sandbox"]
-    assert isinstance(sbx2, e2b.AsyncSandbox) and sbx2.sandbox_id != sbx.sandbox_id
-
-
-def test_is_running_and_kill(served: support.Served, cleanup: None) -> None:
-    lines = ex.IS_RUNNING.splitlines()
-    ns = run_sync("\n".join(lines[:2]))
-    assert ns["sandbox"].is_running() is True
-    ns = run_sync("\n".join(lines[2:]), sandbox=ns["sandbox"])
-    assert ns["sandbox"].is_running() is False
-    assert e2b.Sandbox.kill(ns["sandbox"].sandbox_id) is False  # gone: False, as E2B's
-    ns = run_async(ex.ASYNC_IS_RUNNING)  # its own last line is the check; then: gone for the API too
-    assert e2b.Sandbox.kill(ns["sandbox"].sandbox_id) is False
-
-
-@pytest.mark.parametrize("example", [ex.CONNECT, ex.CONNECT_BY_ID], ids=["instance", "by-id"])
-def test_pause_and_connect(served: support.Served, example: str, cleanup: None) -> None:
-    lines = example.splitlines()
-    ns = run_sync("\n".join(lines[:2]))
-    assert ns["sandbox"].get_info().state == "paused"
-    assert not ns["sandbox"].is_running()  # paused to disk: no envd answers
-    same = run_sync("\n".join(lines[2:]), sandbox=ns["sandbox"])["same_sandbox"]
-    assert same.sandbox_id == ns["sandbox"].sandbox_id and same.get_info().state == "running"
-    assert same.commands.run("echo back").stdout == "back\n"
-
-
-def test_async_pause_and_connect(served: support.Served, cleanup: None) -> None:
-    ns = run_async(ex.ASYNC_CONNECT)
-    # The async client's loop ended with the example: check through a sync one.
-    same = e2b.Sandbox.connect(ns["same_sandbox"].sandbox_id)
-    assert same.get_info().state == "running" and same.commands.run("echo back").stdout == "back\n"
-
-
-def _check_forks(src: e2b.Sandbox, forks: list[e2b.Sandbox]) -> None:
-    assert len({src.sandbox_id, *(f.sandbox_id for f in forks)}) == 3
-    assert all(isinstance(f, e2b.Sandbox) and f.is_running() for f in forks)
-    forks[0].files.write("only-here", "fork 1")
-    assert forks[0].commands.run("cat only-here").stdout == "fork 1"
-    assert not src.files.exists("only-here") and not forks[1].files.exists("only-here")
-
-
-@pytest.mark.parametrize("example", [ex.FORK, ex.FORK_BY_ID], ids=["instance", "by-id"])
-def test_fork(served: support.Served, example: str, cleanup: None) -> None:
-    ns = run_sync(example)
-    _check_forks(ns["sandbox"], [ns["fork1"], ns["fork2"]])
-
-
-@pytest.mark.parametrize("example", [ex.ASYNC_FORK, ex.ASYNC_FORK_BY_ID], ids=["instance", "by-id"])
-def test_async_fork(served: support.Served, example: str, cleanup: None) -> None:
-    ns = run_async(example)
-    assert all(isinstance(ns[n], e2b.AsyncSandbox) for n in ("sandbox", "fork1", "fork2"))
-    assert len({ns[n].sandbox_id for n in ("sandbox", "fork1", "fork2")}) == 3
-
-
-def test_list(served: support.Served, capsys: pytest.CaptureFixture[str], cleanup: None) -> None:
-    sbx = e2b.Sandbox.create(metadata={"example": "list"})
-    run_sync(ex.LIST)
-    assert sbx.sandbox_id in capsys.readouterr().out
-    run_async(ex.ASYNC_LIST)
-    assert sbx.sandbox_id in capsys.readouterr().out
-
-
 def test_stream_read(served: support.Served, cleanup: None) -> None:
     blob = os.urandom(3 << 20)
     sbx = e2b.Sandbox.create()
@@ -193,34 +127,6 @@ def test_stream_read(served: support.Served, cleanup: None) -> None:
 
 
 # ---- E2B's semantics beyond the examples ----
-
-
-def test_commands(served: support.Served, cleanup: None) -> None:
-    sbx = e2b.Sandbox.create(envs={"FROM_CREATE": "c"})
-    r = sbx.commands.run("whoami; pwd; shopt -q login_shell && echo login; echo $FROM_CREATE $X",
-                         envs={"X": "x"})
-    assert r.stdout == "user\n/home/user\nlogin\nc x\n"
-    assert sbx.commands.run("whoami", user="root").stdout == "root\n"
-    assert sbx.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
-    with pytest.raises(e2b.CommandExitException) as exc:
-        sbx.commands.run("echo out; echo err >&2; exit 3")
-    assert (exc.value.exit_code, exc.value.stdout, exc.value.stderr) == (3, "out\n", "err\n")
-    # stdin: send, then close (EOF)
-    h = sbx.commands.run("cat", background=True, stdin=True)
-    sbx.commands.send_stdin(h.pid, "hello\n")
-    sbx.commands.close_stdin(h.pid)
-    assert h.wait().stdout == "hello\n"
-    # a background command is listed, killed; an unknown pid's kill is False
-    h = sbx.commands.run("sleep 600", background=True)
-    assert h.pid in [p.pid for p in sbx.commands.list()]
-    assert sbx.commands.kill(h.pid) is True
-    assert sbx.commands.kill(999_999) is False
-    # a terminal
-    out: list[bytes] = []
-    pty = sbx.pty.create(e2b.PtySize(rows=24, cols=80), user="user")
-    sbx.pty.send_stdin(pty.pid, b"echo on-a-tty $(tty | cut -c1-8); exit\n")
-    pty.wait(on_pty=out.append)
-    assert b"on-a-tty /dev/pts" in b"".join(out)
 
 
 def test_files(served: support.Served, cleanup: None) -> None:
@@ -256,42 +162,6 @@ def test_files(served: support.Served, cleanup: None) -> None:
         events += w.get_new_events()
     w.stop()
     assert any(e.name == "new.txt" for e in events)
-
-
-def test_lifetimes_list_and_snapshots(served: support.Served, cleanup: None) -> None:
-    a = e2b.Sandbox.create(metadata={"team": "a"}, timeout=60)
-    b = e2b.Sandbox.create(metadata={"team": "b"})
-    c = e2b.Sandbox.create(metadata={"team": "a"})
-    c.pause()
-    q = e2b.SandboxQuery
-    ids = lambda p: [i.sandbox_id for i in p.next_items()]  # noqa: E731
-    assert sorted(ids(e2b.Sandbox.list(query=q(metadata={"team": "a"})))) == sorted([a.sandbox_id, c.sandbox_id])
-    assert ids(e2b.Sandbox.list(query=q(state=[e2b.SandboxState.PAUSED]))) == [c.sandbox_id]
-    pages, p = [], e2b.Sandbox.list(limit=1)
-    while p.has_next:
-        pages.append(ids(p))
-    assert [len(x) for x in pages] == [1, 1, 1] and sorted(i for page_ids in pages for i in page_ids) == sorted(
-        [a.sandbox_id, b.sandbox_id, c.sandbox_id])
-    # lifetimes: set_timeout shortens, connect(timeout) extends, the deadline kills
-    end = a.get_info().end_at
-    a.set_timeout(2)
-    assert a.get_info().end_at < end
-    deadline = time.monotonic() + 30
-    while a.is_running() and time.monotonic() < deadline:
-        time.sleep(0.2)  # waiting on the server's deadline, which is the thing under test
-    assert not a.is_running() and e2b.Sandbox.kill(a.sandbox_id) is False
-    # metrics from the host-cost accounting
-    (m,) = b.get_metrics()
-    assert m.mem_used > 0 and m.cpu_count >= 1
-    # snapshots: create_snapshot's id starts a sandbox; delete_snapshot removes it
-    b.files.write("/tmp/snap.txt", "in snapshot")
-    snap = b.create_snapshot(name=f"snap-{os.getpid()}")
-    assert snap.snapshot_id in [s.snapshot_id for s in e2b.Sandbox.list_snapshots().next_items()]
-    d = e2b.Sandbox.create(snap.snapshot_id)
-    assert d.files.read("/tmp/snap.txt") == "in snapshot"
-    d.kill()
-    assert e2b.Sandbox.delete_snapshot(snap.snapshot_id) is True
-    assert e2b.Sandbox.delete_snapshot(snap.snapshot_id) is False
 
 
 # ---- pause to disk ----

@@ -27,7 +27,6 @@ from pathlib import Path
 
 import e2b_server_support as support
 import pytest
-import test_e2b_server_js as js
 
 from bunshinfork import state
 
@@ -217,27 +216,3 @@ def test_another_port_travels_in_the_domain(tls_dir: tuple[Path, Path, Path, Pat
         "stdout": "on another port\n", "running": False}
 
 
-@pytest.fixture(scope="module")
-def node() -> str:
-    found = js._node()
-    if found is None or found[1] < js.NEEDED or shutil.which("npm") is None:
-        pytest.skip(f"npm e2b 2.51 needs Node >= 20.18.1 and npm; this host has {found}")
-    if not (js.JS / "node_modules" / "e2b").is_dir():
-        subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=js.JS, check=True, timeout=300,
-                       capture_output=True)
-    return found[0]
-
-
-def test_js_sdk_with_only_e2b_domain(node: str, tls_served: tuple[support.Served, Path]) -> None:
-    """tests/js/client.mjs (commands, files, fork, pause and connect, kill) unchanged, with
-    E2B_DOMAIN and the CA in NODE_EXTRA_CA_CERTS."""
-    served, ca = tls_served
-    env = {**_client_env(served, ca), "NODE_EXTRA_CA_CERTS": str(ca)}
-    run = subprocess.run([node, "client.mjs"], cwd=js.JS, env=env, capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0, run.stderr + "".join(served.log)
-    out = json.loads(run.stdout.strip().splitlines()[-1])
-    assert out == {
-        "stdout": "Hello from E2B!\nuser\n", "exitError": 7, "read": "from js", "listed": True,
-        "forks": ["from js", "from js"], "forkKilled": True, "paused": True, "stateWhilePaused": "paused",
-        "afterConnect": "from js", "killed": True, "runningAfterKill": False, "killUnknown": False,
-    }
