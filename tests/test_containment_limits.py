@@ -144,13 +144,32 @@ def test_sandboxes_run_in_a_user_namespace_with_e2b_base_tools(pair: tuple[e2b.S
     """serve's base: sudo for `user` (E2B's base image), python3, git and curl, all the rootfs's
     own; root inside, sudo's too, is host uid 100000 and up, not the host's root."""
     sbx = pair[1]
-    out = sbx.commands.run("sudo -n id -u; git --version; curl --version | head -1; python3 -V; "
-                           "sudo -n sleep 30 & sleep 0.5; cat /proc/self/uid_map", timeout=60).stdout.split("\n")
+    out = sbx.commands.run("sudo -n id -u; git --version; curl --version | head -1; python3 -V; ps -p 1 -o pid=",
+                           timeout=60).stdout.split("\n")
     assert out[0] == "0" and out[1].startswith("git version") and out[2].startswith("curl ")
-    assert out[3].startswith("Python 3")
-    assert out[4].split()[:2] == ["0", "100000"], out[4]  # root inside is host uid 100000
-    assert Workspace.connect(sbx.sandbox_id).record.spec.userns
+    assert out[3].startswith("Python 3") and out[4].strip() == "1"
+    _in_the_user_namespace(sbx)
+    # A clone and a resumed sandbox keep the map (CRIU restores the namespace), sudo's root too.
+    [fork] = sbx.fork()
+    try:
+        _in_the_user_namespace(fork)
+    finally:
+        fork.kill()
+    paused = e2b.Sandbox.create(timeout=120)
+    try:
+        paused.pause()
+        resumed = e2b.Sandbox.connect(paused.sandbox_id, timeout=120)
+        _in_the_user_namespace(resumed)
+    finally:
+        paused.kill()
+
+
+def _in_the_user_namespace(sbx: e2b.Sandbox) -> None:
+    out = sbx.commands.run("cat /proc/self/uid_map; sudo -n sleep 30 & sleep 0.5; sudo -n id -u",
+                           timeout=60).stdout.split("\n")
+    assert out[0].split()[:2] == ["0", "100000"] and out[1] == "0", out
     ws = Workspace.connect(sbx.sandbox_id)
+    assert ws.record.spec.userns
     host_uids = {int(Path(f"/proc/{p}/status").read_text().split("Uid:")[1].split()[1]) for p in ws.host_pids()}
     assert host_uids and min(host_uids) >= 100000, host_uids  # the sudo'd sleep among them
 
