@@ -271,7 +271,13 @@ def test_a_trajectory_whose_served_step_does_not_reproduce_is_rerolled(model_dir
     batch's samples are served the first's liar observations, and their own workspaces would have
     observed other ones). Before, such a trajectory was refused: its later calls failed and it was
     scored None. Now it is re-rolled with the cache off: scored, every observation its own
-    workspace's, the notes count what its history shows, and the metrics say so."""
+    workspace's, the notes count what its history shows, and the metrics say so.
+
+    The divergence is found by the replay behind the hit, in the background; a sample whose liar
+    is its last call (then the answer, and the verifier's call, a hit too) ends before that replay
+    is done. It was then scored on the liar observation it was served and never re-rolled (CI:
+    'no trajectory diverged'); the episode's end now waits for the replay, so the re-roll does
+    not depend on how fast the model answers."""
     task = register_task(_reroll_task())
     tool_config = tmp_path / "reroll_tools.yaml"
     tool_config.write_text("tools:\n" + "".join(
@@ -284,6 +290,11 @@ def test_a_trajectory_whose_served_step_does_not_reproduce_is_rerolled(model_dir
     rerolled = [m for m in metrics if m["rerolled"]]
     print("per sample (divergences, rerolled, rerolled_seconds):",
           [(m["divergences"], m["rerolled"], m["rerolled_seconds"]) for m in metrics])
+    # Whatever is scored ran its liar calls itself (a served one was re-rolled).
+    for key, t in [(k, t) for _, batch in batches for k, t in batch.items()]:
+        liars = [s for c, s in zip(t["calls"], t["served"], strict=True) if c.startswith("liar")]
+        assert t["reward"] is not None and set(liars) <= {"executed"}, \
+            f"{key} was scored with a liar observation it did not run: {t['calls']} served {t['served']}"
     assert rerolled, "no trajectory diverged: the batches never served a liar observation"
     for m in rerolled:
         assert m["rerolled"] == 1 and m["divergences"] >= 1 and m["rerolled_seconds"] > 0
@@ -295,3 +306,33 @@ def test_a_trajectory_whose_served_step_does_not_reproduce_is_rerolled(model_dir
     for t in trajectories:
         notes = [obs for c, obs in zip(t["calls"], t["observations"], strict=True) if c.startswith("note")]
         assert notes == [str(i + 1) for i in range(len(notes))]  # the state is the history it was shown
+
+
+def test_a_stock_tool_loop_scores_a_trajectory_whose_last_hit_does_not_reproduce_0() -> None:
+    """BunshinTool under another agent loop (no re-roll): a trajectory served liar and note from
+    the cache ends with calc_reward, which waits for the replays behind the hits; liar's does not
+    reproduce, and the trajectory is refused, scored 0 (before: the verifier's cached 1.0)."""
+    task = register_task(_reroll_task())
+    tools = {name: BunshinTool({"type": "native", "task": task.id, "tool": name}) for name in ("liar", "note")}
+
+    async def episode(request_id: str) -> float:
+        for name in ("liar", "note"):
+            iid, _ = await tools[name].create()
+            await tools[name].execute(iid, {}, agent_data=_agent_data(request_id))
+            await tools[name].release(iid)
+        iid, _ = await tools["note"].create()
+        return await tools["note"].calc_reward(iid, agent_data=_agent_data(request_id))
+
+    async def main() -> None:
+        rt = Runtime.shared({"cache_mib": 256, "speculation_depth": 0})
+        try:
+            assert await episode("req-A") == 1.0
+            assert await episode("req-B") == 0.0
+            key, b = rt.finished[-1]
+            assert key == "req-B" and b.refused and b.reward is None
+            assert b.served == ["executed"]  # cut back to liar, its fresh observation
+            assert b.timeline.rewound == 1 and b.timeline.divergences >= 1
+        finally:
+            await rt.aclose()
+
+    asyncio.run(main())

@@ -19,12 +19,14 @@ calls it predicts run while the server generates, and when the episode ends the 
 verifier scores the final state into `AgentLoopOutput.reward_score`.
 
 verl's conversation cannot be cut back, so a sample whose served step does not reproduce (the
-rollout core's Rewound: a cached observation its own workspace would not have produced) is not
-rewound: BunshinAgentLoop ends the episode there, discards it, and re-rolls the whole trajectory
-with the cache off for it (Runtime.start(cached=False): every call runs on the trajectory's own
-workspace). `extra_fields["bunshin"]` counts `rerolled` and `rerolled_seconds` (the discarded
-attempt's time) beside the divergences. A BunshinTool driven by another agent loop refuses such a
-trajectory instead: its later calls fail and it is scored 0.
+rollout core's Rewound: a cached observation its own workspace would not have produced, met at a
+later call or, at the latest, as the episode ends: nothing is scored before the replays behind
+the sample's hits are verified) is not rewound: BunshinAgentLoop ends the episode there,
+discards it, and re-rolls the whole trajectory with the cache off for it
+(Runtime.start(cached=False): every call runs on the trajectory's own workspace).
+`extra_fields["bunshin"]` counts `rerolled` and `rerolled_seconds` (the discarded attempt's time)
+beside the divergences. A BunshinTool driven by another agent loop refuses such a trajectory
+instead: its later calls fail and it is scored 0.
 """
 
 from __future__ import annotations
@@ -118,8 +120,13 @@ class BunshinTool(BaseTool):
         return ToolResponse(text=obs), 0.0, {"trajectory_id": key, "served": rollout.served[-1]}
 
     async def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
-        """The task's verifier on the trajectory's final state; the trajectory ends here."""
-        r = await self.runtime.end(self._trajectory(instance_id, kwargs))
+        """The task's verifier on the trajectory's final state; the trajectory ends here. A
+        trajectory whose served step does not reproduce (found as it ends: the replays behind its
+        hits are awaited first) is refused: scored 0 (BunshinAgentLoop re-rolls it instead)."""
+        try:
+            r = await self.runtime.end(self._trajectory(instance_id, kwargs))
+        except Rewound:
+            return 0.0
         return float(r.reward) if r is not None and r.reward is not None else 0.0
 
     async def release(self, instance_id: str, **kwargs: Any) -> None:

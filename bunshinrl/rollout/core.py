@@ -39,6 +39,8 @@ The invariant: a sample's workspace is exactly the history it was shown. A warm 
 replay diverged is destroyed (Diverged), never adopted nor speculated on; the next call rebuilds
 the state from the deepest captured state on the sample's path, replaying and comparing every
 served observation, and a step that does not reproduce rewinds the sample to it (Rewound).
+finish() is such a call too: before the verifier scores (its own call may be a hit), the replays
+behind the hits the sample was served are awaited, so caching never changes a reward.
 """
 
 from __future__ import annotations
@@ -68,16 +70,19 @@ class RolloutCore(Starts):
 
     cache=None and speculator=None is plain memory sharing (Base). prefetch: warm workspaces
     behind cache hits and the root prefetched (see the module doc); reasoning: what predicts the
-    next reasoning step (default: the steps seen). Build one with bunshinrl.rollout.wiring.build_core.
+    next reasoning step (default: the steps seen); verify_seconds: how long a finishing sample
+    waits for the replay behind its last cache hit before its state is rebuilt and verified from
+    the cache instead (None: no limit). Build one with bunshinrl.rollout.wiring.build_core.
     """
 
     def __init__(self, *, cache: ToolPrefixCache | None = None, speculator: Speculator | None = None,
                  guard: DeterminismGuard | None = None, tail: TailPolicy | None = None, memory: str = "auto",
                  prefetch: bool = True, keep_initial: bool = False, overlap_fork: bool = False,
-                 reasoning: ReasoningClock | None = None, critical_path_captures: bool = True) -> None:
+                 reasoning: ReasoningClock | None = None, critical_path_captures: bool = True,
+                 verify_seconds: float | None = 300.0) -> None:
         super().__init__(cache=cache, speculator=speculator, guard=guard, tail=tail, memory=memory, prefetch=prefetch,
                          keep_initial=keep_initial, overlap_fork=overlap_fork, reasoning=reasoning,
-                         critical_path_captures=critical_path_captures)
+                         critical_path_captures=critical_path_captures, verify_seconds=verify_seconds)
 
     # ---- what every rollout reports back ----
 

@@ -122,9 +122,7 @@ class Rollout(WarmWorkspaces, Rewinding, Captures, SpeculationGlue):
         if self._returned is not None and (decision is None or decision != self._decision):
             self.core.reasoning.note(time.monotonic() - self._returned)
         self._decision = decision
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:
+        async with self._locked():
             if self.closed:
                 raise RuntimeError(f"rollout {self.ctx.task_id}/{self.ctx.sample} is closed")
             if self.refused:
@@ -143,9 +141,19 @@ class Rollout(WarmWorkspaces, Rewinding, Captures, SpeculationGlue):
 
     async def finish(self, answer: str | None = None) -> float | None:
         """The agent is done (answer: its final text; None when its budget ended the episode).
+        The replays behind the cache hits the sample was served are awaited first: a served step
+        that does not reproduce rewinds it (Rewound), and the driver acts again or re-rolls.
         With a verifier, the task's reward is read from the state the trajectory built."""
         self.timeline.answer = answer
-        if self.task.verify is None or self.refused:
+        if self.refused:
+            return None
+        # Nothing is finalised on an unverified state: the replays behind the hits this sample
+        # was served are awaited, and one that does not reproduce rewinds it (Rewound) here.
+        async with self._locked():
+            if not self.closed:
+                await self._settle()
+                await self._verify_served()
+        if self.task.verify is None:
             return None
         obs = await self.call(ToolCall(REWARD_TOOL))
         try:
@@ -156,6 +164,12 @@ class Rollout(WarmWorkspaces, Rewinding, Captures, SpeculationGlue):
         self.verdict = obs.partition("\n")[2]
         self.timeline.reward = self.reward
         return self.reward
+
+    def _locked(self) -> asyncio.Lock:
+        """The lock a step holds: one step of the sample at a time."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
 
     async def close(self) -> None:
         """Release everything the sample holds; the trajectory is recorded."""

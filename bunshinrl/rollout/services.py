@@ -24,8 +24,12 @@ class SampleServices:
     def __init__(self, *, cache: ToolPrefixCache | None = None, speculator: Speculator | None = None,
                  guard: DeterminismGuard | None = None, tail: TailPolicy | None = None, memory: str = "auto",
                  prefetch: bool = True, keep_initial: bool = False, overlap_fork: bool = False,
-                 reasoning: ReasoningClock | None = None, critical_path_captures: bool = True) -> None:
+                 reasoning: ReasoningClock | None = None, critical_path_captures: bool = True,
+                 verify_seconds: float | None = 300.0) -> None:
         self.cache = cache
+        # How long a finishing sample waits for the replay behind its last cache hit (None: no
+        # limit) before its state is rebuilt and verified from the cache instead.
+        self.verify_seconds = verify_seconds
         self.reasoning = reasoning or ReasoningClock()
         # False: the cache's policy alone decides a capture, whatever the reasoning step or the
         # revisits expected (the Ray hosts: replication ships the states captured).

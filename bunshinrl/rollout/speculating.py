@@ -18,12 +18,13 @@ class SpeculationGlue:
     async def _speculate_on(self, warm: asyncio.Future[Workspace], chain: list[ToolCall]) -> Live | Speculating | Idle:
         """Speculation at the tree's frontier: the chain runs on the sample's warm workspace.
         Nothing speculates on a workspace whose replay diverged: it is gone, and the next call
-        rebuilds and verifies the sample's state (Idle without a shadow)."""
+        (or finish()) meets the divergence again, then rebuilds and verifies the sample's state
+        (Idle with the diverged shadow, as a sample that did not speculate)."""
         try:
             ws = await warm
         except Diverged:
             self.timeline.divergences_speculation += 1  # counted as it was met; the chain is its kind
-            return Idle()
+            return Idle(warm)  # type: ignore[arg-type]
         except Exception as e:
             self.timeline.errors.append(f"prefetch failed: {e!r}")
             return Idle()

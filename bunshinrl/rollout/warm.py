@@ -90,6 +90,25 @@ class WarmWorkspaces:
         await self.note_fork(ws)
         tl.add("materialize", t, self.now())
 
+    async def _verify_served(self) -> None:
+        """Before the sample finishes: the replays behind the cache hits it was served (its warm
+        workspace, still being brought to the last hit's state) are awaited and the workspace
+        adopted (_materialize), so a step that does not reproduce rewinds the sample (Rewound)
+        before anything is scored. A warm workspace not ready within the core's verify_seconds
+        is left to be destroyed when it is, and the state rebuilt and verified from the cache."""
+        st = self.state
+        if not isinstance(st, Idle) or st.shadow is None or self.core.cache is None or self.node is None:
+            return  # nothing pending: a workspace of its own, or no replay behind the hits (no prefetch)
+        shadow = st.shadow
+        if not shadow.done():
+            done, _ = await asyncio.wait({shadow}, timeout=self.core.verify_seconds)
+            if not done:
+                self.timeline.errors.append(f"the warm workspace was not verified within {self.core.verify_seconds:g} "
+                                            "s: the state is rebuilt from the cache")
+                self._discard_shadow(shadow)
+                st = Idle()
+        await self._materialize(st)
+
     async def _rebuild(self, node: Node) -> Workspace:
         assert self.core.cache is not None
         t = time.monotonic()

@@ -27,7 +27,8 @@ class CoreConfig:
     speculation_depth: calls per speculative chain (0: no speculation); slow_tool_seconds,
     task_quantile, online_real_calls: the TailPolicy's; prefetch: warm workspaces behind hits
     and the root prefetched; keep_initial, overlap_fork: Base's parity with the cache's root;
-    critical_path_captures: captures weigh the next reasoning step and expected revisits."""
+    critical_path_captures: captures weigh the next reasoning step and expected revisits;
+    verify_seconds: RolloutCore's (a finishing sample's wait for the replay behind its last hit)."""
 
     cache_bytes: int = 0
     store: Path | None = None
@@ -46,6 +47,7 @@ class CoreConfig:
     keep_initial: bool = False
     overlap_fork: bool = False
     critical_path_captures: bool = True
+    verify_seconds: float | None = 300.0
 
 
 def build_core(config: CoreConfig, *, guard: DeterminismGuard | None = None, reasoning: ReasoningClock | None = None,
@@ -67,7 +69,8 @@ def build_core(config: CoreConfig, *, guard: DeterminismGuard | None = None, rea
                                 min_probability=config.min_probability, placement=config.placement)
     return RolloutCore(cache=cache, speculator=speculator, guard=guard, tail=tail, memory=config.memory,
                        prefetch=config.prefetch, keep_initial=config.keep_initial, overlap_fork=config.overlap_fork,
-                       reasoning=reasoning, critical_path_captures=config.critical_path_captures)
+                       reasoning=reasoning, critical_path_captures=config.critical_path_captures,
+                       verify_seconds=config.verify_seconds)
 
 
 __all__ = ["CoreConfig", "build_core"]
