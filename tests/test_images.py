@@ -393,3 +393,32 @@ def test_gc_leaves_the_store_and_removes_abandoned_unpacks(engine: Engine) -> No
 
     pipeline.gc()
     assert store.temporaries() == set()
+
+
+def test_an_image_runs_in_a_user_namespace_in_serve_and_the_library(engine: Engine, tmp_path: Path) -> None:
+    """Images are untrusted: in a user namespace their root is a host id of the shared range
+    (issue 36 item 11), in the library (userns=True) and by default in `bunshin serve` (a
+    `docker:` template the operator allowed), a clone of it included."""
+    with Workspace.create(rootfs=f"docker:{SWE}", userns=True) as ws:
+        [clone] = ws.fork(1)
+        try:
+            for w in (ws, clone):
+                assert _out(w, "cat /proc/self/uid_map").split()[:2] == ["0", "100000"]
+                assert _out(w, "pwd") == "/repo"  # the image's own WorkingDir and files
+        finally:
+            clone.destroy()
+    import e2b
+    import e2b_server_support as support
+
+    with support.serving(tmp_path, ("--allow-template", f"docker:{SWE}")):
+        sbx = e2b.Sandbox.create(f"docker:{SWE}", timeout=120)
+        try:
+            r = sbx.commands.run("cat /proc/self/uid_map; pwd", timeout=60)
+            assert r.stdout.split()[:2] == ["0", "100000"] and r.stdout.split()[-1] == "/repo", r.stdout
+            [fork] = sbx.fork()
+            try:
+                assert fork.commands.run("cat /proc/self/uid_map", timeout=60).stdout.split()[:2] == ["0", "100000"]
+            finally:
+                fork.kill()
+        finally:
+            sbx.kill()
