@@ -422,6 +422,32 @@ def test_snapshot_save_and_load(big: tuple[Workspace, dict[str, Any]], tmp_path:
         shutil.rmtree(dest, ignore_errors=True)
 
 
+def test_a_loaded_copy_never_releases_its_original(tmp_path: Path) -> None:
+    """A saved snapshot loaded on the host where its original still lives carries the original's
+    id. Its release marked the original released, and the next release beside it (a clone's
+    destroy) removed the original's layer: the original's forks then failed with 'mount
+    .../rootfs: No such file or directory'. Either order of release leaves the other whole."""
+    with Workspace.create() as ws:
+        ws.files.write("/root/mark", "kept")
+        for first in ("loaded", "original"):
+            original = ws.snapshot()
+            [live] = original.fork(1)  # a clone of the original, destroyed after the copy's release
+            dest = tmp_path / f"saved-{first}"
+            original.save(dest).result(timeout=120)
+            loaded = Snapshot.load(dest)
+            with fork_of(loaded) as (c,):
+                assert c.files.read("/root/mark") == "kept"
+            keep, drop = (original, loaded) if first == "loaded" else (loaded, original)
+            drop.release()
+            live.destroy()
+            [again] = keep.fork(1)
+            try:
+                assert isinstance(again, Workspace) and again.files.read("/root/mark") == "kept"
+            finally:
+                again.destroy()
+                keep.release()
+
+
 # ---- 6: failures ----
 
 

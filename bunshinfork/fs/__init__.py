@@ -163,7 +163,12 @@ class FsPart(Part):
             if fs is not None:
                 if fs.layer is not None:
                     frozen.let_go(fs.layer)
-                frozen.drop_unused(fs.lowers, exclude=held.meta.id, own=fs.layer)
+                # A loaded snapshot carries the id of the one it was saved from, which may still
+                # live on this host: keyed by that id, its release marked the original released,
+                # and the next release beside it removed the original's layer from under it. It
+                # answers for its own imported layer only.
+                owner = held.meta.id if held.owned or fs.layer is None else Path(fs.layer.path).name
+                frozen.drop_unused(fs.lowers, exclude=owner, own=fs.layer)
 
     def gc(self) -> list[str]:
         """Layers under the default storage roots whose workspace left no record, frozen
