@@ -41,6 +41,8 @@ from .errors import (
     FileOperationError,
     ForkError,
     ForkTimeout,
+    HostError,
+    HostInUse,
     InvalidArgumentException,
     KernelFeatureError,
     NetworkError,
@@ -58,6 +60,8 @@ from .errors import (
 from .files import EntryInfo, FileType, WriteInfo
 from .fs import StorageWarning
 from .fs import digest as rootfs_digest
+from .host import HostConfig
+from .hosts import current_host, reap_orphans, teardown_host  # this host; a named host's teardown
 from .network.policy import EgressPolicy
 from .network.policy import from_e2b as egress_from_e2b  # E2B's network={...} as a policy
 from .spec import WorkspaceSpec
@@ -69,12 +73,13 @@ __all__ = [
     "CgroupError",
     "CommandError", "CommandExitException", "CommandHandle", "CommandResult", "CommandTimeout", "CriuError",
     "CriuTimeout", "DeadlineExceeded", "EgressPolicy", "EntryInfo", "FileNotFoundException", "FileOperationError",
-    "FileType", "FilesystemEvent", "FilesystemEventType", "ForkError", "ForkTimeout", "HostMemory",
+    "FileType", "FilesystemEvent", "FilesystemEventType", "ForkError", "ForkTimeout", "HostConfig", "HostError",
+    "HostInUse", "HostMemory",
     "InvalidArgumentException", "KernelFeatureError", "MemoryStats", "NetworkError", "NotFoundException",
     "PrivilegeError", "ProcessInfo", "PtySize", "RootfsError", "Sandbox", "SandboxException", "SandboxInfo",
     "SandboxMetrics", "SandboxNotFoundException", "SandboxPaginator", "SandboxQuery", "SandboxState",
     "Snapshot", "SnapshotInfo", "SnapshotPaginator", "SpecError", "StorageWarning", "TimeoutException",
     "WatchHandle", "Workspace", "WorkspaceFileNotFound", "WorkspaceInfo", "WorkspaceNotFound",
-    "WorkspaceSpec", "WorkspaceStateError", "WriteInfo", "__version__", "deadlines", "egress_from_e2b", "host_memory",
-    "rootfs_digest",
+    "WorkspaceSpec", "WorkspaceStateError", "WriteInfo", "__version__", "current_host", "deadlines", "egress_from_e2b",
+    "host_memory", "reap_orphans", "rootfs_digest", "teardown_host",
 ]

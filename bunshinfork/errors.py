@@ -148,3 +148,13 @@ class TemplateNotFound(WarmTemplateError, NotFoundException):
 
 class TemplateNotReady(WarmTemplateError, TimeoutException):
     """A template's ready command did not succeed within its timeout; nothing was kept."""
+
+
+class HostError(BunshinError):
+    """A host-wide operation (bunshinfork.hosts) was refused: teardown_host() on the machine's
+    default host, whose state root every process without a named host shares."""
+
+
+class HostInUse(HostError):
+    """The host still holds workspaces (their state directories under its state root): its
+    directories and cgroup parents stay until they are destroyed or reaped."""

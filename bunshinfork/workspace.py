@@ -35,6 +35,7 @@ from .errors import (
 )
 from .files import Files
 from .images import templates
+from .network import egress as egress_rules
 from .network import set_egress
 from .network.ports import Ports
 from .process import lifetime
@@ -537,6 +538,25 @@ class Workspace:
 
     def __repr__(self) -> str:
         return f"<Workspace {self.id} init={self.init_pid} {self._rec.status}>"
+
+    # ---- an egress hold (bunshinrl's speculation); its rules are network/egress.py's ----
+
+    def hold_egress(self) -> bool:
+        """Refuse every new connection out of the workspace, on top of its own policy (no
+        allow_out of it lifts the hold), until release_egress_hold(): what runs meanwhile has no
+        remote effect. Connections already open keep going; forks do not inherit the hold, and
+        destroy() removes it. False for a workspace with no bridged link (nothing leaves it);
+        WorkspaceStateError once it has stopped."""
+        self.live_init_pid()
+        return egress_rules.hold_closed(self.id, self._rec.network)
+
+    def release_egress_hold(self) -> None:
+        """End hold_egress(): the workspace's own policy decides again. Idempotent."""
+        egress_rules.release_hold(self.id)
+
+    def egress_refused(self) -> int:
+        """How many packets the current hold has refused (0 when none is held)."""
+        return egress_rules.refused(self.id, egress_rules.HOLD)
 
 
 def _fresh_egress(rec: Record) -> None:

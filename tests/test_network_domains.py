@@ -28,8 +28,9 @@ from helpers import run_ok
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bunshinfork.network import egress, proxies
+from bunshinfork.errors import WorkspaceStateError
 from bunshinfork.network import gc as network_gc
+from bunshinfork.network import proxies
 from bunshinfork.network.sniproxy import name_matches
 from bunshinfork.workspace import Workspace
 
@@ -229,13 +230,20 @@ def test_without_deny_domains_need_no_proxy(web: dict[str, FakeHost]) -> None:
 def test_speculations_hold_closes_allowed_names_too(web: dict[str, FakeHost]) -> None:
     probes = [Probe("allowed.test", 443, ip=A)]
     with Workspace.create(network="bridge", egress=POLICY) as ws:
-        assert egress.hold_closed(ws.id, ws._rec.network)
+        assert ws.egress_refused() == 0
+        assert ws.hold_egress()  # the public hold (Workspace), which bunshinrl's speculation uses
         try:
             assert probe([ws], web, probes) == {A: [], B: []}
-            assert egress.refused(ws.id, egress.HOLD) >= 1
+            assert ws.egress_refused() >= 1
         finally:
-            egress.release_hold(ws.id)
+            ws.release_egress_hold()
+        assert ws.egress_refused() == 0
+        ws.release_egress_hold()  # idempotent
         assert probe([ws], web, probes) == {A: ["t0x0"], B: []}
+    with Workspace.create() as offline:
+        assert not offline.hold_egress()  # no link: nothing to hold
+    with pytest.raises(WorkspaceStateError):
+        offline.hold_egress()
 
 
 def test_a_failed_forks_proxies_go(web: dict[str, FakeHost], monkeypatch: pytest.MonkeyPatch) -> None:

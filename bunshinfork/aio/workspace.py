@@ -100,6 +100,15 @@ class AsyncWorkspace:
     async def set_egress(self, egress: dict[str, list[str]] | str | None) -> None:
         await blocking(self._ws.set_egress, egress)
 
+    async def hold_egress(self) -> bool:
+        return await blocking(self._ws.hold_egress)
+
+    async def release_egress_hold(self) -> None:
+        await blocking(self._ws.release_egress_hold)
+
+    async def egress_refused(self) -> int:
+        return await blocking(self._ws.egress_refused)
+
     async def destroy(self) -> None:
         await blocking(self._ws.destroy)
 
