@@ -131,6 +131,31 @@ def test_a_fork_keeps_the_map_and_its_state() -> None:
     assert not _processes_of(idmap.BASE)
 
 
+def test_a_restored_workspace_dumps_again() -> None:
+    """A clone or a resumed workspace is itself snapshotted, forked and paused: CRIU's dump checks
+    that the namespaces belong to the user namespace by opening /proc/<init>/ns/* from inside it,
+    which the restored init (not dumpable, its memory forked from CRIU's, so owned by the host's
+    user namespace) refused: 'Can't open <pid>/ns/net on procfs: Permission denied' on the second
+    pause of every sandbox of `bunshin serve` (criu/patches/0006)."""
+    with Workspace.create(rootfs="debian", userns=True) as ws:
+        run_ok(ws, "echo kept > /root/mark")
+        for _ in range(2):
+            ws.pause_to_disk()
+            ws.resume_from_disk()
+        [clone] = ws.fork(1)
+        try:
+            assert isinstance(clone, Workspace)
+            [grandchild] = clone.fork(1)  # a fork of a clone
+            try:
+                assert isinstance(grandchild, Workspace)
+                assert run_ok(grandchild, "cat /root/mark").stdout == "kept\n"
+                assert " ".join(run_ok(grandchild, "cat /proc/self/uid_map").stdout.split()) == MAP
+            finally:
+                grandchild.destroy()
+        finally:
+            clone.destroy()
+
+
 def test_a_bridge_network_is_set_up_inside_from_outside() -> None:
     with Workspace.create(rootfs="debian", userns=True, network="bridge") as ws:
         # The veth is in the namespace's network namespace, addressed by the host.
