@@ -204,20 +204,24 @@ def test_only_native_imports_the_compiled_module() -> None:
 
 
 PUBLIC_MODULES = ("bunshinfork.aio", "bunshinfork.aio.commands", "bunshinfork.aio.files", "bunshinfork.aio.pool",
-                  "bunshinfork.aio.workspace", "bunshinfork.commands", "bunshinfork.files",
+                  "bunshinfork.aio.workspace", "bunshinfork.commands", "bunshinfork.files", "bunshinfork.hosts",
                   "bunshinfork.images.reference", "bunshinfork.images.templates", "bunshinfork.images.warm",
-                  "bunshinfork.users")
+                  "bunshinfork.templates", "bunshinfork.users")
 
 
 def _public_sdk() -> dict[str, set[str] | None]:
-    """What e2b/ may import of bunshinfork, by module: the names the package's face exports, from
+    """What e2b/, serve/ and bunshinrl may import of bunshinfork, by module: the names the package's face exports, from
     the module that defines each; every public name of bunshinfork.errors; the face itself
     (None: any of its exported names)."""
     allowed: dict[str, set[str] | None] = {"bunshinfork": None, "bunshinfork.errors": None}
     # The SDK's other public modules: the asyncio tree, and those whose objects a Workspace's
     # public attributes hand out (ws.commands, ws.pty, ws.files, the accounts files the
-    # commands run as), the template store (`bunshin template`), and the image reference grammar
-    # (serve's template allowlist compares names as it parses them); any of their public names.
+    # commands run as), the template store (`bunshin template`), the image reference grammar
+    # (serve's template allowlist compares names as it parses them), this process's host and a
+    # named host's teardown (hosts: a pool of hosts, bunshinrl.cluster), and the agent workspaces
+    # (templates: the X11 and Wayland desktops and the web shop, a documented feature of the SDK,
+    # docs/architecture.md, whose package face is its API; not its _modules); any of their public
+    # names.
     allowed |= dict.fromkeys(PUBLIC_MODULES)
     for name in bunshinfork.__all__:
         obj = getattr(bunshinfork, name)
@@ -227,14 +231,17 @@ def _public_sdk() -> dict[str, set[str] | None]:
     return allowed
 
 
-def _beyond_the_sdk(name: str, path: Path, modules: set[str], source: str | None = None) -> list[str]:
+def _beyond_the_sdk(name: str, path: Path, modules: set[str], source: str | None = None,
+                    own: tuple[str, ...] = ("bunshinfork.e2b", "bunshinfork.serve")) -> list[str]:
+    """The imports of bunshinfork in `path` beyond the public SDK; those of `own` (the importer's
+    own tree: e2b/ and serve/ for themselves) are not counted."""
     allowed = _public_sdk()
     out = []
     for target, names in _imports(name, path, modules, source):
-        if target.startswith(("bunshinfork.e2b", "bunshinfork.serve")) or not target.startswith("bunshinfork"):
+        if (own and target.startswith(own)) or not target.startswith("bunshinfork"):
             continue
         if target not in allowed:
-            out.append(f"{name} imports {target}")
+            out += [f"{name} imports {target}.{n}" for n in names] or [f"{name} imports {target}"]
             continue
         exported = allowed[target]
         if target == "bunshinfork":
@@ -265,6 +272,29 @@ def test_e2b_imports_only_the_public_sdk() -> None:
     assert _beyond_the_sdk("bunshinfork.e2b.probe", fake, set(modules), ok) == []
     bad = "from ..state import Record\nfrom ..workspace import _capture\nfrom .. import pipeline\n"
     assert len(_beyond_the_sdk("bunshinfork.e2b.probe", fake, set(modules), bad)) == 3
+
+
+
+def test_bunshinrl_imports_only_the_public_sdk() -> None:
+    """bunshinrl is a client of bunshinfork as its users are (issue 37): it imports what the
+    package's face exports, bunshinfork.errors and the public modules (PUBLIC_MODULES), never the
+    core: a pool host's teardown is bunshinfork.teardown_host() / reap_orphans(), a speculation's
+    egress hold Workspace.hold_egress(), a saved snapshot's size bunshinfork.tree_bytes()."""
+    sdk = set(_modules())
+    found = []
+    for name, path in _rl_modules().items():
+        found += _beyond_the_sdk(name, path, sdk, own=())
+    assert found == []
+    # The check itself, from a file of bunshinrl: the face, the errors and a public module pass;
+    # the core, a private name of a public module and e2b/'s insides do not.
+    fake = RL_PACKAGE / "cluster" / "probe.py"
+    ok = ("from bunshinfork import Workspace, HostConfig\nfrom bunshinfork.errors import ForkError\n"
+          "from bunshinfork.templates import start_gui\nfrom bunshinfork.host import HostConfig\n")
+    assert _beyond_the_sdk("bunshinrl.cluster.probe", fake, sdk, ok, own=()) == []
+    bad = ("from bunshinfork import native, state\nfrom bunshinfork.host import HOST\n"
+           "from bunshinfork.network import egress\nfrom bunshinfork.templates import _common\n"
+           "from bunshinfork.e2b.dispatch import dispatch\n")
+    assert len(_beyond_the_sdk("bunshinrl.cluster.probe", fake, sdk, bad, own=())) == 6
 
 
 # ---- no module reads another object's _attribute ----

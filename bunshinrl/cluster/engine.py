@@ -309,7 +309,7 @@ def _size(saved: bytes | str | None) -> int:
         return 0
     if isinstance(saved, bytes):
         return len(saved)
-    from bunshinfork.state import tree_bytes
+    from bunshinfork.hosts import tree_bytes
 
     return tree_bytes(saved)
 

@@ -1,7 +1,7 @@
 """One bunshin host of a pool: the body of its Ray actor.
 
 A WorkspaceHost runs in a Ray worker process placed on its node by the node's custom resource
-(pool.py), made that host by its environment (bunshinfork.host.HostConfig.env(), set through
+(pool.py), made that host by its environment (bunshinfork.HostConfig.env(), set through
 the actor's runtime_env before bunshinfork is imported). It owns the host's workspaces, its
 snapshots and its shard of the prefix cache, and serves three kinds of remote calls:
 
@@ -29,8 +29,8 @@ import secrets
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bunshinfork import Snapshot, Workspace, state
-from bunshinfork.host import HOST, HostConfig
+from bunshinfork import HostConfig, HostInUse, Snapshot, Workspace, current_host, reap_orphans, teardown_host
+from bunshinfork.hosts import state_root
 
 from .._async import run_blocking
 from ..calls.policy import SampleContext, Step
@@ -43,7 +43,6 @@ from ..rollout.timeline import SampleTimeline
 from ..rollout.wiring import CoreConfig, build_core
 from ..speculation.selector import ToolSelector
 from ..states.backend import SharedSnapshot
-from .teardown import reap, remove_host_dirs
 from .transfer import load_snapshot, save_snapshot
 
 CoreFactory = Callable[[], RolloutCore]
@@ -56,12 +55,12 @@ class NoCache(RuntimeError):
 class WorkspaceHost:
     def __init__(self, name: str, cache_bytes: int = 1 << 30, memory: str = "auto",
                  core: CoreFactory | None = None) -> None:
-        expected = HostConfig.named(name)
-        if expected != HOST:
-            raise RuntimeError(f"host {name}: this process is {HOST}, not {expected}; start it with "
+        expected, host = HostConfig.named(name), current_host()
+        if expected != host:
+            raise RuntimeError(f"host {name}: this process is {host}, not {expected}; start it with "
                                "runtime_env={'env_vars': HostConfig.named(name).env()}")
         self.name = name
-        state.run_root()
+        state_root()
         # Made here, after the host's environment: a core's cache and snapshots are this host's.
         # The default host captures as every other driver does (build_core's policy: a state when
         # a second visitor needs it, or behind a reasoning step long enough to hide it), so a
@@ -80,8 +79,9 @@ class WorkspaceHost:
         self.counters = {"imported_bytes": 0, "exported_bytes": 0}
 
     async def ping(self) -> dict[str, Any]:
-        return {"name": self.name, "pid": os.getpid(), "run_root": str(HOST.run_root),
-                "cgroup_parent": HOST.cgroup_parent, "bridge": HOST.bridge, "layer_store": str(HOST.layer_store)}
+        host = current_host()
+        return {"name": self.name, "pid": os.getpid(), "run_root": str(host.run_root),
+                "cgroup_parent": host.cgroup_parent, "bridge": host.bridge, "layer_store": str(host.layer_store)}
 
     # ---- the SDK ----
 
@@ -346,7 +346,9 @@ class WorkspaceHost:
     # ---- teardown ----
 
     async def gc(self) -> dict[str, list[str]]:
-        return await run_blocking(reap)
+        """The workspaces of this host whose creator died (a host actor before this one), then
+        bunshinfork's gc on this host only (bunshinfork.reap_orphans)."""
+        return await run_blocking(reap_orphans)
 
     async def drain(self) -> None:
         await self.core.drain()
@@ -371,14 +373,17 @@ class WorkspaceHost:
         self.workspaces.clear()
         self.snapshots.clear()
         self.imported.clear()
-        return await run_blocking(reap)
+        return await run_blocking(reap_orphans)
 
     async def retire(self) -> dict[str, list[str]]:
         """shutdown(), then remove the host itself (its state root's tmpfs, its cgroup parents)
         when nothing of a workspace remains there: a pool's hosts leave the machine as they found it."""
         out = await self.shutdown()
-        out["host"] = await run_blocking(remove_host_dirs)
+        try:
+            out["host"] = await run_blocking(teardown_host)
+        except HostInUse:  # a workspace outlived the shutdown: the host stays, for gc to find
+            out["host"] = []
         return out
 
 
-__all__ = ["CoreFactory", "NoCache", "WorkspaceHost", "reap", "remove_host_dirs"]
+__all__ = ["CoreFactory", "NoCache", "WorkspaceHost"]

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bunshinfork.host import HostConfig
+from bunshinfork import HostConfig
 
 from .host import CoreFactory, WorkspaceHost
 

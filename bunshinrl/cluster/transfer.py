@@ -11,7 +11,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from bunshinfork import Snapshot, state
+from bunshinfork import Snapshot
+from bunshinfork.hosts import state_root, tree_bytes
 
 from .._async import run_blocking
 from ..states.backend import SharedSnapshot
@@ -22,8 +23,8 @@ async def save_snapshot(snap: Snapshot, shared_dir: str | None) -> tuple[bytes |
     if shared_dir is not None:
         dest = Path(shared_dir) / f"{snap.id}-{secrets.token_hex(4)}"
         await run_blocking(lambda: snap.save(dest).result())
-        return str(dest), state.tree_bytes(dest)
-    with tempfile.TemporaryDirectory(dir=state.run_root()) as tmp:
+        return str(dest), tree_bytes(dest)
+    with tempfile.TemporaryDirectory(dir=state_root()) as tmp:
         await run_blocking(lambda: snap.save(Path(tmp) / "s").result())
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as tar:
@@ -35,7 +36,7 @@ async def save_snapshot(snap: Snapshot, shared_dir: str | None) -> tuple[bytes |
 async def load_snapshot(saved: bytes | str) -> tuple[SharedSnapshot, int]:
     """(the snapshot save_snapshot's copy holds, loaded here; the bytes read)."""
     if isinstance(saved, bytes):
-        dest = state.run_root() / f"import-{secrets.token_hex(6)}"
+        dest = state_root() / f"import-{secrets.token_hex(6)}"
         try:
             with tarfile.open(fileobj=io.BytesIO(saved), mode="r") as tar:
                 await run_blocking(tar.extractall, dest)  # written by a host actor of this pool
@@ -46,4 +47,4 @@ async def load_snapshot(saved: bytes | str) -> tuple[SharedSnapshot, int]:
         return SharedSnapshot(snap, owned_dir=dest), len(saved)
     dest = Path(saved)
     snap = await run_blocking(Snapshot.load, dest)
-    return SharedSnapshot(snap, owned_dir=dest), state.tree_bytes(dest)
+    return SharedSnapshot(snap, owned_dir=dest), tree_bytes(dest)

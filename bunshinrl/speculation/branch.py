@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from bunshinfork import AsyncWorkspace, Workspace
-from bunshinfork.network import egress as ws_egress
 
 from ..calls.signature import ToolCall
 from ..calls.tools import Tool
@@ -51,14 +50,6 @@ class BranchOwner(Protocol):
     def track(self, aw: Any) -> None: ...
 
     def record_waste(self, seconds: float) -> None: ...
-
-
-def _hold(ws: Workspace) -> bool:
-    return ws_egress.hold_closed(ws.id, ws.record.network)
-
-
-def _refused(ws: Workspace) -> int:
-    return ws_egress.refused(ws.id, ws_egress.HOLD)
 
 
 class SpeculativeBranch:
@@ -124,7 +115,7 @@ class SpeculativeBranch:
         ws = self._live
         if self._owner.egress == "closed":
             try:
-                if await asyncio.to_thread(_hold, ws):
+                if await asyncio.to_thread(ws.hold_egress):
                     self._held = ws
             except BaseException as e:
                 self._fail_from(0, e)
@@ -138,7 +129,7 @@ class SpeculativeBranch:
             try:
                 obs = await self._tools[call.name].run(ws, call.args)
                 if self._held is ws:
-                    self._refused_after[j] = await asyncio.to_thread(_refused, ws)
+                    self._refused_after[j] = await asyncio.to_thread(ws.egress_refused)
             except BaseException as e:
                 self._fail_from(j, e)
                 if isinstance(e, asyncio.CancelledError):
@@ -280,7 +271,7 @@ class SpeculativeBranch:
         assert ws is not None
         if self._held is ws:
             self._held = None
-            ws_egress.release_hold(ws.id)  # the caller's workspace again, with its own policy
+            ws.release_egress_hold()  # the caller's workspace again, with its own policy
         self._owner.workspaces.discard(ws)  # the caller's now
         return ws
 
