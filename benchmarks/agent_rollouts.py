@@ -109,6 +109,8 @@ from bunshinrl import (
 from bunshinrl.envs import coding, gui, webshop
 from bunshinrl.envs.faults import FaultAuditor, FaultGuard, KeyedPolicy, inject_faults
 from bunshinrl.rollout.audit import AUDIT_MODES, TrajectoryAuditor, cache_roots
+from bunshinrl.rollout.configs import CONFIGS as ENGINE_CONFIGS
+from bunshinrl.rollout.configs import caches, check_config, speculates
 from bunshinrl.rollout.reasoning import ReasoningClock
 from bunshinrl.rollout.timeline import DIVERGENCE_KINDS
 from bunshinrl.rollout.wiring import CoreConfig, build_core
@@ -119,7 +121,7 @@ SNAPSHOT_POLICIES = ("depth", "cost")
 DEFAULT_SNAPSHOT_POLICY = "cost"
 
 MiB = 1 << 20
-CONFIGS = ("CRIU", "Base", "Spec", "Full")
+CONFIGS = ("CRIU", *ENGINE_CONFIGS)  # CRIU: Base with its processes out of KSM (restored copies private)
 SHOP_ORDERS = ({"MUG-BLU": 2, "TEA-GRN": 1}, {"TEA-GRN": 1}, {"MUG-BLU": 1})
 GUI_TARGETS = ("Meeting moved to Friday 10:00", "Ship it on Friday", "Lunch at noon in room 4")
 FAMILIES = ("code", "shop", "gui")
@@ -236,16 +238,17 @@ def make_config(name: str, tasks: list[Task], cands: dict[str, Any], agent_cfg: 
     faults: the tasks' tools are faulty (--inject-faults): the agent's decisions and the audit run
     as their sample, which keys the faults; auto_disable False: the guard's is off (FaultGuard)."""
     kind, _, variant = name.partition("@")
+    config = "Base" if kind == "CRIU" else check_config(kind)  # CRIU's parts are Base's
     server = Server(model, in_flight)
     cfg = CoreConfig(
         # Full: the cache captures by cost (a state when the replay it saves takes as long as a
         # capture), beside reasoning steps predicted to outlast a capture; Full@depth: every
         # other depth and every slow call.
-        cache_bytes=cache_mib * MiB if kind == "Full" else 0, store=store / name,
-        snapshot_policy=(variant or DEFAULT_SNAPSHOT_POLICY) if kind == "Full" else DEFAULT_SNAPSHOT_POLICY,  # type: ignore[arg-type]
+        cache_bytes=cache_mib * MiB if caches(config) else 0, store=store / name,
+        snapshot_policy=(variant or DEFAULT_SNAPSHOT_POLICY) if caches(config) else DEFAULT_SNAPSHOT_POLICY,  # type: ignore[arg-type]
         snapshot_every=2, snapshot_slower_than=slow_seconds,
-        speculation_depth=spec_depth if kind in ("Spec", "Full") else 0, slow_tool_seconds=slow_seconds,
-        task_quantile=0.5, online_real_calls=2 if kind == "Full" else None, min_probability=0.5,
+        speculation_depth=spec_depth if speculates(config) else 0, slow_tool_seconds=slow_seconds,
+        task_quantile=0.5, online_real_calls=2 if caches(config) else None, min_probability=0.5,
         placement=variant if kind == "Spec" and variant else DEFAULT_PLACEMENT,  # type: ignore[arg-type]
         memory="copy" if name == "CRIU" else share, keep_initial=True, overlap_fork=True)
     core = build_core(cfg, reasoning=ReasoningClock(model=lambda: server.predicted_step(agent_cfg.output_median)),
@@ -424,7 +427,7 @@ async def run_seed(seed: int, args: argparse.Namespace, agent_cfg: AgentConfig, 
             if r.cache is not None:
                 await asyncio.to_thread(r.cache.close)
     out = {n: summarize(r) for n, r in runs.items()}
-    trio = [n for n in runs if n.partition("@")[0] in ("Base", "Spec", "Full")]
+    trio = [n for n in runs if n.partition("@")[0] in ENGINE_CONFIGS]
     out["rewards_identical"] = all(runs[trio[0]].epochs[e]["rewards"] == runs[n].epochs[e]["rewards"]
                                    for n in trio for e in range(min(len(runs[n].epochs), len(runs[trio[0]].epochs))))
     audits = [e["audit"] for r in runs.values() for e in r.epochs if e["audit"] is not None]
@@ -747,12 +750,13 @@ def plots(out: Path, seeds: dict[int, dict[str, Any]], epochs: int, share: str) 
         ax.legend(fontsize=7)
     axes[0][0].set_ylabel("rollouts still running")
     save(fig, "fig8_rollouts_running.png")
-    trio = [n for n in names if n.partition("@")[0] in ("Base", "Spec", "Full")]
+    trio = [n for n in names if n.partition("@")[0] in ENGINE_CONFIGS]
     memory_chart(trio, epochs - 1, f"Fig. 9: memory over epoch {epochs}", "fig9_memory_base_spec_full.png")
     fig, ax = plt.subplots(figsize=(5.5, 3.5))
     xs = list(range(1, epochs + 1))
     for n in names:
-        if n.partition("@")[0] not in ("Spec", "Full"):
+        config = n.partition("@")[0]
+        if config not in ENGINE_CONFIGS or not speculates(config):
             continue
         for kind, style in (("cache", "-"), ("speculation", "--"), ("total", ":")):
             if kind == "cache" and n != "Full":

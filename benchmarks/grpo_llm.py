@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bunshinfork import census
 from bunshinrl.grpo import experiment
+from bunshinrl.rollout.configs import CONFIGS
 from bunshinrl.training.tasks import suite
 
 QUICK_TASKS = ("files-ab", "service-pong", "fix-both")
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group", type=int, help="GRPO group size (samples per task)")
     ap.add_argument("--seeds", help="comma-separated seeds (default 0,1,2)")
     ap.add_argument("--tasks", help="comma-separated task ids (default: the whole suite; --quick: one per family)")
-    ap.add_argument("--configs", default=",".join(experiment.CONFIG_NAMES),
+    ap.add_argument("--configs", default=",".join(CONFIGS),
                     help="engine configurations trained with the first seed")
     ap.add_argument("--random-epochs", type=int, help="epochs of the untrained baseline (default: --epochs; "
                     "--quick: 3)")
@@ -82,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown task in {args.tasks!r}; known: {', '.join(t.id for t in suite())}", file=sys.stderr)
         return 2
     configs = [c for c in args.configs.split(",") if c]
-    if "Base" not in configs or any(c not in experiment.CONFIG_NAMES for c in configs):
-        print(f"--configs must include Base, from {', '.join(experiment.CONFIG_NAMES)}", file=sys.stderr)
+    if "Base" not in configs or any(c not in CONFIGS for c in configs):
+        print(f"--configs must include Base, from {', '.join(CONFIGS)}", file=sys.stderr)
         return 2
     grpo = GRPOConfig(group_size=group, lr=args.lr)
     print(f"GRPO ({args.backend}) on {len(tasks)} tasks ({', '.join(t.id for t in tasks)}) x {group} samples, "

@@ -792,3 +792,45 @@ def test_the_rollout_core_holds_few_of_the_caches_verbs_and_moves_state_only_by_
     assert _cache_verbs("self.core.cache.begin(n, c)\ncache.attach(n, p)\nother.lookup(x)\n") == {"begin", "attach"}
     assert _state_assignments("r.state = Live(ws)\nself.state.shadow = t\nself._state = None\n"
                               "def _enter(self, new):\n    self._state = transition(self._state, new)\n") == [1, 2]
+
+
+# ---- bunshinrl: one list of the engine's configurations ----
+
+def _config_lists(source: str) -> list[int]:
+    """Lines of a tuple, list or set literal naming Base, Spec and Full together (the list of
+    configurations spelled out again), or an `x in ("Spec", "Full")`-style test of two of them
+    (which parts a configuration turns on: configs.speculates, configs.caches)."""
+    names = {"Base", "Spec", "Full"}
+
+    def named(node: ast.AST) -> set[str]:
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return {e.value for e in node.elts if isinstance(e, ast.Constant)} & names  # type: ignore[misc]
+        return set()
+
+    def membership(node: ast.AST) -> bool:
+        return isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops) \
+            and any(len(named(c)) == 2 for c in node.comparators)
+
+    return sorted(n.lineno for n in ast.walk(ast.parse(source))  # type: ignore[attr-defined]
+                  if len(named(n)) == 3 or membership(n))
+
+
+def test_one_list_of_configurations() -> None:
+    """Base, Spec and Full are listed once, in bunshinrl/rollout/configs.py; every driver,
+    benchmark and demo names them (and asks which parts each turns on) from there (issue 37)."""
+    from bunshinrl.rollout import configs
+
+    root = PACKAGE.parent
+    found = {}
+    for path in sorted([*RL_PACKAGE.rglob("*.py"), *(root / "benchmarks").rglob("*.py")]):
+        if path != RL_PACKAGE / "rollout" / "configs.py" and (lines := _config_lists(path.read_text())):
+            found[str(path.relative_to(root))] = lines
+    assert found == {}, f"name the configurations from bunshinrl.rollout.configs: {found}"
+    assert _config_lists((RL_PACKAGE / "rollout" / "configs.py").read_text())  # the one list
+    assert _config_lists('choices=("Base", "Spec", "Full")\nif c in ("Spec", "Full"):\n    pass\n') == [1, 2]
+    assert _config_lists('for n in ("Base", "Full"):\n    pass\n') == []  # a pair compared, not the list
+    assert configs.CONFIGS == ("Base", "Spec", "Full")
+    assert [c for c in configs.CONFIGS if configs.speculates(c)] == ["Spec", "Full"]
+    assert [c for c in configs.CONFIGS if configs.caches(c)] == ["Full"]
+    with pytest.raises(ValueError, match="one of Base, Spec, Full"):
+        configs.check_config("CRIU")

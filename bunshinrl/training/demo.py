@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..rollout.configs import CONFIGS
+
 
 @dataclass(frozen=True)
 class Size:
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, help="trained epochs")
     ap.add_argument("--untrained-epochs", type=int, help="epochs the untrained model is measured over")
     ap.add_argument("--group", type=int)
-    ap.add_argument("--config", default="Full", choices=("Base", "Spec", "Full"))
+    ap.add_argument("--config", default="Full", choices=CONFIGS)
     ap.add_argument("--tasks", help="comma-separated task ids")
     ap.add_argument("--lr", type=float)
     ap.add_argument("--max-new-tokens", type=int, help="bound on each reply (a reply cut there is an invalid call)")

@@ -17,19 +17,16 @@ import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from ..calls.policy import Action, Policy, SampleContext, Step
 from ..calls.task import REWARD_TOOL, Task
 from ..policies.actions import FINAL, action_text, from_text
 from ..policies.seeds import sample_seed
 from ..prefix.cache import SnapshotPolicy, ToolPrefixCache
+from ..rollout.configs import CONFIGS, Config, caches, check_config, speculates
 from ..rollout.engine import RolloutEngine
 from ..rollout.timeline import EpochResult, SampleTimeline
 from ..rollout.wiring import CoreConfig, build_core
-
-Config = Literal["Base", "Spec", "Full"]
-CONFIGS: tuple[Config, ...] = ("Base", "Spec", "Full")
 
 
 @dataclass(frozen=True)
@@ -143,12 +140,11 @@ def make_engine(config: Config, policy: Policy, tasks: Sequence[Task], *, store:
     (bunshinrl.rollout.wiring.build_core, shared with every other driver); "depth" captures every
     snapshot_every-th depth and calls slower than snapshot_slower_than.
     """
-    if config not in CONFIGS:
-        raise ValueError(f"unknown configuration {config!r}; one of {', '.join(CONFIGS)}")
+    check_config(config)
     core = build_core(CoreConfig(
-        cache_bytes=cache_bytes if config == "Full" else 0, store=store, snapshot_policy=snapshot_policy,
+        cache_bytes=cache_bytes if caches(config) else 0, store=store, snapshot_policy=snapshot_policy,
         snapshot_every=snapshot_every, snapshot_slower_than=snapshot_slower_than,
-        speculation_depth=spec_depth if config in ("Spec", "Full") else 0, slow_tool_seconds=slow_tool_seconds,
+        speculation_depth=spec_depth if speculates(config) else 0, slow_tool_seconds=slow_tool_seconds,
         min_probability=0.3, memory=memory))
     engine = RolloutEngine(policy, core=core, max_steps=max(t.budget for t in tasks) + 1,
                            memory_interval=memory_interval)

@@ -23,7 +23,6 @@ from typing import Any
 from ..calls.task import Task
 
 MiB = 1 << 20
-CONFIG_NAMES = ("Base", "Spec", "Full")
 BACKENDS = ("hf", "vllm")
 
 
