@@ -112,7 +112,7 @@ from bunshinrl.rollout.audit import AUDIT_MODES, TrajectoryAuditor, cache_roots
 from bunshinrl.rollout.configs import CONFIGS as ENGINE_CONFIGS
 from bunshinrl.rollout.configs import caches, check_config, speculates
 from bunshinrl.rollout.reasoning import ReasoningClock
-from bunshinrl.rollout.timeline import DIVERGENCE_KINDS
+from bunshinrl.rollout.timeline import DIVERGENCE_KINDS, DIVERGENCE_OUTCOMES
 from bunshinrl.rollout.wiring import CoreConfig, build_core
 from bunshinrl.speculation.speculator import PLACEMENTS
 
@@ -345,7 +345,7 @@ async def run_epoch(run: ConfigRun, group: int, epoch: int) -> dict[str, Any]:
         print(f"        audit ({audit['mode']}): {audit['audited']} samples, {audit['steps']} steps re-executed in "
               f"{audit['seconds']:.1f} s: {audit['mismatches']} mismatches, {audit['not_auditable']} not auditable, "
               f"{audit['errors']} errors", flush=True)
-    if r.divergences:
+    if r.divergences or row["sibling_checks"] or row["speculation_checks"]:
         print("        invariant: " + "  ".join(f"{k} {v}" for k, v in r.invariant().items()), flush=True)
     if row["phases"]:
         path = row["phases"]["critical_path"]
@@ -372,11 +372,16 @@ def summarize(run: ConfigRun) -> dict[str, Any]:
         "tool_calls_per_epoch": [e["tool_calls"] for e in ep],
         "wasted_speculation_seconds_per_epoch": [e["wasted_speculation_seconds"] for e in ep],
         "errors": [x for e in ep for x in e["errors"]],
-        # The invariant at work: replays that diverged, samples rewound, trajectories re-rolled.
-        # and the divergences by kind (divergences_mid_plan, _removed_node, _speculation, _sibling_race).
+        # The invariant at work: replays that diverged, samples rewound, trajectories re-rolled,
+        # the divergences by kind (divergences_mid_plan, _removed_node, _speculation, _sibling_race)
+        # and by outcome (outcome_rewound, ..., divergences_unaccounted: 0 when each has one), and
+        # the chances to meet the rarer kinds (sibling_checks, speculation_checks).
         "invariant_per_epoch": [{k: e[k] for k in ("divergences", "divergence_seconds", "rewound", "rewound_steps",
                                                    "rewound_seconds", "rerolled",
-                                                   *(f"divergences_{d}" for d in DIVERGENCE_KINDS))} for e in ep],
+                                                   *(f"divergences_{d}" for d in DIVERGENCE_KINDS),
+                                                   *(f"outcome_{o}" for o in DIVERGENCE_OUTCOMES),
+                                                   "divergences_unaccounted", "sibling_checks",
+                                                   "speculation_checks")} for e in ep],
         "phases_per_epoch": [e["phases"] for e in ep],
         # The trajectory audit per epoch (Full's; None where it did not run).
         "audit_per_epoch": [e["audit"] for e in ep],

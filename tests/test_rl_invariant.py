@@ -27,6 +27,7 @@ from bunshinrl import (
     ToolPrefixCache,
 )
 from bunshinrl.calls.policy import Action
+from bunshinrl.rollout.timeline import EpochResult, SampleTimeline
 
 pytestmark = pytest.mark.usefixtures("no_own_leaks")
 
@@ -100,6 +101,11 @@ def test_a_replay_diverging_mid_plan_rewinds_the_sample(prefetch: bool) -> None:
     assert policy.asked.count((1, 2)) == 2  # the policy decided step 2 again, after the rewind
     assert second.rewound == 1 and second.summary()["rewound"] == 1
     assert first.summary()["divergences"] == 0
+    # Every divergence has an outcome: the rebuild's rewound the sample; warm-shadow: the warm
+    # workspace's divergence before it was destroyed, and that rewind answers it.
+    outcomes = {k: v for k, v in second.divergence_outcomes.items() if v}
+    assert outcomes == ({"rewound": 1, "destroyed_rewound": 1} if prefetch else {"rewound": 1}), outcomes
+    assert second.summary()["divergences_unaccounted"] == 0
 
 
 def test_hits_under_a_removed_node_are_refused() -> None:
@@ -164,6 +170,7 @@ def test_a_sample_standing_on_a_removed_node_is_revalidated_at_its_next_call() -
                 await b.call(C("state"))
             assert type(raised.value).__name__ == "Rewound" and raised.value.step == 1  # type: ignore[attr-defined]
             assert b.timeline.divergences_removed_node == 1 and b.timeline.divergences_mid_plan == 1
+            assert b.timeline.divergence_outcomes == ["rewound"]
             await b.call(C("state"))
             _assert_state_is_the_history(b.history)
         finally:
@@ -205,6 +212,7 @@ def test_the_sibling_race_compares_observations(monkeypatch: pytest.MonkeyPatch)
             assert r.node is None and planted[0].removed
             assert core.guard.report()["detected_nondeterministic"] == ["touch"]
             assert r.timeline.divergences == 1 and r.timeline.divergences_sibling_race == 1
+            assert r.timeline.divergence_outcomes == ["node_refused"] and r.timeline.sibling_checks == 1
         finally:
             await r.close()
             await core.close()
@@ -249,8 +257,12 @@ def test_nothing_speculates_on_a_diverged_workspace(monkeypatch: pytest.MonkeyPa
             except Exception as e:
                 error = e
             assert launched == [], "a chain was launched on a workspace whose replay diverged"
-            assert b.timeline.divergences_speculation == 1
+            assert b.timeline.divergences_speculation == 1 and b.timeline.speculation_checks == 1
             assert type(error).__name__ == "Rewound" and error.step == 1  # type: ignore[union-attr]
+            # The warm workspace's divergence (destroyed, the speculation's kind), then the
+            # verified rebuild's, which rewound the sample and so answers the first.
+            assert b.timeline.divergence_outcomes == ["destroyed_rewound", "rewound"]
+            assert b.timeline.invariant()["divergences_unaccounted"] == 0
             assert [s.call for s in b.history] == [C("bump", {"n": 1}), C("liar")]
             assert b.history[1].observation != recorded
             await b.call(C("state"))
@@ -288,6 +300,8 @@ def test_adopting_a_speculative_call_a_sibling_recorded_otherwise_leaves_the_tre
             assert r.node is not sibling, "placed on a node whose observation it was not shown"
             assert r.node is None and r.timeline.divergences == 1
             assert r.timeline.divergences_sibling_race == 1 and r.timeline.divergences_speculation == 1
+            assert r.timeline.divergence_outcomes == ["node_refused"]
+            assert (r.timeline.sibling_checks, r.timeline.speculation_checks) == (1, 1)
         finally:
             await r.close()
             await core.close()
@@ -320,7 +334,7 @@ def test_a_driver_that_cannot_rewind_gets_the_trajectory_refused() -> None:
             with pytest.raises(RuntimeError, match="refused"):
                 await b.call(C("state"))
             assert b.refused and await b.finish("done") is None
-            assert b.timeline.rewound == 1
+            assert b.timeline.rewound == 1 and b.timeline.divergence_outcomes == ["refused"]
         finally:
             await b.close()
             await core.close()
@@ -385,3 +399,31 @@ def test_the_cluster_driver_acts_again_on_a_rewound_history() -> None:
     assert [s.call for s in timeline.steps] == plan(1)
     assert timeline.steps[:2] == fresh
     assert policy.asked.count((1, 2)) == 2  # asked again at the rewound step
+
+
+def test_every_divergence_gets_one_outcome_and_the_kinds_are_flagged_once() -> None:
+    """The timeline's accounting: a destroyed warm workspace's divergence waits for the sample's
+    next verified state (reproduced or rewound), a speculation flag met twice for one divergence
+    counts once, and a sample closed with one unverified says so (unresolved)."""
+    t = SampleTimeline("t", 0, 0)
+    warm = t.diverged(mid_plan=True)
+    t.flag_speculation(warm)
+    t.flag_speculation(warm)  # a second chain met the same diverged shadow
+    assert (t.divergences, t.divergences_speculation) == (1, 1)
+    assert t.invariant()["divergences_unaccounted"] == 1
+    t.settle_divergences("destroyed_reproduced")
+    t.diverged(sibling_race=True, outcome="node_refused")
+    t.diverged()
+    t.diverged(outcome="rewound")
+    t.settle_divergences("destroyed_rewound")
+    t.diverged()
+    t.settle_divergences("unresolved")
+    assert t.divergence_outcomes == ["destroyed_reproduced", "node_refused", "destroyed_rewound", "rewound",
+                                     "unresolved"]
+    inv = t.invariant()
+    assert inv["divergences_unaccounted"] == 0 and inv["outcome_unresolved"] == 1
+    r = EpochResult(0, 1.0, [t, SampleTimeline("t", 1, 0)], [])
+    assert sum(r.divergence_outcomes.values()) == r.divergences == 5
+    assert r.summary()["outcome_node_refused"] == 1
+    with pytest.raises(ValueError):
+        t.diverged(outcome="ignored")

@@ -24,7 +24,10 @@ class Rewinding:
         try:
             ws = await cache.materialize(self.node, self.tools)
         except ReplayDiverged as e:
-            self.timeline.diverged(mid_plan=e.index > 0, removed_node=removed)
+            self.timeline.diverged(mid_plan=e.index > 0, removed_node=removed,
+                                   outcome="rewound" if self.rewinds else "refused")
+            # A warm workspace destroyed before this rebuild diverged too: this rewind answers it.
+            self.timeline.settle_divergences("destroyed_rewound")
             await self._rewind(e)
         if since is not None:
             self.timeline.divergence_seconds += self.now() - since
@@ -38,6 +41,7 @@ class Rewinding:
         j = next((i for i, n in enumerate(self._nodes) if n is e.node and e.node is not None), None)
         if j is None or e.fresh is None:
             await self.core.destroy(ws)
+            self.timeline.set_last_outcome("refused")  # the sample ends with the error, scored nothing
             raise RuntimeError(f"a replay diverged off this sample's path: {e}") from e
         self._enter(Live(ws))
         self.node = None

@@ -180,6 +180,7 @@ class Rollout(WarmWorkspaces, Rewinding, Captures, SpeculationGlue):
             await self._settle()
         st = self.state
         self._enter(Closed())
+        self.timeline.settle_divergences("unresolved")  # a destroyed warm workspace never verified
         if isinstance(st, Speculating):
             with contextlib.suppress(Exception):
                 await self.core.destroy(await st.branch.close())
@@ -328,7 +329,11 @@ class Rollout(WarmWorkspaces, Rewinding, Captures, SpeculationGlue):
             recorded = await asyncio.wrap_future(node.result)  # the creator may still be running it
         except Exception:
             return None  # its call failed: nothing recorded to stand on
+        if call.name in self.task.agent_tools:  # the verifier's call is checked too, but it is no agent's
+            self.timeline.sibling_checks += 1
+            self.timeline.speculation_checks += speculation
         if self.core.guard.check(call, recorded, observation, source="sibling"):
             return node
-        self.timeline.diverged(sibling_race=True, speculation=speculation)
+        # The sample keeps what it ran (its history is its own execution): the node is refused.
+        self.timeline.diverged(sibling_race=True, speculation=speculation, outcome="node_refused")
         return None

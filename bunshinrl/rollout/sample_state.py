@@ -88,6 +88,10 @@ class Diverged(Exception):
     """A warm workspace's replay observed something else than the sample was shown; the
     workspace was destroyed (it is never adopted), and the next call rebuilds a verified one."""
 
+    def __init__(self, message: str, index: int = -1) -> None:
+        super().__init__(message)
+        self.index = index  # the divergence's index in the sample's timeline (divergence_outcomes)
+
 
 class Rewound(RuntimeError):
     """A step served to this sample (`step`, counted from 0) did not reproduce: replayed from

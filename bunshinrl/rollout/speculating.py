@@ -15,15 +15,20 @@ from .sample_state import Diverged, Idle, Live, Speculating
 class SpeculationGlue:
     """Where a sample's rollout meets its speculative branches (a Rollout mixin)."""
 
-    async def _speculate_on(self, warm: asyncio.Future[Workspace], chain: list[ToolCall]) -> Live | Speculating | Idle:
+    async def _speculate_on(self, warm: asyncio.Future[Workspace], chain: list[ToolCall],
+                            replays: int = 1) -> Live | Speculating | Idle:
         """Speculation at the tree's frontier: the chain runs on the sample's warm workspace.
         Nothing speculates on a workspace whose replay diverged: it is gone, and the next call
         (or finish()) meets the divergence again, then rebuilds and verifies the sample's state
-        (Idle with the diverged shadow, as a sample that did not speculate)."""
+        (Idle with the diverged shadow, as a sample that did not speculate). replays: the served
+        calls the warm workspace replays (0: a fork of a captured state, which cannot diverge)."""
+        self.timeline.speculation_checks += replays > 0
         try:
             ws = await warm
-        except Diverged:
-            self.timeline.divergences_speculation += 1  # counted as it was met; the chain is its kind
+        except Diverged as d:
+            # Counted as it was met; the chain meant for the workspace is its kind too (flagged
+            # once, however many chains meet the same diverged shadow).
+            self.timeline.flag_speculation(d.index)
             return Idle(warm)  # type: ignore[arg-type]
         except Exception as e:
             self.timeline.errors.append(f"prefetch failed: {e!r}")

@@ -20,6 +20,19 @@ KINDS = ("reason", "tool", "cache_hit", "spec_hit", "spec_miss", "materialize", 
          "sibling_wait")
 _VERIFIER_KEY = ToolCall(REWARD_TOOL).key
 DIVERGENCE_KINDS = ("mid_plan", "removed_node", "speculation", "sibling_race")
+# What became of each divergence (SampleTimeline.divergence_outcomes): rewound, the sample's
+# verified rebuild met the step and the driver acted again from it; refused, so met by a driver
+# that cannot rewind (the trajectory is scored nothing); rerolled, the framework ran the whole
+# trajectory again with the cache off; node_refused, the sample's own run of a call another
+# sample recorded first observed something else (the begin() race, or an adopted speculative
+# call): it keeps what it ran and is not placed on that node; destroyed_rewound /
+# destroyed_reproduced, a warm workspace's replay diverged, the workspace was destroyed, and the
+# sample's next verified state then rewound it (a divergence of its own, counted again) or
+# reproduced every step it was served (its state forked from one the recording sample captured);
+# unresolved, the sample closed with a destroyed warm workspace it never verified (0 in a run
+# whose samples all finished).
+DIVERGENCE_OUTCOMES = ("rewound", "refused", "rerolled", "node_refused", "destroyed_rewound",
+                       "destroyed_reproduced", "unresolved")
 
 
 @dataclass
@@ -69,15 +82,51 @@ class SampleTimeline:
     divergences_removed_node: int = 0
     divergences_speculation: int = 0
     divergences_sibling_race: int = 0
+    # Per divergence, in order, its outcome (DIVERGENCE_OUTCOMES; None while a destroyed warm
+    # workspace awaits the sample's verified state) and whether it is flagged speculation.
+    divergence_outcomes: list[str | None] = field(default_factory=list)
+    _speculation_flagged: set[int] = field(default_factory=set, init=False, repr=False)
+    # The chances a run had to meet the rarer kinds: a sample's own run of an agent's call
+    # compared with another sample's recording of it (the begin() race, or an adopted speculative
+    # call); speculation_checks, a speculative chain meant for a warm workspace that replays a
+    # served call (a fork of a captured state cannot diverge), or an adopted speculative call so
+    # compared.
+    sibling_checks: int = 0
+    speculation_checks: int = 0
 
     def diverged(self, *, mid_plan: bool = False, removed_node: bool = False, speculation: bool = False,
-                 sibling_race: bool = False) -> None:
-        """Count one divergence, with its kinds."""
+                 sibling_race: bool = False, outcome: str | None = None) -> int:
+        """Count one divergence, with its kinds and its outcome (None: settled later by
+        settle_divergences); its index."""
+        if outcome is not None and outcome not in DIVERGENCE_OUTCOMES:
+            raise ValueError(f"a divergence's outcome is one of {DIVERGENCE_OUTCOMES}, not {outcome!r}")
         self.divergences += 1
         self.divergences_mid_plan += mid_plan
         self.divergences_removed_node += removed_node
-        self.divergences_speculation += speculation
         self.divergences_sibling_race += sibling_race
+        self.divergence_outcomes.append(outcome)
+        i = len(self.divergence_outcomes) - 1
+        if speculation:
+            self.flag_speculation(i)
+        return i
+
+    def flag_speculation(self, index: int) -> None:
+        """Divergence `index` (already counted) is of the speculation kind too; flagged once."""
+        if index not in self._speculation_flagged:
+            self._speculation_flagged.add(index)
+            self.divergences_speculation += 1
+
+    def settle_divergences(self, outcome: str) -> None:
+        """Every divergence still without an outcome (a destroyed warm workspace) gets `outcome`."""
+        if outcome not in DIVERGENCE_OUTCOMES:
+            raise ValueError(f"a divergence's outcome is one of {DIVERGENCE_OUTCOMES}, not {outcome!r}")
+        self.divergence_outcomes = [outcome if o is None else o for o in self.divergence_outcomes]
+
+    def set_last_outcome(self, outcome: str) -> None:
+        """The outcome of the divergence counted last (a rewind's, once the driver is known)."""
+        if outcome not in DIVERGENCE_OUTCOMES:
+            raise ValueError(f"a divergence's outcome is one of {DIVERGENCE_OUTCOMES}, not {outcome!r}")
+        self.divergence_outcomes[-1] = outcome
 
     def add(self, kind: str, start: float, end: float, detail: str = "") -> None:
         self.events.append(Event(kind, start, end, detail))
@@ -120,7 +169,15 @@ class SampleTimeline:
         return {"divergences": self.divergences, "divergence_seconds": round(self.divergence_seconds, 3),
                 "rewound": self.rewound, "rewound_steps": self.rewound_steps,
                 "rewound_seconds": round(self.rewound_seconds, 3), "rerolled": self.rerolled,
-                **{f"divergences_{k}": v for k, v in self.divergence_kinds().items()}}
+                **{f"divergences_{k}": v for k, v in self.divergence_kinds().items()},
+                **{f"outcome_{k}": v for k, v in self.outcomes().items()},
+                "divergences_unaccounted": self.divergences - sum(self.outcomes().values()),
+                "sibling_checks": self.sibling_checks, "speculation_checks": self.speculation_checks}
+
+    def outcomes(self) -> dict[str, int]:
+        """The divergences by outcome (DIVERGENCE_OUTCOMES); they sum to `divergences` when every
+        divergence has one (divergences_unaccounted 0)."""
+        return {k: sum(o == k for o in self.divergence_outcomes) for k in DIVERGENCE_OUTCOMES}
 
     def divergence_kinds(self) -> dict[str, int]:
         """The divergences by kind (see the fields): mid_plan, removed_node, speculation, sibling_race."""
@@ -201,6 +258,11 @@ class EpochResult:
     def divergence_kinds(self) -> dict[str, int]:
         """The samples' divergences by kind, summed (SampleTimeline.divergence_kinds)."""
         return {k: sum(s.divergence_kinds()[k] for s in self.samples) for k in DIVERGENCE_KINDS}
+
+    @property
+    def divergence_outcomes(self) -> dict[str, int]:
+        """The samples' divergences by outcome, summed (SampleTimeline.outcomes)."""
+        return {k: sum(s.outcomes()[k] for s in self.samples) for k in DIVERGENCE_OUTCOMES}
 
     def invariant(self) -> dict[str, Any]:
         """The samples' divergence counters summed (SampleTimeline.invariant)."""

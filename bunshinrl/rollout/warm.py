@@ -60,7 +60,15 @@ class WarmWorkspaces:
             chain = self.core.speculator.predict(self.task.id, self.ctx.sample, [h.call for h in self.history] + [call],
                                                  self.tools, real_calls=self.timeline.count("tool"))
             if chain and self.core.worth_a_snapshot(self.task.id):
-                self._enter(Settling(None, asyncio.ensure_future(self._speculate_on(warm, chain)), "materialize"))
+                replays = self._shadow_replays or self._rebuild_replays(child)
+                self._enter(Settling(None, asyncio.ensure_future(self._speculate_on(warm, chain, replays)),
+                                     "materialize"))
+
+    @staticmethod
+    def _rebuild_replays(node: Node) -> int:
+        """Whether a rebuild of `node` replays a recorded call (0: a fork of its captured state)."""
+        captured = node.resident or (node.capturing is not None and not node.capturing.done())
+        return 0 if captured else 1
 
     async def _close_branch(self, branch: SpeculativeBranch) -> Workspace:
         return self.core.workspaces.add(await branch.close())
@@ -84,6 +92,8 @@ class WarmWorkspaces:
                 tl.errors.append(f"prefetch failed: {e!r}")
         if ws is None:
             ws = await self._verified_rebuild(t if diverged else None)
+        # The sample's state is verified: a warm workspace destroyed on the way is accounted for.
+        self.timeline.settle_divergences("destroyed_reproduced")
         if self.node is not None and self.node.removed:
             self.node = None  # verified, but nothing is recorded under a dropped subtree
         self._enter(Live(self.core.workspaces.add(ws)))
@@ -139,11 +149,13 @@ class WarmWorkspaces:
         return ws
 
     async def _lose_diverged(self, e: ReplayDiverged, *, mid_plan: bool, removed_node: bool) -> NoReturn:
-        """A warm workspace's replay diverged: it is destroyed, never adopted (Diverged)."""
-        self.timeline.diverged(mid_plan=mid_plan, removed_node=removed_node)
+        """A warm workspace's replay diverged: it is destroyed, never adopted (Diverged). Its
+        outcome waits for the sample's next verified state (destroyed_rewound or
+        destroyed_reproduced, SampleTimeline.settle_divergences)."""
+        index = self.timeline.diverged(mid_plan=mid_plan, removed_node=removed_node)
         self.timeline.errors.append(str(e))
         await self.core.destroy(self.core.workspaces.add(e.workspace))
-        raise Diverged(str(e)) from None
+        raise Diverged(str(e), index) from None
 
     def _discard_shadow(self, shadow: asyncio.Task[Workspace] | None) -> None:
         if shadow is None:
