@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import shlex
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 
 from bunshinfork import Workspace
-from bunshinrl import Task, Tool
+from bunshinrl import RolloutCore, RolloutEngine, SnapshotBackend, Task, Tool, ToolPrefixCache
 from bunshinrl.calls.tools import command_observation
 
 SERVER = textwrap.dedent('''
@@ -157,3 +158,26 @@ def serve_vllm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, max_nu
         yield srv
     # The engine core runs as a child process: nothing of the server may outlive it.
     assert srv.proc is None and not srv.running()
+
+
+def root_only_cache() -> ToolPrefixCache:
+    """A prefix cache that captures only the root: every state below it is rebuilt by replaying
+    the plan's calls (what the invariant tests need to meet a replay's divergence)."""
+    return ToolPrefixCache(SnapshotBackend(), 1 << 40, snapshot_every=100, background=False)
+
+
+def two_epochs(policy: Any, task: Task, prefetch: bool) -> list[Any]:
+    """Epochs 0 and 1 of one sample of `task` through a RolloutEngine on a root_only_cache():
+    epoch 0 records, epoch 1 is served from the recording. The engine and cache are closed."""
+    cache = root_only_cache()
+    engine = RolloutEngine(policy, core=RolloutCore(cache=cache, prefetch=prefetch, critical_path_captures=False))
+
+    async def main() -> list[Any]:
+        try:
+            return [await engine.run_epoch([task], group_size=1, epoch=e) for e in (0, 1)]
+        finally:
+            await engine.close()
+            cache.close()
+
+    return asyncio.run(main())
+

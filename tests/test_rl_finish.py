@@ -16,19 +16,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from rl_support import bump, liar, no_own_leaks, setup, state  # noqa: F401 (no_own_leaks: a fixture, used by name)
+from rl_support import bump, liar, no_own_leaks, root_only_cache, setup, state, two_epochs  # noqa: F401 (no_own_leaks: a fixture, used by name)
 
 from bunshinrl import (
     FinalAnswer,
     RolloutCore,
-    RolloutEngine,
     SampleContext,
-    SnapshotBackend,
     Step,
     Task,
     Tool,
     ToolCall,
-    ToolPrefixCache,
 )
 from bunshinrl.adapters import Runtime, RuntimeConfig
 from bunshinrl.calls.policy import Action
@@ -50,10 +47,6 @@ def scored_task() -> Task:
                 setup, verify=_bumps, fingerprint="rl-test-finish-v1")
 
 
-def _cache() -> ToolPrefixCache:
-    # Only the root is captured: every state below it is rebuilt by replaying the plan's calls.
-    return ToolPrefixCache(SnapshotBackend(), 1 << 40, snapshot_every=100, background=False)
-
 
 class PlanPolicy:
     """PLAN, one call per decision keyed by the step, then the answer."""
@@ -70,18 +63,8 @@ def test_the_own_loop_rewinds_a_sample_whose_last_hit_does_not_reproduce() -> No
     """Epoch 1 is served bump, liar and the verifier from epoch 0's recording. The replay behind
     liar's hit diverges: the sample is rewound to liar (its fresh observation) before it is
     scored, the policy answers again, and the reward is its own workspace's verifier."""
-    cache = _cache()
     policy = PlanPolicy()
-    engine = RolloutEngine(policy, core=RolloutCore(cache=cache, prefetch=True, critical_path_captures=False))
-
-    async def main() -> list[Any]:
-        try:
-            return [await engine.run_epoch([scored_task()], group_size=1, epoch=e) for e in (0, 1)]
-        finally:
-            await engine.close()
-            cache.close()
-
-    first, second = asyncio.run(main())
+    first, second = two_epochs(policy, scored_task(), prefetch=True)
     recorded, served = first.samples[0], second.samples[0]
     assert recorded.reward == 1.0 and recorded.divergences == 0
     assert served.rewound == 1 and served.divergences >= 1, f"scored on an unverified state: {served.errors}"
@@ -124,7 +107,7 @@ def test_finish_waits_for_the_replay_behind_the_last_hit(verify_seconds: float) 
     and the trajectory refused, unscored (verl's agent loop then re-rolls it); before, it was
     scored 1.0 on liar's recorded observation. deadline: the warm workspace is not waited for;
     the state is rebuilt from the cache and verified instead, with the same outcome."""
-    cache = _cache()
+    cache = root_only_cache()
     core = RolloutCore(cache=cache, prefetch=True, critical_path_captures=False, verify_seconds=verify_seconds)
 
     async def main() -> tuple[Any, BaseException | None]:

@@ -13,12 +13,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from rl_support import counter_task, no_own_leaks  # noqa: F401 (fixture, used by name)
+from rl_support import counter_task, no_own_leaks, root_only_cache, two_epochs  # noqa: F401 (fixture, used by name)
 
 from bunshinrl import (
     FinalAnswer,
     RolloutCore,
-    RolloutEngine,
     SampleContext,
     SnapshotBackend,
     Speculator,
@@ -64,10 +63,6 @@ def _assert_state_is_the_history(steps: Sequence[Step]) -> None:
         f"the workspace is not the history it was shown: {[s.call.key for s in steps]} -> {lines}"
 
 
-def _cache() -> ToolPrefixCache:
-    # Only the root is captured: every state below it is rebuilt by replaying the plan's calls.
-    return ToolPrefixCache(SnapshotBackend(), 1 << 40, snapshot_every=100, background=False)
-
 
 @pytest.mark.parametrize("prefetch", [False, True], ids=["on-miss", "warm-shadow"])
 def test_a_replay_diverging_mid_plan_rewinds_the_sample(prefetch: bool) -> None:
@@ -78,18 +73,8 @@ def test_a_replay_diverging_mid_plan_rewinds_the_sample(prefetch: bool) -> None:
     divergence and the sample went on in a state without the two later bumps, as gui-2/1 did.)
     warm-shadow: the divergence is found in the background, on the warm workspace kept behind
     the hits, and every later hit's replay passed it on."""
-    cache = _cache()
     policy = PlanPolicy()
-    engine = RolloutEngine(policy, core=RolloutCore(cache=cache, prefetch=prefetch, critical_path_captures=False))
-
-    async def main() -> list[Any]:
-        try:
-            return [await engine.run_epoch([counter_task()], group_size=1, epoch=e) for e in (0, 1)]
-        finally:
-            await engine.close()
-            cache.close()
-
-    first, second = asyncio.run(main())
+    first, second = two_epochs(policy, counter_task(), prefetch=prefetch)
     recorded, served = first.samples[0], second.samples[0]
     _assert_state_is_the_history(served.steps)
     assert [s.call for s in served.steps] == plan(1)
@@ -148,7 +133,7 @@ def test_a_sample_standing_on_a_removed_node_is_revalidated_at_its_next_call() -
     replay of it diverged). Its next call gets no hit there: its state is rebuilt and every served
     call replayed, liar does not reproduce, and the sample is rewound to it: a divergence under a
     removed node, counted as such."""
-    cache = _cache()
+    cache = root_only_cache()
     core = RolloutCore(cache=cache, prefetch=False, critical_path_captures=False)
     task = counter_task()
 
@@ -225,7 +210,7 @@ def test_nothing_speculates_on_a_diverged_workspace(monkeypatch: pytest.MonkeyPa
     """At the tree's frontier a predicted chain is speculated on the warm workspace behind the
     hits. When that workspace's replay diverged it is destroyed, not speculated on: the next call
     rebuilds the sample's state, verified, and rewinds it to the step that did not reproduce."""
-    cache = _cache()
+    cache = root_only_cache()
     spec = Speculator(depth=2)
     core = RolloutCore(cache=cache, speculator=spec, prefetch=True, critical_path_captures=False)
     task = counter_task()
@@ -314,7 +299,7 @@ def test_a_driver_that_cannot_rewind_gets_the_trajectory_refused() -> None:
     """verl's and SkyRL's conversations cannot be cut back: their rollouts (rewinds=False) are
     refused at a step that does not reproduce, never continued on a state their history does
     not describe: the call fails, every later call fails, and nothing is scored."""
-    cache = _cache()
+    cache = root_only_cache()
     core = RolloutCore(cache=cache, prefetch=False, critical_path_captures=False)
     task = counter_task()
 
