@@ -67,15 +67,43 @@ def drag(ws: Workspace, x1: int, y1: int, x2: int, y2: int) -> str:
 @agent_tool
 def type_text(ws: Workspace, text: str) -> str:
     """Type text into the focused window (newlines press Return)."""
-    _gui(ws).type(str(text))
+    g = _gui(ws)
+    g.type(str(text))
+    if text:
+        _settle_editor_title(g, saved=False)
     return f"typed {len(text)} characters"
 
 
 @agent_tool
 def key(ws: Workspace, combo: str) -> str:
     """Press keys, xdotool names: "ctrl+s", "Return", "ctrl+a BackSpace"."""
-    _gui(ws).key(str(combo))
+    g = _gui(ws)
+    g.key(str(combo))
+    if _SAVE.search(str(combo)):
+        _settle_editor_title(g, saved=True)
     return f"pressed {combo}"
+
+
+# The editor marks an unsaved buffer with a leading '*' in its title, and sets or clears the
+# mark a moment after the key that changed the buffer: a listing read at once showed either
+# title, so the audit's back-to-back re-execution saw '*notes.txt' where the recording, read
+# after the policy's pause, saw 'notes.txt' (the fault-injection run's one GUI mismatch). The
+# tools that change the mark return once the editor shows it, so what follows them reads a
+# settled title.
+_SAVE = re.compile(r"(?:^|\s)ctrl\+s(?:\s|$)", re.I)
+_EDITOR = "Mousepad"
+_SETTLE_S = 5.0
+
+
+def _settle_editor_title(g: GuiWorkspace | WaylandWorkspace, saved: bool) -> None:
+    """Wait (at most _SETTLE_S) until the focused editor's title shows the buffer saved or
+    modified; a window that is not the editor (a terminal, a dialog) returns at once."""
+    deadline = time.monotonic() + _SETTLE_S
+    while True:
+        title = g.active_window()
+        if _EDITOR not in title or title.startswith("*") != saved or time.monotonic() > deadline:
+            return
+        time.sleep(0.02)  # polling the editor's title until it reflects the key
 
 
 @agent_tool
