@@ -298,6 +298,8 @@ def test_a_trajectory_whose_served_step_does_not_reproduce_is_rerolled(model_dir
     assert rerolled, "no trajectory diverged: the batches never served a liar observation"
     for m in rerolled:
         assert m["rerolled"] == 1 and m["divergences"] >= 1 and m["rerolled_seconds"] > 0
+        # The discarded attempt's divergences are counted by their outcome: re-rolled.
+        assert m["outcome_rerolled"] >= 1 and m["outcome_refused"] == 0 and m["divergences_unaccounted"] == 0, m
         assert m["cache_hits"] == 0 and m["tool_calls"] == m["executed"]  # the re-roll ran every call itself
     for out, batch in batches:
         rewards = [batch[f"det-{i}"]["reward"] for i in range(GROUP)]

@@ -198,3 +198,21 @@ def test_divergence_kinds_are_counted_and_reach_the_epochs_json() -> None:
         assert summary[f"divergences_{k}"] == v
     kept = {"divergences", "divergence_seconds", "rewound", "rewound_steps", "rewound_seconds", "rerolled"}
     assert kept <= set(summary)
+
+
+def test_a_rerolled_trajectory_counts_the_discarded_attempts_divergences_as_rerolled() -> None:
+    """verl's re-roll: the scored attempt's metrics gain the discarded one's divergences, each
+    with its outcome (what the discarded rollout refused was re-rolled), so none is unaccounted."""
+    from types import SimpleNamespace
+
+    from bunshinrl.adapters.runtime import with_discarded_attempt
+
+    first = SampleTimeline("t", 0, 0)
+    first.diverged(mid_plan=True, outcome="refused")
+    first.diverged(sibling_race=True, outcome="node_refused")
+    first.divergence_seconds = 1.5
+    scored = SampleTimeline("t", 0, 0).invariant()
+    m = with_discarded_attempt(scored, SimpleNamespace(timeline=first))  # type: ignore[arg-type]
+    assert (m["divergences"], m["rerolled"], m["divergence_seconds"]) == (2, 1, 1.5)
+    assert (m["outcome_rerolled"], m["outcome_node_refused"], m["outcome_refused"]) == (1, 1, 0)
+    assert (m["divergences_mid_plan"], m["divergences_sibling_race"], m["divergences_unaccounted"]) == (1, 1, 0)

@@ -319,4 +319,20 @@ def rollout_metrics(r: Rollout) -> dict[str, Any]:
             **r.timeline.invariant()}
 
 
-__all__ = ["Runtime", "RuntimeConfig", "plain", "register_task", "resolve_task", "rollout_metrics", "task_options"]
+def with_discarded_attempt(metrics: dict[str, Any], discarded: Rollout) -> dict[str, Any]:
+    """A re-rolled trajectory's metrics (`metrics`, the scored attempt's) with the discarded
+    attempt's divergences added, each counted by its outcome: what that attempt refused was
+    re-rolled, so the sum of outcomes still equals the divergences (divergences_unaccounted)."""
+    discarded.timeline.rerolled_by_framework()
+    first = discarded.timeline.invariant()
+    out = dict(metrics)
+    for k, v in first.items():
+        if k != "divergences_unaccounted":
+            out[k] = round(out[k] + v, 3) if isinstance(v, float) else out[k] + v
+    out["rerolled"] += 1
+    out["divergences_unaccounted"] = out["divergences"] - sum(v for k, v in out.items() if k.startswith("outcome_"))
+    return out
+
+
+__all__ = ["Runtime", "RuntimeConfig", "plain", "register_task", "resolve_task", "rollout_metrics", "task_options",
+           "with_discarded_attempt"]

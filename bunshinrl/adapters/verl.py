@@ -25,7 +25,8 @@ the sample's hits are verified) is not rewound: BunshinAgentLoop ends the episod
 discards it, and re-rolls the whole trajectory with the cache off for it
 (Runtime.start(cached=False): every call runs on the trajectory's own workspace).
 `extra_fields["bunshin"]` counts `rerolled` and `rerolled_seconds` (the discarded attempt's time)
-beside the divergences. A BunshinTool driven by another agent loop refuses such a trajectory
+beside the divergences, the discarded attempt's included with their outcome (`outcome_rerolled`),
+so `divergences_unaccounted` stays 0. A BunshinTool driven by another agent loop refuses such a trajectory
 instead: its later calls fail and it is scored 0.
 """
 
@@ -50,7 +51,7 @@ from ..calls.signature import ToolCall
 from ..calls.task import Task
 from ..calls.tools import is_hidden
 from ..rollout.core import Rewound, Rollout
-from .runtime import Runtime, plain, resolve_task, rollout_metrics, task_options
+from .runtime import Runtime, plain, resolve_task, rollout_metrics, task_options, with_discarded_attempt
 
 log = logging.getLogger(__name__)
 
@@ -190,10 +191,7 @@ class BunshinAgentLoop(ToolAgentLoop):
         output.reward_score = rollout.reward
         metrics = rollout_metrics(rollout)
         if diverged is not None:
-            first = rollout_metrics(diverged)
-            metrics["divergences"] += first["divergences"]
-            metrics["divergence_seconds"] = round(metrics["divergence_seconds"] + first["divergence_seconds"], 3)
-            metrics["rerolled"] += 1
+            metrics = with_discarded_attempt(metrics, diverged)
         metrics["rerolled_seconds"] = round(rerolled_seconds, 3)
         output.extra_fields["bunshin"] = metrics
         return output

@@ -122,6 +122,11 @@ class SampleTimeline:
             raise ValueError(f"a divergence's outcome is one of {DIVERGENCE_OUTCOMES}, not {outcome!r}")
         self.divergence_outcomes = [outcome if o is None else o for o in self.divergence_outcomes]
 
+    def rerolled_by_framework(self) -> None:
+        """This attempt was discarded and its trajectory rolled again with the cache off (verl):
+        what the rollout refused was re-rolled."""
+        self.divergence_outcomes = ["rerolled" if o == "refused" else o for o in self.divergence_outcomes]
+
     def set_last_outcome(self, outcome: str) -> None:
         """The outcome of the divergence counted last (a rewind's, once the driver is known)."""
         if outcome not in DIVERGENCE_OUTCOMES:
