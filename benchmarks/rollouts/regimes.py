@@ -1,0 +1,56 @@
+"""How a reasoning step is priced (the regimes), the sizes fixed before any run, and the
+constants printed before a run with their citations."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from agent_policy import EXPLORATION_SOURCE, PAPER_IN_FLIGHT, AgentConfig, LatencyModel
+
+REGIMES = {"paper": PAPER_IN_FLIGHT, "local": None}  # requests in flight a step is priced with
+# The headline's size, fixed before any run (the issue: >= 16 rollouts per epoch, G >= 8, 5 epochs,
+# seeds 0-2; Spec and CRIU at seed 0 in epochs 1-2).
+HEADLINE = {"families": "code,shop,gui", "code_tasks": 1, "group_size": 8, "epochs": 5, "seeds": 3, "rollouts": 24,
+            "regime": "paper", "exploration": "decaying", "short_configs": "CRIU,Spec", "short_epochs": 2,
+            "short_seeds": "0", "audit": "all"}
+QUICK = {"families": "code,shop", "code_tasks": 1, "group_size": 3, "epochs": 3, "seeds": 1, "regime": "local",
+         "exploration": "decaying", "short_configs": "CRIU,Spec", "short_epochs": 2, "short_seeds": "0",
+         "audit": "sample"}
+PAPER_ROLLOUTS_PER_THREAD = 2  # the paper's host: 128 rollouts on 64 hardware threads
+
+
+def preamble(args: argparse.Namespace, model: LatencyModel, agent_cfg: AgentConfig) -> list[str]:
+    """The constants, with their citations, and the run's size, printed before the run."""
+    n_tasks = len(args.families) + (args.code_tasks - 1 if "code" in args.families else 0)
+    rollouts = n_tasks * args.group_size
+    cpus = os.cpu_count() or 1
+    fixed = REGIMES[args.regime]
+    tpot128 = model.tpot(PAPER_IN_FLIGHT)
+    return [
+        f"latency model: {model.describe()}",
+        f"regime {args.regime}: " + (
+            f"every step priced with {fixed} requests in flight (the paper's 128 rollouts on one H100), whatever "
+            f"this host runs. The table stops at {model.tpot_table[-1][0]} in flight: tpot({fixed}) = "
+            f"{tpot128 * 1e3:.1f} ms per output token is its linear extrapolation (the 16 -> 64 slope), not a "
+            f"measurement; a median step ({agent_cfg.output_median} output tokens) takes "
+            f"{model.seconds(200, agent_cfg.output_median, fixed):.1f} s" if fixed else
+            f"steps priced with this configuration's own requests in flight (at most {rollouts}); a median step "
+            f"takes {model.seconds(200, agent_cfg.output_median, rollouts):.2f} s with all in flight"),
+        f"exploration ({args.exploration}, fixed before any run): "
+        f"{', '.join(f'{x:g}' for x in agent_cfg.schedule)} in epochs 1-{len(agent_cfg.schedule)} (the last "
+        f"beyond); direction: {EXPLORATION_SOURCE}",
+        f"agent: output tokens median {agent_cfg.output_median} (sigma {agent_cfg.output_sigma}, max "
+        f"{agent_cfg.output_max})",
+        f"size: {n_tasks} tasks ({', '.join(args.families)}) x G={args.group_size} = {rollouts} rollouts per epoch, "
+        f"{args.epochs} epochs, seeds {args.seed_list}; configs {args.configs} (interleaved)"
+        + (f"; {', '.join(args.short_configs)} at seeds {args.short_seeds} in epochs 1-{args.short_epochs} only"
+           if args.short_configs else ""),
+        f"CPU oversubscription: {rollouts} rollouts on {cpus} hardware threads = {rollouts / cpus:.1f} per thread "
+        f"(the paper: {PAPER_ROLLOUTS_PER_THREAD} per thread)",
+        "targets (printed after the run, never asserted): Full >= 1.2x Base over epochs 2-5 (per seed, summed; the "
+        "mean over seeds, no seed below 1.1x); Full within 1.25x of the oracle; removable share >= 50%; hit rate "
+        ">= 65% by epoch 3 and >= 60% through epoch 5; Full's peak memory <= 1.1x Base's; Base's <= 0.6x CRIU's "
+        "(cow); rewards identical across Base, Spec and Full",
+    ]
+

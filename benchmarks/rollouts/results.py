@@ -1,0 +1,75 @@
+"""The JSON of a run (targets, summary, figures) and --merge of per-seed runs into one result."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .figures import plots
+from .stats import placements, snapshot_policies, summary
+from .targets import explain_misses, headline_estimate, targets
+
+
+def finish(out: Path, seeds: dict[int, dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
+    """Targets, summary, figures and the JSON of `seeds` (each with its "_series")."""
+    epochs = meta["size"]["epochs"]
+    tg = targets(seeds, epochs, meta["share_engine"])
+    summ = summary(seeds, epochs)
+    figures = plots(out, seeds, epochs, meta["share_engine"])
+    result = {
+        **meta,
+        "seeds": {str(k): {n: v for n, v in s.items() if n != "_series"} for k, s in seeds.items()},
+        "series": {str(k): s["_series"] for k, s in seeds.items()},
+        "summary": summ,
+        "placements": placements(seeds, summ, epochs),
+        "snapshot_policies": snapshot_policies(seeds, summ, epochs),
+        "targets": tg,
+        "figures": figures,
+    }
+    (out / "agent_rollouts.json").write_text(json.dumps(result, indent=1))
+    print("per configuration, mean [min, max] over seeds " + str(sorted(seeds)) + ":")
+    for n, v in summ.items():
+        e, m = v["epoch_seconds"], v["peak_memory_mib"]
+        print(f"  {n:16s} epoch {e['mean']:6.1f} s [{e['min']:.1f}, {e['max']:.1f}]  peak {m['mean']:7.1f} MiB "
+              f"[{m['min']:.1f}, {m['max']:.1f}]  hit rate {v['hit_rate_epoch3']['mean']:5.1%}  "
+              f"errors {v['errors']}")
+    print("placements: " + json.dumps(result["placements"]))
+    print("snapshot policies: " + json.dumps(result["snapshot_policies"]))
+    print("targets (reached vs target; printed, never asserted):")
+    print(json.dumps(tg, indent=1))
+    for line in explain_misses(seeds, tg, epochs):
+        print(line)
+    est = headline_estimate(seeds, meta)
+    result["headline_estimate"] = est
+    (out / "agent_rollouts.json").write_text(json.dumps(result, indent=1))
+    if est:
+        print(f"headline wall time, estimated from this run ({est['from']}): {est['epoch_seconds_estimate']} s per "
+              f"epoch ({est['epoch_seconds_pessimistic']} s if tool time grows with the rollouts per CPU), "
+              f"{est['epochs']} paper-regime epochs: {est['total_seconds']} s ({est['total_seconds_pessimistic']} s); "
+              f"within 2 hours: {est['fits_2_hours']} ({est['fits_2_hours_pessimistic']})")
+    return result
+
+
+def merge(dirs: list[Path], out: Path) -> int:
+    """One result from per-seed runs of one size (each dir holds an agent_rollouts.json)."""
+    parts = [json.loads((d / "agent_rollouts.json").read_text()) for d in dirs]
+    keys = ("latency_model", "agent", "share_engine")
+    size = {k: v for k, v in parts[0]["size"].items() if k != "seeds"}
+    for p in parts[1:]:
+        if {k: p[k] for k in keys} != {k: parts[0][k] for k in keys} or \
+                {k: v for k, v in p["size"].items() if k != "seeds"} != size:
+            raise SystemExit("--merge: the runs differ in size, model, agent or engine")
+    seeds: dict[int, dict[str, Any]] = {}
+    for p in parts:
+        for k, s in p["seeds"].items():
+            if int(k) in seeds:
+                raise SystemExit(f"--merge: seed {k} appears twice")
+            seeds[int(k)] = {**s, "_series": p["series"][k]}
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {**{k: parts[0][k] for k in keys}, "size": {**size, "seeds": sorted(seeds)},
+            "runs": [{"dir": str(d), "host": p["host"], "wall_seconds": p["wall_seconds"]}
+                     for d, p in zip(dirs, parts, strict=True)]}
+    finish(out, seeds, meta)
+    print(f"merged {len(parts)} runs into {out / 'agent_rollouts.json'}")
+    return 0
