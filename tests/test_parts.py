@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -834,3 +835,16 @@ def test_one_list_of_configurations() -> None:
     assert [c for c in configs.CONFIGS if configs.caches(c)] == ["Full"]
     with pytest.raises(ValueError, match="one of Base, Spec, Full"):
         configs.check_config("CRIU")
+
+
+def test_one_agent_loop() -> None:
+    """The loop that asks the policy and runs its calls is written once (rollout/agent_loop.py):
+    RolloutEngine and ClusterEngine both run AgentLoop; only the policy contract's checker and
+    the fault-injecting policy wrapper call a policy's act() elsewhere (issue 37)."""
+    allowed = {RL_PACKAGE / "rollout" / "agent_loop.py", RL_PACKAGE / "calls" / "contract.py",
+               RL_PACKAGE / "envs" / "faults.py"}
+    callers = sorted(str(p.relative_to(RL_PACKAGE)) for p in RL_PACKAGE.rglob("*.py")
+                     if p not in allowed and re.search(r"\.act\(", p.read_text()))
+    assert callers == [], f"drive the policy through bunshinrl.rollout.agent_loop.AgentLoop: {callers}"
+    for driver in ("rollout/engine.py", "cluster/engine.py"):
+        assert "AgentLoop(" in (RL_PACKAGE / driver).read_text(), driver

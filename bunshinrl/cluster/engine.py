@@ -40,12 +40,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..calls.policy import FinalAnswer, Policy, SampleContext, Step, calls_of
+from ..calls.policy import Policy, SampleContext, Step
 from ..calls.signature import ToolCall
 from ..calls.task import Task
+from ..rollout.agent_loop import AgentLoop
+from ..rollout.sample_state import Rewound
 from ..rollout.timeline import EpochResult, SampleTimeline
 from ..speculation.selector import SelectorReport, Trajectory, train_selector
 from .pool import RayWorkspacePool
+from .session import RemoteSession
 
 
 @dataclass
@@ -227,52 +230,33 @@ class ClusterEngine:
                                                                                                  strict=True))))
 
     async def _run_sample(self, task: Task, ctx: SampleContext, host: str, rid: str) -> SampleTimeline:
+        """The agent loop (the same as RolloutEngine's) over the sample's rollout on `host`."""
         import ray
 
-        history: list[Step] = []
-        answer: str | None = None
-        done = False
-        while True:
-            try:
-                if not done:
-                    answer = await self._steps(ctx, host, rid, history)
-                    done = True
-                _reward, rewound = await self._remote(host, "finish", rid, answer)
-                if rewound is not None:
-                    history[:] = rewound  # a served step did not reproduce: act again from it
-                    done = False
-                    continue
-                timeline, _served = await self._remote(host, "close", rid)
-                self._load[host] -= 1
-                self._known[(task.id, ctx.sample)] = [s.call for s in timeline.steps]
-                return timeline
-            except ray.exceptions.RayActorError:
-                self.pool.mark_dead(host)
-                self._load[host] -= 1
-                self.stats.restarts += 1
-                host, rid = await self._restart(task, ctx, history)
+        def host_died(h: str, e: BaseException) -> bool:
+            if not isinstance(e, ray.exceptions.RayActorError):
+                return False
+            self.pool.mark_dead(h)
+            self._load[h] -= 1
+            self.stats.restarts += 1
+            return True
 
-    async def _steps(self, ctx: SampleContext, host: str, rid: str, history: list[Step]) -> str | None:
-        """Ask the policy and run its calls on the host until it answers or a budget is spent;
-        `history` grows as steps complete, so a restart knows where the sample was."""
-        calls_left = await self._remote(host, "calls_left", rid)
-        for _ in range(self.max_steps):
-            if calls_left == 0:
-                break
-            action = await self.policy.act(ctx, list(history))
-            if isinstance(action, FinalAnswer):
-                return action.text
-            decision = len(history)
-            for c in calls_of(action)[:calls_left]:
-                step, calls_left, rewound = await self._remote(host, "call", rid, c, decision)
-                if rewound is not None:
-                    # A served step did not reproduce: the host cut the history back to it, with
-                    # what its call observed afresh; the policy acts again from there.
-                    history[:] = rewound
+        s = RemoteSession(ctx, host, rid, self._remote, lambda history: self._restart(task, ctx, history), host_died)
+        loop = AgentLoop(self.policy, self.max_steps)
+        try:
+            await s.open()
+            while True:
+                await loop.run(s)
+                try:
+                    timeline, _served = await s.close()
                     break
-                history.append(step)
-                self.stats.steps += 1
-        return None
+                except Rewound:
+                    continue  # the host died at the close and its restart did not reproduce a step
+        finally:
+            self.stats.steps += s.steps
+        self._load[s.host] -= 1
+        self._known[(task.id, ctx.sample)] = [st.call for st in timeline.steps]
+        return timeline
 
     async def _restart(self, task: Task, ctx: SampleContext, history: list[Step]) -> tuple[str, str]:
         import ray

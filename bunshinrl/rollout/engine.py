@@ -15,14 +15,15 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 
 from ..calls.guard import DeterminismGuard
-from ..calls.policy import FinalAnswer, Policy, SampleContext, calls_of
+from ..calls.policy import Policy, SampleContext
 from ..calls.task import Task
 from ..prefix.cache import ToolPrefixCache
 from ..speculation.selector import SelectorReport, Trajectory
 from ..speculation.speculator import Speculator
 from ..speculation.tail import TailPolicy
 from ..states.metrics import MemorySampler
-from .core import Rewound, Rollout, RolloutCore
+from .agent_loop import AgentLoop
+from .core import Rollout, RolloutCore
 from .timeline import EpochResult
 from .wiring import CoreConfig, build_core
 
@@ -125,36 +126,9 @@ class RolloutEngine:
         return rollouts
 
     async def _run_sample(self, r: Rollout) -> None:
-        tl = r.timeline
         try:
-            while True:
-                try:
-                    await r.finish(await self._act(r))
-                    break
-                except Rewound:
-                    # A served step did not reproduce: r.history ends at it, with what its call
-                    # observed afresh, and the policy acts again from there (on-policy; its
-                    # randomness is keyed by the step, so no later draw shifts).
-                    continue
+            await AgentLoop(self.policy, self.max_steps).run(r)
         except Exception as e:
-            tl.errors.append(f"{type(e).__name__}: {e}")
+            r.timeline.errors.append(f"{type(e).__name__}: {e}")
         finally:
             await r.close()
-
-    async def _act(self, r: Rollout) -> str | None:
-        """The policy's decisions and their calls until it answers (its text) or its budget of
-        decisions or calls ends (None)."""
-        tl = r.timeline
-        # Decisions already in the history count toward max_steps (after a rewind, the kept ones).
-        for _ in range(len({s.decision for s in r.history}), self.max_steps):
-            if r.calls_left == 0:
-                break
-            t = r.now()
-            action = await self.policy.act(r.ctx, list(r.history))
-            tl.add("reason", t, r.now())
-            if isinstance(action, FinalAnswer):
-                return action.text
-            decision = len(r.history)
-            for c in calls_of(action)[:r.calls_left]:
-                await r.call(c, decision)
-        return None

@@ -100,6 +100,10 @@ class Rollout(WarmWorkspaces, Rewinding, Captures, SpeculationGlue):
     def now(self) -> float:
         return time.monotonic() - self.origin
 
+    def reasoned(self, started: float) -> None:
+        """The driver's policy reasoned from `started` (now()) until now: the timeline's event."""
+        self.timeline.add("reason", started, self.now())
+
     @property
     def calls_left(self) -> int:
         """Tool calls the agent may still make within the task's budget."""
