@@ -1,0 +1,75 @@
+"""benchmarks/fork_latency.py's arithmetic and parsing, without a workspace: its percentiles, the
+ticker's gap log read in increments, and the table's rows from a synthetic result. Untimed."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+
+def _bench() -> ModuleType:
+    # Loaded by its path: benchmarks/ on sys.path would shadow the tests' `workloads` package.
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "fork_latency.py"
+    spec = importlib.util.spec_from_file_location("fork_latency", path)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bench = _bench()
+
+
+def test_percentile_interpolates_between_ranks() -> None:
+    xs = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert bench.percentile(xs, 50) == 3.0
+    assert bench.percentile(xs, 0) == 1.0
+    assert bench.percentile(xs, 100) == 5.0
+    assert bench.percentile(xs, 90) == pytest.approx(4.6)
+    assert bench.percentile([7.0], 90) == 7.0
+    with pytest.raises(ValueError):
+        bench.percentile([], 50)
+
+
+def test_summary() -> None:
+    s = bench.summary([0.1, 0.3, 0.2, 0.4])
+    assert s["n"] == 4 and s["median"] == pytest.approx(0.25) and s["min"] == 0.1 and s["max"] == 0.4
+    assert s["p90"] == pytest.approx(0.37)
+
+
+def test_gaps_are_read_in_increments_and_a_partial_line_waits() -> None:
+    gaps, seen = bench.new_gaps("", 0)
+    assert (gaps, seen) == ([], 0)
+    gaps, seen = bench.new_gaps("3.5\n140.2\n12", 0)
+    assert gaps == [3.5, 140.2] and seen == 2  # "12" is still being written
+    gaps, seen = bench.new_gaps("3.5\n140.2\n12.0\n4.1\n", seen)
+    assert gaps == [12.0, 4.1] and seen == 4
+
+
+def _run(answer: float, frozen: float) -> dict:
+    return {"answer": answer, "call": answer - 0.003, "first_command": 0.003, "frozen_ticker": frozen,
+            "frozen_freezer": frozen - 0.001, "cpu_criu": 0.1, "cpu_self": 0.02,
+            "timings": {"snapshot.dump": frozen - 0.005, "criu.start": 0.01}}
+
+
+def test_rows_and_stages_from_a_result(capsys: pytest.CaptureFixture[str]) -> None:
+    runs = [_run(0.2 + i / 100, 0.1 + i / 1000) for i in range(5)]
+    result = {"regime": "synthetic", "engines": [{
+        "engine": "ksm", "fork1_back_to_back": runs, "fork1_spaced": runs,
+        "fork16": [{"call": 0.9, "answer": 0.95}], "snapshot_fork1": runs}],
+        "serve": {"create_from_snapshot": [0.05, 0.07], "pause": [0.2], "connect": [0.3]}}
+    rows = {(name, eng): (s, t) for name, eng, s, t in bench.rows(result)}
+    s, target = rows[("fork(1): call to clone answering (back to back)", "ksm")]
+    assert s["median"] == pytest.approx(0.22) and target == bench.TARGETS["fork1_answer"]
+    assert rows[("fork(16): the call", "ksm")][0]["n"] == 1
+    assert rows[("serve: Sandbox.create(snapshot), client-measured", "serve")][0]["median"] == pytest.approx(0.06)
+    stages = dict(bench.stage_rows(result))
+    assert stages["criu.start"] == {"ksm": pytest.approx(0.01)}
+    assert next(iter(dict(bench.stage_rows(result)))) == "snapshot.dump"  # the largest first
+    bench.print_report(result)
+    out = capsys.readouterr().out
+    assert "| fork(1): call to clone answering (back to back) | ksm | 5 | 220.0 |" in out
+    assert "regime: synthetic" in out
