@@ -19,7 +19,7 @@ from ..contract import Build, Capture, Check, Held, Part
 from ..errors import ForkError
 from ..state import InitState, Lineage, proc_starttime
 from . import control, criu, init, lifetime, seccomp_profile, sessions
-from .dump import dump_tree, predump_tree
+from .dump import dump_tree, predump_tree, prepare_dump
 from .options import dump_opts, restore_opts
 from .reaper import reaper
 from .restore import restore_tree
@@ -75,6 +75,7 @@ class ProcessPart(Part):
         b.deferred.append(lambda: native.umount2(point, native.MNT_DETACH))
 
     def before_freeze(self, c: Capture) -> None:
+        prepare_dump(c)
         predump_tree(c)
 
     def capture(self, c: Capture) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 from .. import deadlines, native
 from ..contract import Check
 from ..errors import BunshinError, CriuError, CriuTimeout
+from ..host import HOST
 from . import sessions
 from .init import INIT_BINARY
 
@@ -43,6 +44,20 @@ CONFIG_FILE = Path(__file__).resolve().parent / "criu.conf"
 REQUIRED = (4, 2)
 
 Notify = Callable[[str, int], None]
+
+# CRIU's kerndat cache: without it every dump and restore probes the kernel afresh (forty
+# probes, an exec of `iptables -L` among them): 22 ms of every frozen dump and 34 ms of every
+# restore on this host. CRIU keeps it only on a tmpfs (so that a reboot into another kernel
+# drops it), in /run, which is no tmpfs on every host (this one's is ext4): there no CRIU ever
+# cached it. CRIU patch 0007 reads the directory from KDAT_DIR_ENV; the state root is a tmpfs
+# (state.run_root). CRIU writes the cache through a temporary opened O_EXCL and renamed into
+# place, and leaves the temporary behind when killed between the two (a deadline's SIGKILL, a
+# caller's death), after which no CRIU can write the cache: a temporary older than
+# KDAT_STALE_S is such a leftover (a live CRIU renames its own within microseconds) and is
+# removed; one removed under a live writer only costs that writer its rename.
+KDAT_DIR_ENV = "CRIU_BUNSHIN_KDAT_DIR"
+KDAT_NAME = "criu.kdat"
+KDAT_STALE_S = 10.0
 
 
 def binary() -> str:
@@ -95,12 +110,32 @@ def failure(kind: str, resp: rpc.criu_resp, log: Path | None) -> str:
     return f"criu {kind} failed{': ' + detail if detail else ''}\n{tail}".rstrip()
 
 
+def kdat_dir() -> Path:
+    return HOST.run_root
+
+
+def unblock_kdat_cache(directory: Path | None = None, now: float | None = None) -> bool:
+    """Remove a killed CRIU's leftover temporary that keeps every CRIU from caching kerndat
+    (KDAT_DIR_ENV); True when one was removed. One stat when there is none."""
+    tmp = (directory or kdat_dir()) / f"{KDAT_NAME}.tmp"
+    try:
+        age = (time.time() if now is None else now) - tmp.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < KDAT_STALE_S:
+        return False
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    return True
+
+
 class Session:
     """One `criu swrk` process; one request at a time."""
 
     def __init__(self, keep_fds: tuple[int, ...] = (), ksm_merge: bool = False,
                  env: dict[str, str] | None = None, die_with_caller: bool = False) -> None:
         criu = _require()
+        unblock_kdat_cache()
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sk = parent
         argv = [criu, "swrk", str(child.fileno())]
@@ -121,7 +156,7 @@ class Session:
             self._proc = subprocess.Popen(
                 argv, pass_fds=(child.fileno(), *keep_fds),
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                env={**os.environ, **env} if env else None,
+                env={**os.environ, KDAT_DIR_ENV: str(kdat_dir()), **(env or {})},
             )
         finally:
             child.close()

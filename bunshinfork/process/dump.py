@@ -25,7 +25,7 @@ from ..errors import CriuError
 from ..state import Lineage, SnapshotMeta
 from . import cgyard, chain, criu, forkcheck, pages
 from .images import dump_stats, rearm_expired_timerfds
-from .options import dump_opts
+from .options import dump_opts, fresh_net
 
 LINEAGE_KEPT = 4  # earlier snapshots a workspace remembers, should the newest be released
 
@@ -33,6 +33,13 @@ LINEAGE_KEPT = 4  # earlier snapshots a workspace remembers, should the newest b
 def _freezer(c: Capture) -> str:
     assert c.source.cgroups is not None
     return Cgroup(c.source.cgroups).freezer_dir
+
+
+def prepare_dump(c: Capture) -> None:
+    """What the frozen dump needs and can be made with the source running: its cgroup yard."""
+    assert c.source.process is not None
+    with c.stage("dump_yard"):
+        cgyard.prepare_dump(c.snap.dir, c.source.process.pid)
 
 
 def predump_tree(c: Capture) -> None:
@@ -74,7 +81,9 @@ def dump_tree(c: Capture) -> None:
     forkcheck.check(Cgroup(rec.cgroups).pids(), rec.id)
     images = c.snap.images
     images.mkdir()
-    opts = dump_opts(rec.process.pid, images, _freezer(c), rec.spec.userns)
+    yard = c.snap.dir / cgyard.DUMP_YARD
+    opts = dump_opts(rec.process.pid, images, _freezer(c), rec.spec.userns, empty_net=fresh_net(rec.spec),
+                     cgroup_yard=yard if yard.is_dir() else None)
     lineage = rec.lineage or Lineage()
     tracking = criu.dirty_tracking()
     predump = c.snap.dir / chain.PREDUMP

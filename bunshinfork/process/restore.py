@@ -13,7 +13,7 @@ from .. import native
 from ..cgroups import Cgroup
 from ..contract import Build
 from ..errors import BunshinError
-from . import cgyard, criu, lifetime
+from . import cgyard, criu, lifetime, options
 from .options import restore_opts
 
 # Called with each restore's live criu.Session right after it starts; failure-injection tests use
@@ -51,7 +51,7 @@ def restore_tree(b: Build) -> int:
     failed: list[BaseException] = []
     clock = _PhaseClock(b.rec.timings)
     spec = b.source.meta.spec
-    fresh_net = not spec.privileged and spec.network == "none"
+    fresh_net = options.fresh_net(spec)
 
     def on_notify(script: str, pid: int) -> None:
         clock.mark(script)
