@@ -22,9 +22,13 @@ Constants (DEFAULT_LATENCY; printed before every run, never tuned per result):
   (16 -> 64), an extrapolation, not a measurement. At the paper's batch (128 requests on one
   H100, PAPER_IN_FLIGHT) that is 94.9 ms per output token, ~11.4 s for a median step.
 
-Regimes (Server(in_flight=...)): "paper" prices every step with the paper's batch in flight,
-whatever number of rollouts this host runs; "local" with this configuration's own requests in
-flight (at most its rollouts, ~0.9 s steps).
+Regimes (make_server): "paper" prices every step with the paper's batch in flight, whatever
+number of rollouts this host runs (the pessimistic bound: the batch never drains); "local" with
+this configuration's own requests in flight (at most its rollouts, ~0.9 s steps); "batch" with
+the paper's batch as it drains: k of the configuration's N rollouts reasoning stand for k x 128 / N
+requests in flight (each local rollout for 128 / N of the paper's, as in the paper's Fig. 8). A
+step is priced when it starts and keeps its price, in every regime. The server records each
+sample's steps (prompt and output tokens), which the oracle replays (benchmarks/rollouts/oracle.py).
 
 Agent: each decision draws from the candidates the last observation allows (what the test run
 failed on, which products a page lists, what is in the cart), the preferred one with
@@ -59,7 +63,7 @@ class LatencyModel:
     source: str = ("InferenceBench concurrency sweep: Llama-3.1-8B-Instruct fp16, 1x H100-80GB-HBM3, vLLM 0.21.0 "
                    "(TPOT, TTFT); prefill 0.04 ms/token derived (16 GFLOP/token at 40% of 989 TFLOPS)")
 
-    def tpot(self, in_flight: int) -> float:
+    def tpot(self, in_flight: float) -> float:
         """Seconds per output token with `in_flight` requests on the server (linear between the
         measured points, flat below the first, the last slope beyond the last)."""
         pts = self.tpot_table
@@ -70,7 +74,7 @@ class LatencyModel:
         (n0, t0), (n1, t1) = pts[-2], pts[-1]
         return t1 + (t1 - t0) * (n - n1) / (n1 - n0)
 
-    def seconds(self, prompt_tokens: int, output_tokens: int, in_flight: int) -> float:
+    def seconds(self, prompt_tokens: int, output_tokens: int, in_flight: float) -> float:
         return self.first_token_s + prompt_tokens * self.prefill_s_per_token + output_tokens * self.tpot(in_flight)
 
     def describe(self) -> str:
@@ -113,24 +117,46 @@ Candidates = list[Action]  # preferred first
 
 
 class Server:
-    """Requests in flight on the modelled server (one per configuration's run)."""
+    """Requests in flight on the modelled server (one per configuration's run), and the steps it
+    answered, per (epoch, task, sample) in the order the samples first reached it."""
 
-    def __init__(self, model: LatencyModel, in_flight: int | None = None) -> None:
+    def __init__(self, model: LatencyModel, in_flight: int | None = None, *, batch_of: int | None = None) -> None:
         self.model = model
         self.in_flight = 0
         self.fixed_in_flight = in_flight  # the paper's regime: the batch the server is priced at
+        self.batch_of = batch_of  # the batch regime: the configuration's rollouts per epoch (N)
         self.reasoning_seconds: dict[tuple[int, str, int], float] = {}
+        self.steps: dict[tuple[int, str, int], list[tuple[int, int]]] = {}
 
-    def load(self) -> int:
+    def load_at(self, reasoning: int) -> float:
+        """The requests in flight a step is priced with when `reasoning` of this configuration's
+        rollouts reason as it starts (it included): the one function the live server and the
+        oracle's replay price with."""
+        if self.fixed_in_flight:
+            return self.fixed_in_flight
+        if self.batch_of:
+            return reasoning * PAPER_IN_FLIGHT / self.batch_of
+        return reasoning
+
+    def load(self) -> float:
         """The requests in flight a step starting now is priced with (this one included)."""
-        return self.fixed_in_flight or self.in_flight + 1
+        return self.load_at(self.in_flight + 1)
+
+    def price(self, prompt_tokens: int, output_tokens: int, reasoning: int) -> float:
+        """A step's seconds when it starts with `reasoning` rollouts reasoning (it included)."""
+        return self.model.seconds(prompt_tokens, output_tokens, self.load_at(reasoning))
 
     def predicted_step(self, output_tokens: int, prompt_tokens: int = 200) -> float:
         """A step's seconds at the current load: what the rollout core weighs a capture against."""
         return self.model.seconds(prompt_tokens, output_tokens, self.load())
 
+    def recorded(self, epoch: int) -> list[list[tuple[int, int]]]:
+        """Each sample's steps in `epoch`, the samples in the order they first reached the server."""
+        return [s for (e, _t, _i), s in self.steps.items() if e == epoch]
+
     async def answer(self, key: tuple[int, str, int], prompt_tokens: int, output_tokens: int) -> float:
         s = self.model.seconds(prompt_tokens, output_tokens, self.load())
+        self.steps.setdefault(key, []).append((prompt_tokens, output_tokens))  # the oracle replays it
         self.in_flight += 1
         try:
             await asyncio.sleep(s)  # the documented latency model, not a tool
@@ -138,6 +164,20 @@ class Server:
             self.in_flight -= 1
         self.reasoning_seconds[key] = self.reasoning_seconds.get(key, 0.0) + s
         return s
+
+
+REGIMES = ("paper", "local", "batch")
+
+
+def make_server(model: LatencyModel, regime: str, rollouts: int) -> Server:
+    """The server of one configuration's run in `regime`; `rollouts`: its rollouts per epoch."""
+    if regime == "paper":
+        return Server(model, PAPER_IN_FLIGHT)
+    if regime == "batch":
+        return Server(model, batch_of=rollouts)
+    if regime == "local":
+        return Server(model)
+    raise ValueError(f"unknown regime {regime!r}; use {', '.join(REGIMES)}")
 
 
 @dataclass

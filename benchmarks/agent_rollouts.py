@@ -5,7 +5,7 @@ tests; the benchmark itself is the package benchmarks/rollouts/ (its usage text,
 --help, is benchmarks/rollouts/cli.py's docstring):
 
 python benchmarks/agent_rollouts.py [--quick] --out DIR [--seeds 3 | --seed S] [--families code,shop]
-                                    [--regime paper|local] [--exploration decaying|constant]
+                                    [--regime paper|local|batch] [--exploration decaying|constant]
                                     [--placements live,fork_first] [--snapshot-policies cost,depth]
                                     [--audit all|sample|off] [--check-families]
 python benchmarks/agent_rollouts.py --merge DIR0 DIR1 DIR2 --out DIR   (per-seed runs -> one result)

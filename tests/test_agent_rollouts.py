@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import random
 import sys
 from pathlib import Path
 
@@ -31,7 +32,13 @@ StochasticAgent = agent_policy.StochasticAgent
 coding_candidates = agent_policy.coding_candidates
 gui_candidates = agent_policy.gui_candidates
 shop_candidates = agent_policy.shop_candidates
-
+_ospec = importlib.util.spec_from_file_location(
+    "rollouts_oracle", Path(__file__).resolve().parent.parent / "benchmarks" / "rollouts" / "oracle.py")
+assert _ospec is not None and _ospec.loader is not None
+oracle = importlib.util.module_from_spec(_ospec)
+_ospec.loader.exec_module(oracle)
+# tpot(n) = n ms from 1 to 128 in flight, nothing else priced: hand-computable steps.
+LINEAR = LatencyModel(tpot_table=((1, 1e-3), (128, 128e-3)), first_token_s=0.0, prefill_s_per_token=0.0)
 
 
 def test_latency_model_arithmetic() -> None:
@@ -60,6 +67,90 @@ def test_paper_regime_prices_every_step_with_the_papers_batch() -> None:
         return await server.answer((0, "t", 0), 10, 1)  # one token: the step's pricing, quickly
 
     assert asyncio.run(one(paper)) == pytest.approx(m.seconds(10, 1, 128))
+
+
+def test_batch_regime_prices_a_draining_batch() -> None:
+    """k of N rollouts reasoning stand for k x 128 / N requests in flight: all N reasoning is the
+    paper's batch, one alone is 128 / N of it; a step keeps the price it started with."""
+    m = DEFAULT_LATENCY
+    batch = agent_policy.make_server(m, "batch", 8)
+    assert batch.load_at(8) == 128 and batch.load_at(1) == 16 and batch.load() == 16
+    assert batch.price(200, 120, 8) == pytest.approx(m.seconds(200, 120, 128))  # ~11.4 s
+    assert batch.price(200, 120, 1) == pytest.approx(m.seconds(200, 120, 16))  # ~1.34 s
+    assert agent_policy.make_server(m, "batch", 24).load_at(1) == pytest.approx(128 / 24)
+    assert agent_policy.make_server(m, "paper", 8).load_at(1) == 128
+    assert agent_policy.make_server(m, "local", 8).load_at(3) == 3
+    with pytest.raises(ValueError):
+        agent_policy.make_server(m, "fixed", 8)
+
+    server = agent_policy.make_server(LINEAR, "batch", 4)  # 32 ms per token per rollout reasoning
+
+    async def drain() -> tuple[list[float], float]:
+        three = await asyncio.gather(*(server.answer((0, "t", i), 0, 1) for i in range(3)))
+        alone = await server.answer((0, "t", 3), 0, 1)  # the batch has drained: priced alone
+        return three, alone
+
+    three, alone = asyncio.run(drain())
+    assert three == [pytest.approx(0.032), pytest.approx(0.064), pytest.approx(0.096)]
+    assert alone == pytest.approx(0.032)
+    assert server.recorded(0) == [[(0, 1)]] * 4 and server.recorded(1) == []
+
+
+def test_oracle_replays_the_recorded_steps_by_hand() -> None:
+    """Two samples, N = 2 in the batch regime (tpot 64 ms per rollout reasoning), hand-computed:
+    A starts first, alone: 10 tokens x 64 ms = 0.64 s; B joins it: 4 x 128 ms = 0.512 s, and
+    finishes; A's second step starts alone at 0.64 s: 20 x 64 ms = 1.28 s, so A ends at 1.92 s."""
+    batch = agent_policy.make_server(LINEAR, "batch", 2)
+    steps = [[(0, 10), (0, 20)], [(0, 4)]]
+    assert oracle.replay(steps, batch.price) == pytest.approx(1.92)
+    # A pause of 0.1 s after A's first step: its second starts at 0.74 s, still alone.
+    assert oracle.replay(steps, batch.price, [[0.1, 0.0], [0.0]]) == pytest.approx(2.02)
+    # The paper's fixed batch: every token at 128 ms, the replay is A's reasoning alone.
+    paper = agent_policy.make_server(LINEAR, "paper", 2)
+    assert oracle.replay(steps, paper.price) == pytest.approx(30 * 0.128)
+    # Steps ending at an instant are counted out before the steps starting then are priced: both
+    # first steps end at 128 ms (2 x 64 ms alone, 1 x 128 ms beside it), and the first sample's
+    # next step starts alone (64 ms, to 192 ms), not beside the step ending with it (to 256 ms).
+    tie = [[(0, 2), (0, 1)], [(0, 1)]]
+    assert oracle.replay(tie, batch.price) == pytest.approx(0.192)
+    assert oracle.replay([], batch.price) == 0.0 and oracle.replay([[]], batch.price) == 0.0
+
+
+def _random_epoch(rng: random.Random) -> tuple[list[list[tuple[int, int]]], list[list[float]]]:
+    samples = [[(rng.randint(50, 900), rng.randint(20, 400)) for _ in range(rng.randint(1, 12))]
+               for _ in range(rng.choice([1, 2, 3, 6, 8]))]
+    pauses = [[rng.choice([0.0, 0.005, rng.expovariate(0.5)]) for _ in s] for s in samples]
+    return samples, pauses
+
+
+def test_oracle_never_exceeds_a_run_where_the_load_does_not_price_a_step() -> None:
+    """With every tool at 0 s the replay is the longest sample's reasoning when the price does
+    not depend on the load (the paper regime), so no run with tools ends before it; nor with a
+    single rollout, in any regime."""
+    rng = random.Random(38)
+    for _ in range(300):
+        samples, pauses = _random_epoch(rng)
+        paper = agent_policy.make_server(DEFAULT_LATENCY, "paper", len(samples))
+        free = oracle.replay(samples, paper.price)
+        assert free == pytest.approx(max(sum(paper.price(p, o, 1) for p, o in s) for s in samples))
+        assert free <= oracle.replay(samples, paper.price, pauses) + 1e-9
+        for regime in ("batch", "local"):
+            server = agent_policy.make_server(DEFAULT_LATENCY, regime, 1)
+            assert oracle.replay(samples[:1], server.price) <= oracle.replay(samples[:1], server.price,
+                                                                              pauses[:1]) + 1e-9
+
+
+def test_oracle_is_no_bound_where_a_pause_drains_the_batch() -> None:
+    """Prices fixed at a step's start: B's tool pause leaves A's long step alone in the batch, so
+    the run with the pause ends before the replay with free tools (docs/rl_rollouts_method.md:
+    such epochs are flagged, oracle_exceeds_epoch, never clipped)."""
+    batch = agent_policy.make_server(LINEAR, "batch", 2)
+    steps = [[(0, 1), (0, 1)], [(0, 1), (0, 30)]]  # B first, then A
+    # Free tools: B 64 ms, A joins (128 ms); B's second step with A reasoning (128 ms, to 192 ms);
+    # A's 30 tokens start at 128 ms with B reasoning: x 128 ms, to 3.968 s.
+    assert oracle.replay(steps, batch.price) == pytest.approx(3.968)
+    # B pauses 1 s: A's 30 tokens start alone at 128 ms (x 64 ms), the run ends at 2.048 s.
+    assert oracle.replay(steps, batch.price, [[1.0, 0.0], [0.0, 0.0]]) == pytest.approx(2.048)
 
 
 def test_exploration_schedule_is_fixed_per_epoch() -> None:
@@ -150,6 +241,11 @@ def test_one_real_epoch_of_base_on_the_coding_task() -> None:
 
     r, r2 = asyncio.run(go())
     assert not [e for s in r.samples + r2.samples for e in s.errors]
+    # The oracle replays each sample's recorded steps (one per decision) with every tool at 0 s:
+    # this real epoch, gcc and make included, ends after it.
+    server = agent.server
+    assert len(server.recorded(0)) == len(r.samples) and all(server.recorded(0))
+    assert 0 < oracle.replay(server.recorded(0), server.price) <= r.seconds
     assert all(s.reward is not None for s in r.samples)
     # A real run of make test: the tool saw gcc's output, and a passing run is rewarded.
     calls = [st for s in r.samples for st in s.steps if st.call.name == "run_tests"]

@@ -1,7 +1,7 @@
 """BunshinRL's rollout configurations on real agent workspaces (paper sections 5.2-5.3, Figs. 6-11).
 
 python benchmarks/agent_rollouts.py [--quick] --out DIR [--seeds 3 | --seed S] [--families code,shop]
-                                    [--regime paper|local] [--exploration decaying|constant]
+                                    [--regime paper|local|batch] [--exploration decaying|constant]
                                     [--placements live,fork_first] [--snapshot-policies cost,depth]
                                     [--audit all|sample|off] [--check-families]
 python benchmarks/agent_rollouts.py --merge DIR0 DIR1 DIR2 --out DIR   (per-seed runs -> one result)
@@ -52,16 +52,23 @@ first candidate calls, each in two forks of the initial state (per seed: check_f
 Hit rates count the agents' tool calls only (the hidden verifier call is none); a call served by
 waiting for a sibling's running call is counted apart (sibling_waits) and is no hit.
 
-DIR/agent_rollouts.json: per configuration and seed epoch_seconds, oracle_seconds (the longest
-rollout's reasoning alone), hit_rate_per_epoch (cache and speculation split), peak_memory_bytes
-(host-cost accounting of the configuration's workspaces and snapshots, sampled over the epoch),
-reward_per_epoch, phases_per_epoch (where each epoch's time went: the seconds per event kind of
-the rollout that finished last and of all rollouts, and the time after the last rollout);
-rewards_identical across Base, Spec and Full; summary: per configuration the
-mean and spread over seeds; placements: epoch time and peak memory per speculation placement;
-snapshot_policies: the same (and captures) per prefix-cache snapshot policy;
-the targets with what was reached. --seed S runs one seed (a run short enough to hold the host
-lock for); --merge combines such runs' JSONs into one, figures included.
+--regime batch (issue 38, docs/rl_rollouts_method.md): a step that starts with k of the
+configuration's N rollouts reasoning is priced with k x 128 / N requests in flight, the paper's
+batch draining as its rollouts finish (Fig. 8). The oracle, in every regime, replays each epoch's
+recorded tokens per step through the same server model with every tool at 0 s
+(benchmarks/rollouts/oracle.py).
+
+DIR/agent_rollouts.json: per configuration and seed epoch_seconds, oracle_seconds (the replay),
+reasoning_bound_seconds (the longest rollout's reasoning alone), oracle_exceeds_epoch (an epoch
+that ended before its replay: possible where the load prices a step), hit_rate_per_epoch (cache
+and speculation split), peak_memory_bytes (host-cost accounting of the configuration's
+workspaces and snapshots, sampled over the epoch), reward_per_epoch, phases_per_epoch (where
+each epoch's time went: the seconds per event kind of the rollout that finished last and of all
+rollouts, and the time after the last rollout); rewards_identical across Base, Spec and Full;
+summary: per configuration the mean and spread over seeds; placements: epoch time and peak
+memory per speculation placement; snapshot_policies: the same (and captures) per prefix-cache
+snapshot policy; the targets with what was reached. --seed S runs one seed (a run short enough
+to hold the host lock for); --merge combines such runs' JSONs into one, figures included.
 """
 
 from __future__ import annotations
@@ -81,7 +88,7 @@ from bunshinrl.speculation.speculator import PLACEMENTS
 
 from .configs import CONFIGS, DEFAULT_PLACEMENT, DEFAULT_SNAPSHOT_POLICY, SNAPSHOT_POLICIES
 from .driver import run_seed
-from .regimes import HEADLINE, QUICK, REGIMES, preamble
+from .regimes import HEADLINE, QUICK, REGIMES, fixed_in_flight, preamble
 from .results import finish, merge
 
 
@@ -90,8 +97,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true",
                     help="1 seed, code + shop, 3 samples x 3 epochs (CRIU and Spec 2), the local regime (CI)")
     ap.add_argument("--regime", choices=sorted(REGIMES),
-                    help=f"paper: steps priced with {PAPER_IN_FLIGHT} requests in flight (the headline); local: "
-                         "with this configuration's own")
+                    help=f"paper: steps priced with {PAPER_IN_FLIGHT} requests in flight (the earlier headline, the "
+                         f"pessimistic bound); local: with this configuration's own; batch: k of its N rollouts "
+                         f"reasoning priced as k x {PAPER_IN_FLIGHT} / N in flight (the paper's batch draining)")
     ap.add_argument("--exploration", choices=sorted(EXPLORATION),
                     help="the exploration schedule over epochs (decaying: the headline's; constant: 0.08)")
     ap.add_argument("--short-configs", help="configurations run only at --short-seeds and in the first "
@@ -174,7 +182,10 @@ async def main() -> int:
     shutil.rmtree(store, ignore_errors=True)
     meta = {
         "latency_model": {**dataclasses.asdict(model), "formula": model.describe(), "regime": args.regime,
-                          "in_flight": REGIMES[args.regime],
+                          "in_flight": fixed_in_flight(args.regime),
+                          "pricing": "k of N rollouts reasoning = k x 128 / N in flight" if args.regime == "batch"
+                          else "128 in flight" if args.regime == "paper" else "k of N reasoning = k in flight",
+                          "oracle": "replay of each epoch's tokens per step, every tool at 0 s",
                           "paper_tpot_seconds": round(model.tpot(PAPER_IN_FLIGHT), 5),
                           "paper_step_seconds": round(model.seconds(200, agent_cfg.output_median, PAPER_IN_FLIGHT), 3),
                           "extrapolated_beyond": model.tpot_table[-1][0]},

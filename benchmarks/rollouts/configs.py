@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from agent_policy import AgentConfig, LatencyModel, Server, StochasticAgent
+from agent_policy import AgentConfig, LatencyModel, Server, StochasticAgent, make_server
 
 from bunshinrl import EpochResult, RolloutEngine, Speculator, Task, ToolPrefixCache
 from bunshinrl.envs.faults import FaultAuditor, FaultGuard, KeyedPolicy
@@ -39,15 +39,17 @@ class ConfigRun:
 
 def make_config(name: str, tasks: list[Task], cands: dict[str, Any], agent_cfg: AgentConfig, model: LatencyModel,
                 store: Path, cache_mib: int, spec_depth: int, slow_seconds: float, share: str = "ksm",
-                in_flight: int | None = None, audit: str = "off", seed: int = 0, faults: bool = False,
+                regime: str = "local", rollouts: int = 1, audit: str = "off", seed: int = 0, faults: bool = False,
                 auto_disable: bool = True) -> ConfigRun:
     """name: one of CONFIGS, or Spec@PLACEMENT, Full@POLICY. The core is built by build_core, as
     every driver's is; its reasoning prediction is the latency model's step at the server's load.
     faults: the tasks' tools are faulty (--inject-faults): the agent's decisions and the audit run
-    as their sample, which keys the faults; auto_disable False: the guard's is off (FaultGuard)."""
+    as their sample, which keys the faults; auto_disable False: the guard's is off (FaultGuard).
+    regime: how the server prices a step (paper, local, batch); rollouts: the configuration's
+    rollouts per epoch (the batch regime's N)."""
     kind, _, variant = name.partition("@")
     config = "Base" if kind == "CRIU" else check_config(kind)  # CRIU's parts are Base's
-    server = Server(model, in_flight)
+    server: Server = make_server(model, regime, rollouts)
     cfg = CoreConfig(
         # Full: the cache captures by cost (a state when the replay it saves takes as long as a
         # capture), beside reasoning steps predicted to outlast a capture; Full@depth: every

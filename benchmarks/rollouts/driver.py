@@ -19,7 +19,7 @@ from bunshinrl.rollout.configs import CONFIGS as ENGINE_CONFIGS
 from bunshinrl.rollout.timeline import DIVERGENCE_KINDS, DIVERGENCE_OUTCOMES
 
 from .configs import ConfigRun, MiB, make_config
-from .regimes import REGIMES
+from .oracle import replay
 from .sampler import HostSampler
 from .tasks import build_tasks, check_tools
 
@@ -62,6 +62,8 @@ async def run_epoch(run: ConfigRun, group: int, epoch: int) -> dict[str, Any]:
     audit = (await run.auditor.audit(r)).summary() if run.auditor is not None else None
     run.results.append(r)
     reason = [s for (e, _t, _s), s in run.server.reasoning_seconds.items() if e == epoch]
+    # The oracle: this epoch's decisions replayed through the same server with every tool at 0 s.
+    oracle = replay(run.server.recorded(epoch), run.server.price)
     rewards = {f"{s.task_id}/{s.sample}": s.reward for s in r.samples}
     calls = r.tool_calls
     row = {
@@ -71,7 +73,12 @@ async def run_epoch(run: ConfigRun, group: int, epoch: int) -> dict[str, Any]:
         "persist_seconds": round(persist, 3),
         "persist_wait_after_epoch": round(persist_wait, 3),
         "persist_running_at_start": run.engine.persist_running_at_start,
-        "oracle_seconds": round(max(reason, default=0.0), 3),
+        "oracle_seconds": round(oracle, 3),
+        # The longest rollout's own reasoning (the oracle before issue 38): no run ends before it.
+        "reasoning_bound_seconds": round(max(reason, default=0.0), 3),
+        # Where the load prices a step, a sibling's tool pause can cheapen the straggler's next
+        # step, and the run then ends before the replay (docs/rl_rollouts_method.md).
+        "oracle_exceeds_epoch": oracle > r.seconds,
         "median_rollout_seconds": round(statistics.median(s.finished for s in r.samples), 3) if r.samples else 0.0,
         "cache_hit_rate": round(r.cache_hits / calls, 4) if calls else 0.0,
         "spec_hit_rate": round(r.spec_hits / calls, 4) if calls else 0.0,
@@ -98,6 +105,10 @@ async def run_epoch(run: ConfigRun, group: int, epoch: int) -> dict[str, Any]:
           flush=True)
     print(f"        beside it: teardown {r.teardown_seconds:.1f} s, persistence {persist:.1f} s (done before the "
           f"next epoch: yes)", flush=True)
+    if row["oracle_exceeds_epoch"]:
+        print(f"        the epoch ended {oracle - r.seconds:.1f} s before its oracle (a replay, not a bound here: "
+              f"steps met smaller batches than with free tools); its own reasoning {row['reasoning_bound_seconds']:.1f}"
+              " s", flush=True)
     if audit is not None:
         print(f"        audit ({audit['mode']}): {audit['audited']} samples, {audit['steps']} steps re-executed in "
               f"{audit['seconds']:.1f} s: {audit['mismatches']} mismatches, {audit['not_auditable']} not auditable, "
@@ -115,6 +126,8 @@ def summarize(run: ConfigRun) -> dict[str, Any]:
     return {
         "epoch_seconds": [e["epoch_seconds"] for e in ep],
         "oracle_seconds": [e["oracle_seconds"] for e in ep],
+        "reasoning_bound_seconds": [e["reasoning_bound_seconds"] for e in ep],
+        "oracle_exceeds_epoch": [e["oracle_exceeds_epoch"] for e in ep],
         "median_rollout_seconds": [e["median_rollout_seconds"] for e in ep],
         "teardown_seconds": [e["teardown_seconds"] for e in ep],
         "persist_seconds": [e["persist_seconds"] for e in ep],
@@ -161,7 +174,7 @@ async def run_seed(seed: int, args: argparse.Namespace, agent_cfg: AgentConfig, 
     names = [n for n in args.configs if n not in short or seed in args.short_seeds]
     runs = {n: make_config(n, tasks, cands, dataclasses.replace(agent_cfg, seed=seed), model, store,
                            args.cache_mib, args.spec_depth, args.slow_seconds, args.share_engine,
-                           REGIMES[args.regime], args.audit, seed, args.inject_faults > 0,
+                           args.regime, len(tasks) * args.group_size, args.audit, seed, args.inject_faults > 0,
                            args.guard_auto_disable == "on")
             for n in names}
     try:

@@ -6,9 +6,15 @@ from __future__ import annotations
 import argparse
 import os
 
-from agent_policy import EXPLORATION_SOURCE, PAPER_IN_FLIGHT, AgentConfig, LatencyModel
+from agent_policy import EXPLORATION_SOURCE, PAPER_IN_FLIGHT, REGIMES, AgentConfig, LatencyModel
 
-REGIMES = {"paper": PAPER_IN_FLIGHT, "local": None}  # requests in flight a step is priced with
+__all__ = ["HEADLINE", "QUICK", "REGIMES", "fixed_in_flight", "preamble"]
+
+
+def fixed_in_flight(regime: str) -> int | None:
+    """The requests in flight every step is priced with, in a regime that fixes them (paper)."""
+    return PAPER_IN_FLIGHT if regime == "paper" else None
+
 # The headline's size, fixed before any run (the issue: >= 16 rollouts per epoch, G >= 8, 5 epochs,
 # seeds 0-2; Spec and CRIU at seed 0 in epochs 1-2).
 HEADLINE = {"families": "code,shop,gui", "code_tasks": 1, "group_size": 8, "epochs": 5, "seeds": 3, "rollouts": 24,
@@ -25,8 +31,10 @@ def preamble(args: argparse.Namespace, model: LatencyModel, agent_cfg: AgentConf
     n_tasks = len(args.families) + (args.code_tasks - 1 if "code" in args.families else 0)
     rollouts = n_tasks * args.group_size
     cpus = os.cpu_count() or 1
-    fixed = REGIMES[args.regime]
+    fixed = fixed_in_flight(args.regime)
     tpot128 = model.tpot(PAPER_IN_FLIGHT)
+    median = agent_cfg.output_median
+    lone = PAPER_IN_FLIGHT / rollouts  # the batch regime: one rollout reasoning alone
     return [
         f"latency model: {model.describe()}",
         f"regime {args.regime}: " + (
@@ -34,9 +42,19 @@ def preamble(args: argparse.Namespace, model: LatencyModel, agent_cfg: AgentConf
             f"this host runs. The table stops at {model.tpot_table[-1][0]} in flight: tpot({fixed}) = "
             f"{tpot128 * 1e3:.1f} ms per output token is its linear extrapolation (the 16 -> 64 slope), not a "
             f"measurement; a median step ({agent_cfg.output_median} output tokens) takes "
-            f"{model.seconds(200, agent_cfg.output_median, fixed):.1f} s" if fixed else
+            f"{model.seconds(200, median, fixed):.1f} s" if fixed else
+            f"a step that starts with k of the configuration's N = {rollouts} rollouts reasoning is priced with k x "
+            f"{PAPER_IN_FLIGHT} / N requests in flight: each local rollout stands for {lone:.2f} of the paper's, and "
+            f"the batch drains as in the paper's Fig. 8; a median step ({median} output tokens) takes "
+            f"{model.seconds(200, median, PAPER_IN_FLIGHT):.1f} s with all N reasoning ({PAPER_IN_FLIGHT} in flight, "
+            f"tpot extrapolated beyond {model.tpot_table[-1][0]}), {model.seconds(200, median, lone):.2f} s alone "
+            f"({lone:.2f} in flight)" if args.regime == "batch" else
             f"steps priced with this configuration's own requests in flight (at most {rollouts}); a median step "
-            f"takes {model.seconds(200, agent_cfg.output_median, rollouts):.2f} s with all in flight"),
+            f"takes {model.seconds(200, median, rollouts):.2f} s with all in flight"),
+        "oracle: each epoch's recorded tokens per step replayed through this server model with every tool, fork "
+        "and capture at 0 s (a discrete-event replay, benchmarks/rollouts/oracle.py); beside it the longest "
+        "rollout's own reasoning (reasoning_bound_seconds); an epoch that ends before its oracle is flagged "
+        "(oracle_exceeds_epoch: a sibling's tool pause can cheapen the straggler's step where the load prices it)",
         f"exploration ({args.exploration}, fixed before any run): "
         f"{', '.join(f'{x:g}' for x in agent_cfg.schedule)} in epochs 1-{len(agent_cfg.schedule)} (the last "
         f"beyond); direction: {EXPLORATION_SOURCE}",
