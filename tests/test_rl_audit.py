@@ -103,6 +103,10 @@ def test_the_audit_passes_a_cached_epoch_and_catches_a_doctored_one() -> None:
     assert bad.status == "mismatch" and [(m.step, m.served, m.fresh) for m in bad.mismatches] == [(2, "7", "3")]
     assert bad.fresh_reward == 0.3 != bad.reward
     assert doctored.summary()["samples"][0]["mismatches"][0]["call"] == 'bump{"n":2}'
+    # What had served each step is named (the sample's path), the mismatching one's beside it.
+    kinds = {"executed", "cache", "speculation"}
+    assert len(bad.path) == len(PLAN) + 1 and set(bad.path) <= kinds and bad.mismatches[0].how in kinds
+    assert "cache" in every.samples[0].path + every.samples[1].path
 
 
 def test_a_tool_declared_non_deterministic_makes_a_sample_not_auditable() -> None:

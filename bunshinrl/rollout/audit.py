@@ -46,6 +46,7 @@ class AuditMismatch:
     call: str
     served: str
     fresh: str
+    how: str = ""  # what had served the step to the sample (executed, cache, speculation)
 
 
 @dataclass
@@ -62,12 +63,14 @@ class SampleAudit:
     reason: str = ""
     reward: float | None = None  # what the sample was scored
     fresh_reward: float | None = None  # what the fresh run's verifier said
+    path: list[str] = field(default_factory=list)  # per step, what served it to the sample
 
     def summary(self) -> dict[str, Any]:
         return {"sample": f"{self.task_id}/{self.sample}", "status": self.status, "steps": self.steps,
                 "reward": self.reward, "fresh_reward": self.fresh_reward, "reason": self.reason,
-                "mismatches": [{"step": m.step, "call": m.call, "served": m.served[:300], "fresh": m.fresh[:300]}
-                               for m in self.mismatches]}
+                "mismatches": [{"step": m.step, "call": m.call, "how": m.how, "served": m.served[:300],
+                                "fresh": m.fresh[:300]} for m in self.mismatches],
+                "path": ",".join(self.path)}
 
 
 @dataclass
@@ -198,7 +201,7 @@ class TrajectoryAuditor:
     async def audit_sample(self, s: SampleTimeline) -> SampleAudit:
         """Re-execute `s`'s history in a fresh fork of its task's root and compare."""
         task = self.tasks[s.task_id]
-        out = SampleAudit(s.task_id, s.sample, reward=s.reward)
+        out = SampleAudit(s.task_id, s.sample, reward=s.reward, path=list(s.served))
         ws = await self._fork_root(task)
         try:
             for i, step in enumerate(s.steps):
@@ -216,7 +219,8 @@ class TrajectoryAuditor:
                     with contextlib.suppress(ValueError):
                         out.fresh_reward = parse_reward(fresh)
                 if fresh != step.observation:
-                    out.mismatches.append(AuditMismatch(i, step.call.key, step.observation, fresh))
+                    how = s.served[i] if i < len(s.served) else ""
+                    out.mismatches.append(AuditMismatch(i, step.call.key, step.observation, fresh, how))
         finally:
             await _destroy(ws)
         if out.mismatches or (out.fresh_reward is not None and s.reward is not None and out.fresh_reward != s.reward):

@@ -64,7 +64,7 @@ class Rollout(WarmWorkspaces, Rewinding, Captures, SpeculationGlue):
         self._started: list[float] = []
         # Per step, what served it: "speculation" (adopted), "cache" (skipped), "executed", or
         # "rejected" (an unknown tool or arguments that do not fit: nothing ran).
-        self.served: list[str] = []
+        self.served: list[str] = timeline.served  # one list: a rewind cuts both
         self._served = ""
         self.branches: list[SpeculativeBranch] = []
         self.reward: float | None = None

@@ -56,6 +56,9 @@ class SampleTimeline:
     finished: float = 0.0
     events: list[Event] = field(default_factory=list)
     steps: list[Step] = field(default_factory=list)
+    # Per step, what served it (Rollout.served: executed, cache, speculation, rejected): the
+    # audit names it beside a step that did not reproduce.
+    served: list[str] = field(default_factory=list)
     answer: str | None = None  # the agent's final text; None when its budget or an error ended it
     reward: float | None = None  # the task's verifier on the final state, when it has one
     errors: list[str] = field(default_factory=list)
