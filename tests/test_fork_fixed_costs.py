@@ -1,0 +1,115 @@
+"""What issue 40 took off the fork path keeps its semantics: CRIU's kerndat cache (criu.py, CRIU
+patch 0007) is loaded by every dump and restore, also where /run is no tmpfs, and a killed
+CRIU's leftover temporary does not keep it from being written; a workspace on network="none"
+is dumped without its network namespace's contents (--empty-ns net, patch 0008) while one on
+a bridge keeps them; the dump's cgroup yard; tmpfs contents dumped without gzip (patch 0009)
+restore, and so do images an unpatched CRIU wrote with gzip."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import time
+from pathlib import Path
+
+from bunshinfork import Snapshot, Workspace, WorkspaceSpec
+from bunshinfork.process import cgyard, criu
+
+
+def _one_clone(snap: Snapshot) -> Workspace:
+    (c,) = snap.fork(1)
+    assert not isinstance(c, Exception), c
+    return c
+
+
+def test_a_stale_temporary_is_removed_and_a_live_one_kept(tmp_path: Path) -> None:
+    tmp = tmp_path / f"{criu.KDAT_NAME}.tmp"
+    assert not criu.unblock_kdat_cache(tmp_path)
+    tmp.touch()
+    assert not criu.unblock_kdat_cache(tmp_path)  # a CRIU may be writing it now
+    assert tmp.exists()
+    old = time.time() - criu.KDAT_STALE_S - 1
+    os.utime(tmp, (old, old))
+    assert criu.unblock_kdat_cache(tmp_path)
+    assert not tmp.exists()
+
+
+def test_dumps_and_restores_load_the_cache_from_the_state_root() -> None:
+    cache = criu.kdat_dir() / criu.KDAT_NAME
+    # A killed CRIU's leftover, and no cache: the next CRIU removes the one and writes the other.
+    cache.unlink(missing_ok=True)
+    leftover = cache.with_name(f"{criu.KDAT_NAME}.tmp")
+    leftover.touch()
+    old = time.time() - criu.KDAT_STALE_S - 1
+    os.utime(leftover, (old, old))
+    with Workspace.create(WorkspaceSpec()) as ws:
+        snap = ws.snapshot("copy")
+        try:
+            assert cache.is_file() and not leftover.exists()
+            c = _one_clone(snap)
+            log = (c.record.dir / "criu" / "restore.log").read_text()
+            c.destroy()
+            assert "Loaded kdat cache from " + str(cache) in log
+        finally:
+            snap.release()
+
+
+def test_the_dump_skips_what_no_restore_reads_and_uses_a_yard() -> None:
+    with Workspace.create(WorkspaceSpec()) as ws:
+        snap = ws.snapshot("copy")
+        try:
+            images = snap.images_dir
+            log = (images / "dump.log").read_text()
+            assert not list(images.glob("ifaddr-*.img")) and not list(images.glob("netns-ct-*.img"))
+            assert "Running ip addr save" not in log
+            # Given to the dump (dump_opts): a name CRIU did not find there would have failed it.
+            assert (snap.dir / cgyard.DUMP_YARD).is_dir()
+            c = _one_clone(snap)
+            try:
+                r = c.commands.run("grep -c : /proc/net/dev")
+                assert r.exit_code == 0 and r.stdout.strip() == "1", r  # lo alone, as before
+            finally:
+                c.destroy()
+        finally:
+            snap.release()
+
+
+def test_tmpfs_contents_restore_plain_and_gzipped(tmp_path: Path) -> None:
+    with Workspace.create(WorkspaceSpec()) as ws:
+        ws.files.write("/tmp/kept.txt", "in /tmp")
+        ws.files.write("/dev/shm/kept.txt", "in /dev/shm")
+        snap = ws.snapshot("copy")
+        try:
+            tars = list(snap.images_dir.glob("tmpfs-dev-*.tar.gz.img"))
+            assert tars and all(t.read_bytes()[:2] != b"\x1f\x8b" for t in tars)  # plain tar now
+            c = _one_clone(snap)
+            try:
+                assert c.files.read("/tmp/kept.txt") == "in /tmp"
+                assert c.files.read("/dev/shm/kept.txt") == "in /dev/shm"
+            finally:
+                c.destroy()
+            saved = Path(snap.save(tmp_path / "saved").result(timeout=120))
+        finally:
+            snap.release()
+    # What an unpatched CRIU wrote: the same contents, gzipped.
+    for t in (saved / Snapshot.layout.images).glob("tmpfs-dev-*.tar.gz.img"):
+        t.write_bytes(gzip.compress(t.read_bytes()))
+    loaded = Snapshot.load(saved)
+    try:
+        c = _one_clone(loaded)
+        try:
+            assert c.files.read("/tmp/kept.txt") == "in /tmp"
+            assert c.files.read("/dev/shm/kept.txt") == "in /dev/shm"
+        finally:
+            c.destroy()
+    finally:
+        loaded.release()
+
+
+def test_a_bridged_workspace_is_dumped_with_its_network() -> None:
+    with Workspace.create(WorkspaceSpec(network="bridge")) as ws:
+        snap = ws.snapshot("copy")
+        try:
+            assert list(snap.images_dir.glob("ifaddr-*.img"))
+        finally:
+            snap.release()
