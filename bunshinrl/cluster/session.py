@@ -17,7 +17,8 @@ from ..calls.policy import SampleContext, Step
 from ..calls.signature import ToolCall
 from ..rollout.sample_state import Rewound
 
-# (host, rid) -> the new (host, rid) once the sample restarted elsewhere with `history`.
+# Places the sample on another live host with its history issued again there; returns the
+# new (host, rid) and updates the list to the steps as that host observed them.
 Restart = Callable[[list[Step]], Awaitable[tuple[str, str]]]
 Remote = Callable[..., Awaitable[Any]]
 
