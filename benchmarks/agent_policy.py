@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from bunshinfork.templates import CATALOGUE
 from bunshinrl.calls.policy import Action, FinalAnswer, SampleContext, Step
 from bunshinrl.calls.signature import ToolCall
-from bunshinrl.envs import coding
+from bunshinrl.envs import coding, swe
 
 
 @dataclass(frozen=True)
@@ -340,3 +340,35 @@ def gui_candidates(target: str, editor: str = "Mousepad", launch: bool = False,
         return [C("list_windows"), C("key", {"combo": "ctrl+s"})]
 
     return candidates
+
+
+_FAILED_TEST = re.compile(r"^FAILED " + swe.TESTS + r"/(test_\w+\.py)::(?:\w+::)?test_(\w+)", re.M)
+_PASSED = re.compile(r"^\d+ passed", re.M)
+
+
+def swe_candidates(task_id: str, history: Sequence[Step]) -> Candidates:
+    """A developer's loop on a real project: run the tests, find the function the first failing
+    test names, edit what is wrong in it (the task's bug, bunshinrl.envs.swe.BUGS: what a
+    developer would see reading it), run the failing file, then the tests again."""
+    rel, good, bad, _test = swe.BUGS[int(task_id.rsplit("-", 1)[1]) % len(swe.BUGS)]
+    C = ToolCall
+    last = history[-1] if history else None
+    failing = [m for h in history if h.call.name == "run_tests" for m in _FAILED_TEST.findall(h.observation)]
+    if last is None:
+        return [C("run_tests"), C("ls", {"path": "mpmath"})]
+    if len(history) >= 12:
+        return [FinalAnswer("giving up")]
+    if last.call.name == "run_tests":
+        found = _FAILED_TEST.search(last.observation)
+        if found:
+            return [C("grep", {"pattern": f"def {found.group(2)}("}), C("run_tests", {"path": found.group(1)})]
+        if _PASSED.search(last.observation):
+            return [C("run_tests"), FinalAnswer("fixed")] if last.call.args.get("path") else [FinalAnswer("tests pass")]
+        return [C("run_tests"), C("ls", {"path": "mpmath"})]
+    if last.call.name in ("grep", "cat") and bad in last.observation:
+        return [C("edit", {"path": rel, "find": bad, "replace": good}), C("cat", {"path": rel})]
+    if last.call.name == "edit" and failing:
+        return [C("run_tests", {"path": failing[-1][0]}), C("run_tests")]
+    if failing:
+        return [C("grep", {"pattern": f"def {failing[-1][1]}("}), C("run_tests")]
+    return [C("run_tests"), C("grep", {"pattern": "def "})]

@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import random
+import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -297,3 +299,56 @@ def test_merge_of_per_seed_runs_reports_mean_and_spread(tmp_path: Path) -> None:
     again = subprocess.run([sys.executable, str(bench), "--merge", dirs[0], dirs[0], "--out", str(out)],
                            capture_output=True, text=True, timeout=120)
     assert again.returncode != 0 and "twice" in again.stderr
+
+
+def test_swe_candidates_follow_the_test_output() -> None:
+    from bunshinrl.envs import swe
+
+    C = ToolCall
+    rel, good, bad, _test = swe.BUGS[0]
+    cands = agent_policy.swe_candidates
+    assert cands("swe-fix-0", [])[0] == C("run_tests")
+    failed = [Step(C("run_tests"), "FAILED mpmath/tests/test_functions.py::test_sinc - AssertionError\n"
+                                   "1 failed, 112 passed")]
+    assert cands("swe-fix-0", failed) == [C("grep", {"pattern": "def sinc("}),
+                                          C("run_tests", {"path": "test_functions.py"})]
+    body = f"mpmath/functions/functions.py:159:def sinc(ctx, x):\nmpmath/functions/functions.py-164-    {bad}"
+    seen = [*failed, Step(C("grep", {"pattern": "def sinc("}), body)]
+    fix = C("edit", {"path": rel, "find": bad, "replace": good})
+    assert cands("swe-fix-0", seen)[0] == fix
+    edited = [*seen, Step(fix, "edited: 1 replacement(s)")]
+    assert cands("swe-fix-0", edited)[0] == C("run_tests", {"path": "test_functions.py"})
+    one = [*edited, Step(C("run_tests", {"path": "test_functions.py"}), "46 passed")]
+    assert cands("swe-fix-0", one)[0] == C("run_tests")
+    assert isinstance(cands("swe-fix-0", [*one, Step(C("run_tests"), "113 passed")])[0], FinalAnswer)
+
+
+def test_swe_family_runs_the_pinned_projects_own_tests() -> None:
+    """mpmath 1.3.0's sdist ships its tests; the injected bug fails the test it names, one state
+    observes the same normalised output twice, the subset takes seconds of real work, and the
+    reward follows the last run of the subset. check_family finds nothing fork-specific."""
+    from bunshinrl.calls.determinism import check_family
+    from bunshinrl.envs import swe
+
+    files = swe.project_files(0)
+    assert all(f"{swe.TESTS}/{f}" in files for f in swe.SUBSET)  # the sdist ships the suite
+    rel, good, bad, test = swe.BUGS[0]
+    assert bad in files[rel].decode() and good not in files[rel].decode()
+    task = swe.make_env(0)
+    ws = task.create()
+    try:
+        t0 = time.monotonic()
+        out = task.call(ws, "run_tests")
+        seconds = time.monotonic() - t0
+        assert f"FAILED {swe.TESTS}/test_functions.py::{test} " in out and re.search(r"\d+ failed, \d+ passed", out)
+        assert not re.search(r" in \d+(\.\d+)?s", out) and task.call(ws, "run_tests") == out
+        assert task.reward(ws) == 0.0 and seconds > 1.0  # real work: ~6 s on the 2-core host alone
+        assert bad in task.call(ws, "grep", pattern="def sinc(")
+        assert "1 replacement" in task.call(ws, "edit", path=rel, find=bad, replace=good)
+        assert re.search(r"^\d+ passed", task.call(ws, "run_tests", path="test_functions.py"), re.M)
+        assert task.reward(ws) == 0.5  # fixed, the subset not run since
+        assert "failed" not in task.call(ws, "run_tests") and task.reward(ws) == 1.0
+    finally:
+        ws.destroy()
+    report = check_family(task, [ToolCall("run_tests"), ToolCall("grep", {"pattern": "def sinc("})])
+    assert not report.differing

@@ -21,6 +21,9 @@ Tasks (each with a verifier that reads the final workspace):
          check out; the reward reads the orders in SQL
   gui    bunshinrl.envs.gui: the X11 desktop (Xvfb + openbox + Mousepad); find and focus the
          editor, replace the text, save, check the title; the reward reads the saved file
+  swe    bunshinrl.envs.swe: mpmath 1.3.0 from its PyPI sdist with a bug injected; `run_tests` runs
+         the project's own pytest suite (a named subset, ~6 s; or one file); the reward reads the
+         last run of the subset
 The agent (benchmarks/agent_policy.py) is closed-loop: its candidates come from what it observed;
 its reasoning time comes from the documented GPU-server latency model, printed before the run.
 
@@ -117,7 +120,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--snapshot-policies", default=DEFAULT_SNAPSHOT_POLICY,
                     help=f"prefix-cache snapshot policies to compare, of {','.join(SNAPSHOT_POLICIES)}: each one "
                          f"but the default ({DEFAULT_SNAPSHOT_POLICY}, Full's) adds a configuration Full@POLICY")
-    ap.add_argument("--families", help="comma-separated: code, shop, gui")
+    ap.add_argument("--families", help="comma-separated: code, shop, gui, swe")
     ap.add_argument("--code-tasks", type=int)
     ap.add_argument("--group-size", type=int)
     ap.add_argument("--epochs", type=int)

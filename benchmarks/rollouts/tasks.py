@@ -7,14 +7,14 @@ import dataclasses
 import time
 from typing import Any
 
-from agent_policy import coding_candidates, gui_candidates, shop_candidates
+from agent_policy import coding_candidates, gui_candidates, shop_candidates, swe_candidates
 
 from bunshinrl import Task, ToolCall, check_family_async
-from bunshinrl.envs import coding, gui, webshop
+from bunshinrl.envs import coding, gui, swe, webshop
 
 SHOP_ORDERS = ({"MUG-BLU": 2, "TEA-GRN": 1}, {"TEA-GRN": 1}, {"MUG-BLU": 1})
 GUI_TARGETS = ("Meeting moved to Friday 10:00", "Ship it on Friday", "Lunch at noon in room 4")
-FAMILIES = ("code", "shop", "gui")
+FAMILIES = ("code", "shop", "gui", "swe")
 GUI_HELP = "/root/Desktop/help.html"
 GUI_HELP_PAGE = ("<html><head><title>Editor help</title></head><body><h1>Editing notes</h1>"
                  "<p>Start the editor, select all (ctrl+a), type the new text and save with ctrl+s.</p>"
@@ -45,6 +45,11 @@ def build_tasks(families: list[str], seed: int, code_tasks: int) -> tuple[list[T
                                 id=f"gui-{seed}")
         tasks.append(t)
         cands[t.id] = gui_candidates(target, launch=True, help_page=GUI_HELP)
+    if "swe" in families:
+        # A real project's own tests (mpmath 1.3.0 from its sdist): run_tests takes seconds of real work.
+        t = swe.make_env(seed)
+        tasks.append(t)
+        cands[t.id] = swe_candidates
     unknown = set(families) - set(FAMILIES)
     if unknown:
         raise SystemExit(f"unknown task families {sorted(unknown)}; use {', '.join(FAMILIES)}")
