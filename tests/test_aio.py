@@ -45,12 +45,15 @@ def no_threads() -> Iterator[None]:
         raise AssertionError("an executor thread was used where an asyncio primitive serves")
 
     loop.run_in_executor = refuse  # type: ignore[method-assign]
-    threads = threading.active_count()
+    # Threads started in the block, by identity: a thread an earlier test left behind may end
+    # meanwhile (a count then falls, and says nothing of this block).
+    before = {t.ident for t in threading.enumerate()}
     try:
         yield
     finally:
         loop.run_in_executor = original  # type: ignore[method-assign]
-    assert threading.active_count() == threads
+    started = [t.name for t in threading.enumerate() if t.ident not in before]
+    assert started == [], f"threads started where asyncio primitives serve: {started}"
 
 
 @contextlib.asynccontextmanager
