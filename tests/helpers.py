@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any, TypeVar
 
 from bunshinfork import state
@@ -16,6 +19,22 @@ from bunshinfork.errors import FileOperationError
 from bunshinfork.workspace import Workspace
 
 T = TypeVar("T")
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_by_path(name: str, relpath: str, register: bool = False) -> ModuleType:
+    """The module at `relpath` (from the repository's root), loaded by its path under `name`:
+    benchmarks/ on sys.path would shadow the tests' own `workloads` package, and kernel/ is no
+    package. register: put it in sys.modules (dataclasses and pickling look a module up by name)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / relpath)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    if register:
+        sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def wait_for(probe: Callable[[], T], timeout: float = 5.0, interval: float = 0.02) -> T:

@@ -5,7 +5,6 @@ configuration on the coding task (real gcc/make in a real workspace, under the l
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import random
 import re
 import sys
@@ -13,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import load_by_path
 
 from bunshinrl import RolloutEngine
 from bunshinrl.calls.policy import FinalAnswer, SampleContext, Step
@@ -21,11 +21,7 @@ from bunshinrl.envs import coding
 
 # Loaded by its path: putting benchmarks/ on sys.path would shadow the tests' own `workloads`
 # package with benchmarks/workloads.py for every test module collected after this one.
-_spec = importlib.util.spec_from_file_location(
-    "agent_policy", Path(__file__).resolve().parent.parent / "benchmarks" / "agent_policy.py")
-assert _spec is not None and _spec.loader is not None
-agent_policy = sys.modules["agent_policy"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(agent_policy)
+agent_policy = load_by_path("agent_policy", "benchmarks/agent_policy.py", register=True)
 DEFAULT_LATENCY = agent_policy.DEFAULT_LATENCY
 AgentConfig = agent_policy.AgentConfig
 LatencyModel = agent_policy.LatencyModel
@@ -34,11 +30,7 @@ StochasticAgent = agent_policy.StochasticAgent
 coding_candidates = agent_policy.coding_candidates
 gui_candidates = agent_policy.gui_candidates
 shop_candidates = agent_policy.shop_candidates
-_ospec = importlib.util.spec_from_file_location(
-    "rollouts_oracle", Path(__file__).resolve().parent.parent / "benchmarks" / "rollouts" / "oracle.py")
-assert _ospec is not None and _ospec.loader is not None
-oracle = importlib.util.module_from_spec(_ospec)
-_ospec.loader.exec_module(oracle)
+oracle = load_by_path("rollouts_oracle", "benchmarks/rollouts/oracle.py")
 # tpot(n) = n ms from 1 to 128 in flight, nothing else priced: hand-computable steps.
 LINEAR = LatencyModel(tpot_table=((1, 1e-3), (128, 128e-3)), first_token_s=0.0, prefill_s_per_token=0.0)
 

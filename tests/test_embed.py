@@ -5,25 +5,19 @@ pthread_atfork handler of a library built here counts every fork() of this proce
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from helpers import load_by_path
 
 ROUNDS = 10
 
 
 def _bench() -> ModuleType:
-    # Loaded by its path: benchmarks/ on sys.path would shadow the tests' `workloads` package.
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "embed_fork_safety.py"
-    spec = importlib.util.spec_from_file_location("embed_fork_safety", path)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_by_path("embed_fork_safety", "benchmarks/embed_fork_safety.py")
 
 
 def test_no_fork_of_the_caller_with_numpy_and_torch_pools_busy(tmp_path: Path) -> None:

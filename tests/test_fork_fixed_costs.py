@@ -22,6 +22,15 @@ def _one_clone(snap: Snapshot) -> Workspace:
     return c
 
 
+def _assert_a_clone_keeps_the_tmpfs_files(snap: Snapshot) -> None:
+    c = _one_clone(snap)
+    try:
+        assert c.files.read("/tmp/kept.txt") == "in /tmp"
+        assert c.files.read("/dev/shm/kept.txt") == "in /dev/shm"
+    finally:
+        c.destroy()
+
+
 def test_a_stale_temporary_is_removed_and_a_live_one_kept(tmp_path: Path) -> None:
     tmp = tmp_path / f"{criu.KDAT_NAME}.tmp"
     assert not criu.unblock_kdat_cache(tmp_path)
@@ -82,12 +91,7 @@ def test_tmpfs_contents_restore_plain_and_gzipped(tmp_path: Path) -> None:
         try:
             tars = list(snap.images_dir.glob("tmpfs-dev-*.tar.gz.img"))
             assert tars and all(t.read_bytes()[:2] != b"\x1f\x8b" for t in tars)  # plain tar now
-            c = _one_clone(snap)
-            try:
-                assert c.files.read("/tmp/kept.txt") == "in /tmp"
-                assert c.files.read("/dev/shm/kept.txt") == "in /dev/shm"
-            finally:
-                c.destroy()
+            _assert_a_clone_keeps_the_tmpfs_files(snap)
             saved = Path(snap.save(tmp_path / "saved").result(timeout=120))
         finally:
             snap.release()
@@ -96,12 +100,7 @@ def test_tmpfs_contents_restore_plain_and_gzipped(tmp_path: Path) -> None:
         t.write_bytes(gzip.compress(t.read_bytes()))
     loaded = Snapshot.load(saved)
     try:
-        c = _one_clone(loaded)
-        try:
-            assert c.files.read("/tmp/kept.txt") == "in /tmp"
-            assert c.files.read("/dev/shm/kept.txt") == "in /dev/shm"
-        finally:
-            c.destroy()
+        _assert_a_clone_keeps_the_tmpfs_files(loaded)
     finally:
         loaded.release()
 

@@ -3,24 +3,10 @@ ticker's gap log read in increments, and the table's rows from a synthetic resul
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 import pytest
+from helpers import load_by_path
 
-
-def _bench() -> ModuleType:
-    # Loaded by its path: benchmarks/ on sys.path would shadow the tests' `workloads` package.
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "fork_latency.py"
-    spec = importlib.util.spec_from_file_location("fork_latency", path)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = _bench()
+bench = load_by_path("fork_latency", "benchmarks/fork_latency.py")
 
 
 def test_percentile_interpolates_between_ranks() -> None:

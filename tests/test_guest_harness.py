@@ -7,11 +7,9 @@ the guest (`make test-guest` runs it).
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import textwrap
 import time
@@ -21,6 +19,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from helpers import load_by_path
 
 pytestmark = pytest.mark.slow
 
@@ -29,12 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _load_guest() -> ModuleType:
     # kernel/ is a kbuild directory, not a Python package.
-    spec = importlib.util.spec_from_file_location("bunshin_guest", ROOT / "kernel" / "guest.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return load_by_path("bunshin_guest", "kernel/guest.py", register=True)
 
 
 # Loaded from a path, so its types are invisible to a type checker: fixtures
