@@ -68,9 +68,14 @@ def read(ws: Workspace) -> list[Sample]:
     return [(float(m), float(b), float(r), int(ns)) for m, b, r, ns in rows]
 
 
-def recorded(ws: Workspace) -> Series:
-    """The clone's series once it has recorded AFTER samples of its own."""
-    wait_for(lambda: len(Series(read(ws)).own()) >= AFTER, timeout=60, interval=0.1)
+def recorded(ws: Workspace, parent: Series) -> Series:
+    """The clone's series once it has recorded AFTER samples of its own. Its own are those in a
+    time namespace its parent's series never showed: until the restored recorder's first write,
+    the newest samples in its file are the parent's, and a fast fork returns before that write."""
+    def ready() -> bool:
+        series = Series(read(ws))
+        return series.samples[-1][3] not in parent.namespaces() and len(series.own()) >= AFTER
+    wait_for(ready, timeout=60, interval=0.1)
     return Series(read(ws))
 
 
@@ -94,14 +99,15 @@ def timeline(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
             src.commands.run(["python3", "-c", RECORDER], background=True)
             wait_for(lambda: src.files.exists(LOG) and len(read(src)) >= AFTER, timeout=30, interval=0.1)
             took: list[float] = []
+            source = Series(read(src))
             t0 = time.monotonic()
             clones += forked(src.fork(1, engine))
             took.append(time.monotonic() - t0)
-            clone = recorded(clones[0])
+            clone = recorded(clones[0], source)
             t0 = time.monotonic()
             clones += forked(clones[0].fork(1, engine))
             took.append(time.monotonic() - t0)
-            clone_of_clone = recorded(clones[1])
+            clone_of_clone = recorded(clones[1], clone)
             t0 = time.monotonic()
             with src.snapshot(engine) as snap:
                 dumped = time.monotonic()
@@ -115,7 +121,7 @@ def timeline(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
             gap = time.monotonic() - dumped
             clones += forked(snap.fork(1))
         took.append(time.monotonic() - t0)
-        loaded = recorded(clones[2])
+        loaded = recorded(clones[2], source)
         yield Timeline(clone, clone_of_clone, loaded, gap, max(took), time.time())
     finally:
         for c in clones:
