@@ -26,6 +26,7 @@ from . import native, pipeline, state
 from .cgroups import cgroup
 from .errors import BunshinError, HostError, HostInUse
 from .host import DEFAULT_RUN_ROOT, HOST, HostConfig
+from .memory import ksm
 from .workspace import Workspace
 
 
@@ -66,7 +67,7 @@ def reap_orphans() -> dict[str, list[str]]:
 
 def teardown_host() -> list[str]:
     """Remove this named host from the machine: its cgroup parents (every hierarchy's), its state
-    root's tmpfs and directory. Returns the paths removed.
+    root's tmpfs and directory, and this process's boost of ksmd. Returns the paths removed.
 
     HostInUse while a workspace's state directory remains under the state root (destroy them, or
     reap_orphans() first); nothing is removed then. HostError on the machine's default host,
@@ -77,6 +78,9 @@ def teardown_host() -> list[str]:
     left = sorted(n for n in os.listdir(root) if n.startswith("ws-")) if root.is_dir() else []
     if left:
         raise HostInUse(f"host {root} still holds {len(left)} workspace(s): {', '.join(left[:5])}")
+    # ksmd's knobs are the machine's: a host that boosted them leaves the boost now, not at an exit
+    # its pool may never give it (Ray kills a retired actor), so the knobs do not wait on a prune.
+    ksm.tuner.relax_now()
     removed = []
     for parent in _cgroup_parents():
         with contextlib.suppress(OSError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -20,6 +21,7 @@ import rl_support
 from cluster_support import local_cluster
 
 from bunshinfork.host import HostConfig, named_hosts
+from bunshinfork.memory import ksm
 from bunshinrl import (
     DeterminismGuard,
     FinalAnswer,
@@ -87,6 +89,10 @@ def _pool(core: Callable[[], RolloutCore] | None = None) -> Iterator[RayWorkspac
         out = p.shutdown()
     assert set(out) == set(HOSTS)
     assert not named_hosts(), "a pool host's state root outlived the pool"
+    # Ray kills a retired host's actor: a boost of ksmd it held must be gone before that, not
+    # left listed under a dead pid until some later process prunes it.
+    holders = json.loads(ksm.BOOST_PATH.read_text())["holders"] if ksm.BOOST_PATH.exists() else {}
+    assert set(holders) <= {str(os.getpid())}, f"retired hosts still hold ksmd's boost: {holders}"
 
 
 @pytest.fixture
