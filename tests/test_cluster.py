@@ -244,7 +244,10 @@ def test_a_hot_prefix_is_replicated_to_a_cold_host(depth_pool: RayWorkspacePool,
     assert engine.stats.replicated == 1 and engine.stats.bytes_moved > 1 << 20
     cold = ray.get(pool.actor(second).stats.remote())
     assert cold["imported_bytes"] == engine.stats.bytes_moved
-    assert cold["cache"]["resident"] == 2  # the root's state and the hot prefix's
+    # The root's state and the hot prefix's came; a second visitor's warm copy of a served state
+    # may be captured there as well, when no reasoning step had been measured on that host yet to
+    # say the capture would not fit (claim_capture: timing, not replication).
+    assert cold["cache"]["resident"] == 2 + cold["cache"]["captures_on_demand"], cold
     # Every call the group made (the verifier's too) is served on the cold host from what came:
     # nothing ran there, and the observations and rewards are a single host's.
     assert all(ray.get(pool.actor(second).lookup.remote(t.id, k)) == len(k) for k in known)
