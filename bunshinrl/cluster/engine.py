@@ -64,6 +64,10 @@ class ClusterStats:
     restarts: int = 0
     replicated: int = 0
     bytes_moved: int = 0
+    # Per replication, the depth of the hot prefix's state that travelled (-1: only steps did):
+    # the deepest state the source host held on that prefix when it was asked, so it depends on
+    # which captures had finished there.
+    moved_depths: list[int] = field(default_factory=list)
 
 
 class ClusterEngine:
@@ -154,6 +158,7 @@ class ClusterEngine:
             exported = await self._remote(src, "export_prefix", task.id, paths, shared_dir, False)
             await self._remote(dst, "graft", task.id, paths, exported)
             moved += _size(exported["saved"])
+            self.stats.moved_depths.append(exported["at"])
         self.stats.replicated += 1
         self.stats.bytes_moved += moved
         return moved
