@@ -3,12 +3,17 @@ editor itself and reads a help page in Chromium, on a real X11 desktop."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
+from bunshinfork import Workspace
 from bunshinfork.templates.gui import _instance
+from bunshinrl import SharedSnapshot, SnapshotBackend, ToolCall, ToolPrefixCache
 from bunshinrl.envs import gui as gui_env
 
 HELP = "/root/Desktop/help.html"
@@ -129,3 +134,136 @@ def test_the_editing_tools_wait_for_a_lagging_title(monkeypatch: pytest.MonkeyPa
     assert editor.title == "notes.txt - Mousepad" and not editor.pending
     gui_env.key(None, combo="ctrl+a")  # no save: the title is read no more
     assert editor.reads == 0
+
+
+# ---- OSWorld's settle pause (issue 38): DesktopEnv.step(action, pause=2) ----
+
+SETTLE = 0.3
+
+
+class _Desktop:
+    """A stand-in desktop whose actions are real writes in a real workspace (when it has one):
+    the pointer's position is a file, so a replayed `move` rebuilds real state."""
+
+    def __init__(self, ws: Any = None) -> None:
+        self.ws, self.events = ws, []
+
+    def _act(self, what: str) -> None:
+        if self.ws is not None:
+            self.ws.files.write("/root/desktop.log", what)
+        self.events.append((what, time.monotonic()))
+
+    def __getattr__(self, name: str) -> Any:  # click, move, drag, type, key, scroll, launch
+        return lambda *a: self._act(f"{name}{a}")
+
+    def clipboard_set(self, text: str) -> None:
+        self._act(f"clipboard {text}")
+
+    def clipboard_get(self) -> str:
+        self.events.append(("read", time.monotonic()))
+        return str(self.ws.files.read("/root/desktop.log")) if self.ws is not None else "text"
+
+    def activate(self, title: str) -> Any:
+        self._act(f"activate {title}")
+        return SimpleNamespace(title=title)
+
+    def active_window(self) -> str:
+        return "xterm"  # not the editor: type_text and key wait for no title
+
+    def windows(self) -> list[Any]:
+        return [SimpleNamespace(x=0, y=0, width=10, height=10, title="Help - Chromium", focused=True)]
+
+    def find_window(self, title: str) -> Any:
+        return self.windows()[0]
+
+    def screenshot(self) -> bytes:
+        return b"png"
+
+
+ACTION_ARGS = {"click": {"x": 1, "y": 2}, "move": {"x": 1, "y": 2}, "drag": {"x1": 1, "y1": 2, "x2": 3, "y2": 4},
+               "type_text": {"text": "hi"}, "key": {"combo": "ctrl+a"}, "scroll": {"x": 1, "y": 2, "dy": 1},
+               "clipboard_set": {"text": "hi"}, "activate_window": {"title": "Help"},
+               "launch_app": {"app": "editor"}, "open_page": {"path": HELP}}
+
+
+def test_every_action_tool_pays_the_settle_pause_and_no_observation_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """settle=0.3: each action tool returns >= 0.3 s after it acted, the observation tools at
+    once; what each observes is what it observes at settle 0."""
+    desktop = _Desktop()
+    monkeypatch.setattr(gui_env, "_gui", lambda ws: desktop)
+    ws = SimpleNamespace(files=SimpleNamespace(read=lambda path: PAGE))  # open_page reads the page
+    settled, plain = gui_env.make_env(settle=SETTLE), gui_env.make_env()
+    assert set(ACTION_ARGS) == gui_env.ACTIONS and set(settled.tools) - gui_env.ACTIONS == {
+        "screenshot", "list_windows", "clipboard_get"}
+    for name in settled.tools:
+        args = ACTION_ARGS.get(name, {})
+        t = time.monotonic()
+        out = settled.call(ws, name, **args)
+        took = time.monotonic() - t
+        assert out == plain.call(ws, name, **args) and not out.startswith("ERROR"), (name, out)
+        if name in gui_env.ACTIONS:
+            assert took >= SETTLE, (name, took)
+        else:
+            assert took < SETTLE, (name, took)
+    with pytest.raises(ValueError, match="settle"):
+        gui_env.make_env(settle=-1)
+
+
+def test_a_cache_replay_of_an_action_pays_the_settle_pause(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hit on a sparse state is served by replaying the calls behind it (ToolPrefixCache.
+    materialize, a real fork of a real workspace): the replayed action pays the pause too, so
+    the next call starts >= settle after it acted; the rebuilt state and observations are the
+    recorded ones."""
+    desktops: list[_Desktop] = []
+
+    def attach(ws: Workspace) -> _Desktop:
+        desktops.append(_Desktop(ws))
+        return desktops[-1]
+
+    monkeypatch.setattr(gui_env, "_gui", attach)
+    tools = gui_env.make_env(settle=SETTLE).tools
+    move, read = ToolCall("move", {"x": 5, "y": 6}), ToolCall("clipboard_get")
+
+    async def main() -> None:
+        ws = await asyncio.to_thread(Workspace.create)
+        cache = ToolPrefixCache(SnapshotBackend(None), capacity_bytes=1 << 40, snapshot_every=3, background=False)
+        try:
+            node = cache.add_root("gui", "tmpl", await asyncio.to_thread(SharedSnapshot.take, ws))
+            for call in (move, read):  # the recording: real calls, not captured (depths 1, 2)
+                node, created = cache.begin(node, call)
+                t = time.monotonic()
+                obs = await tools[call.name].run(ws, call.args)
+                assert created and not cache.complete(node, obs, time.monotonic() - t)
+            assert time.monotonic() - desktops[0].events[0][1] >= SETTLE
+            assert node.observation == "move(5, 6)" and node.sparse
+            assert [n.call for n in cache.plan(node).replay] == [move, read]
+            desktops.clear()
+            rebuilt = await cache.materialize(node, tools)
+            try:
+                (acted, t_move), (_read, t_read) = desktops[0].events[0], desktops[-1].events[-1]
+                assert acted == "move(5, 6)" and _read == "read" and cache.counters["replayed_calls"] == 2
+                assert t_read - t_move >= SETTLE, t_read - t_move  # the replayed move paused
+                assert await tools["clipboard_get"].run(rebuilt, {}) == "move(5, 6)"
+            finally:
+                await asyncio.to_thread(rebuilt.destroy)
+        finally:
+            await asyncio.to_thread(ws.destroy)
+            cache.close()
+
+    asyncio.run(main())
+
+
+def test_the_settle_is_part_of_the_tasks_fingerprint() -> None:
+    """Another settle is another protocol: another fingerprint, so another template digest and
+    other cache keys; at settle 0 the fingerprints are those from before the pause existed."""
+    from bunshinrl.calls.signature import root_signature, template_digest
+    from bunshinrl.envs import wayland
+
+    assert gui_env.make_env().fingerprint == gui_env.make_env(settle=0.0).fingerprint == "bb173584301c6b91"
+    assert wayland.make_env().fingerprint == "e30da3a726ac049b"
+    fps = {gui_env.make_env(settle=s).fingerprint for s in (0.0, 0.5, 2.0)}
+    assert len(fps) == 3
+    assert wayland.make_env(settle=2.0).fingerprint not in fps | {wayland.make_env().fingerprint}
+    a, b = gui_env.make_env(settle=0.0), gui_env.make_env(settle=2.0)
+    assert root_signature(a.id, template_digest("rootfs", a.fingerprint)) != \
+        root_signature(b.id, template_digest("rootfs", b.fingerprint))

@@ -8,11 +8,17 @@
 
 make_env(desktop="wayland") (or bunshinrl.envs.wayland.make_env) is the same task with the
 same tools on the Wayland desktop (sway + foot + mousepad), so an evaluation runs on either.
+
+make_env(settle=2.0) is OSWorld's protocol: its DesktopEnv.step(action, pause=2) runs the action,
+waits `pause` seconds (2 by default) for the GUI to settle, then observes. Each action tool
+(ACTIONS) waits `settle` seconds after it acts, inside the tool, so every execution of it pays
+the pause: the real call, a cache replay behind a hit, a speculative run, an audit re-execution.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import re
 import time
@@ -179,8 +185,40 @@ def open_page(ws: Workspace, path: str) -> str:
     return f"loaded {title!r}:\n" + " ".join(text.split())[:2000]
 
 
-TOOLS: list[Tool] = tools_of((screenshot, click, move, drag, type_text, key, scroll, clipboard_get, clipboard_set,
-                              list_windows, activate_window, launch_app, open_page), nondeterministic=("screenshot",))
+_FUNCTIONS = (screenshot, click, move, drag, type_text, key, scroll, clipboard_get, clipboard_set, list_windows,
+              activate_window, launch_app, open_page)
+# The tools that change the desktop (OSWorld's actions); the rest only observe it.
+ACTIONS = frozenset({"click", "move", "drag", "type_text", "key", "scroll", "clipboard_set", "activate_window",
+                     "launch_app", "open_page"})
+_NONDETERMINISTIC = ("screenshot",)
+TOOLS: list[Tool] = tools_of(_FUNCTIONS, nondeterministic=_NONDETERMINISTIC)  # settle 0
+
+
+def settling(fn: Callable[..., str], settle: float) -> Callable[..., str]:
+    """`fn`, then a pause of `settle` seconds before it returns: OSWorld's protocol
+    (DesktopEnv.step(action, pause=2): the action, `pause` seconds for the GUI to settle, then
+    the observation), not a stand-in for work. The observation is fn's, unchanged; the pause is
+    paid whatever the action observed (an ERROR too, as OSWorld sleeps after any action)."""
+    if settle < 0:
+        raise ValueError(f"settle is a pause in seconds, not {settle}")
+    if not settle:
+        return fn
+
+    @functools.wraps(fn)  # the same schema and docstring: the model sees the same tool
+    def settled(ws: Workspace, **args: Any) -> str:
+        out = fn(ws, **args)
+        time.sleep(settle)  # OSWorld's settle pause after an action (DesktopEnv.step's pause)
+        return out
+
+    return settled
+
+
+def tools_with_settle(settle: float) -> list[Tool]:
+    """The family's tools with OSWorld's settle pause (`settle` seconds) after each action."""
+    if not settle:
+        return TOOLS
+    return tools_of((settling(f, settle) if f.__name__ in ACTIONS else f for f in _FUNCTIONS),
+                    nondeterministic=_NONDETERMINISTIC)
 
 
 def reward_for(target: str, desktop: str = "x11") -> Callable[[Workspace], float]:
@@ -209,12 +247,17 @@ def reward(ws: Workspace) -> float:
 
 def make_env(target: str = DEFAULT_TARGET, initial_text: str = INITIAL_TEXT, width: int = 1280, height: int = 800,
              apps: tuple[str, ...] = ("terminal", "editor"), desktop: str = "x11",
-             files: Mapping[str, str] | None = None, **spec: Any) -> Task:
+             files: Mapping[str, str] | None = None, settle: float = 0.0, **spec: Any) -> Task:
     """The desktop editing task on the X11 (default) or the Wayland desktop. `spec` holds
     WorkspaceSpec fields for the workspace; files: more files written before the desktop starts
     (a help page for open_page, say). apps=() leaves starting the editor to the agent
-    (launch_app)."""
+    (launch_app). settle: OSWorld's protocol, the seconds each action tool waits after acting
+    for the GUI to settle (DesktopEnv.step's pause, 2 s by OSWorld's default; 0 here, so tests
+    run fast); part of the fingerprint, so a cache recorded at one settle is never served at
+    another."""
     files = dict(files or {})
+    settle = float(settle)
+    tools = tools_with_settle(settle)  # checks settle >= 0
     if "\n" in target:
         raise ValueError("target must be a single line")
     if desktop not in NOTES_ON:
@@ -232,9 +275,11 @@ def make_env(target: str = DEFAULT_TARGET, initial_text: str = INITIAL_TEXT, wid
     prompt = (f"A desktop is open ({width}x{height}). The text editor (Mousepad) shows {notes}. "
               f"Replace the whole content of that file with exactly this line:\n{target}\n"
               "and save it (Ctrl+S). Use the tools to look at the screen and to click and type.")
-    # The X11 task keeps its name and fingerprint from before the Wayland desktop existed.
+    # The X11 task keeps its name and fingerprint from before the Wayland desktop existed, and at
+    # settle 0 from before the settle pause did (issue 38); another settle is another protocol,
+    # so another fingerprint: the cache never serves a prefix recorded at another pause.
     key = ("gui-v1", target, initial_text, width, height, apps) + (() if desktop == "x11" else (desktop,)) \
-        + ((tuple(sorted(files.items())),) if files else ())
+        + ((tuple(sorted(files.items())),) if files else ()) + ((("settle", settle),) if settle else ())
     fp = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
-    return Task("gui-edit-notes" if desktop == "x11" else f"{desktop}-edit-notes", prompt, TOOLS, setup,
+    return Task("gui-edit-notes" if desktop == "x11" else f"{desktop}-edit-notes", prompt, tools, setup,
                 reward_for(target, desktop), spec=dict(spec), fingerprint=fp, family="gui")

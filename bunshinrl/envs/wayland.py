@@ -20,9 +20,10 @@ __all__ = ["DEFAULT_TARGET", "NOTES", "TOOLS", "make_env", "reward"]
 
 
 def make_env(target: str = DEFAULT_TARGET, initial_text: str = INITIAL_TEXT, width: int = 1280, height: int = 800,
-             apps: tuple[str, ...] = ("terminal", "editor"), **spec: Any) -> Task:
-    """The desktop editing task on the Wayland desktop. `spec` holds WorkspaceSpec fields."""
-    return _make_env(target, initial_text, width, height, apps, desktop="wayland", **spec)
+             apps: tuple[str, ...] = ("terminal", "editor"), settle: float = 0.0, **spec: Any) -> Task:
+    """The desktop editing task on the Wayland desktop. `spec` holds WorkspaceSpec fields;
+    settle: OSWorld's settle pause after each action, in seconds (gui.make_env)."""
+    return _make_env(target, initial_text, width, height, apps, desktop="wayland", settle=settle, **spec)
 
 
 reward = reward_for(DEFAULT_TARGET, "wayland")
