@@ -7,7 +7,7 @@ tests; the benchmark itself is the package benchmarks/rollouts/ (its usage text,
 python benchmarks/agent_rollouts.py [--quick] --out DIR [--seeds 3 | --seed S] [--families code,shop]
                                     [--regime paper|local|batch] [--exploration decaying|constant]
                                     [--placements live,fork_first] [--snapshot-policies cost,depth]
-                                    [--audit all|sample|off] [--check-families]
+                                    [--audit all|sample|off] [--check-families] [--settle SECONDS]
 python benchmarks/agent_rollouts.py --merge DIR0 DIR1 DIR2 --out DIR   (per-seed runs -> one result)
 """
 

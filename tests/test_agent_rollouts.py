@@ -291,6 +291,59 @@ def test_merge_of_per_seed_runs_reports_mean_and_spread(tmp_path: Path) -> None:
     again = subprocess.run([sys.executable, str(bench), "--merge", dirs[0], dirs[0], "--out", str(out)],
                            capture_output=True, text=True, timeout=120)
     assert again.returncode != 0 and "twice" in again.stderr
+    assert r["settle"]["seconds"] == 0.0  # runs from before --settle paused nothing
+
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "agent_rollouts.py"
+
+
+def test_settle_reaches_the_gui_task_only_and_changes_its_fingerprint() -> None:
+    """--settle (OSWorld's pause after each action) goes to the gui family's tasks, whose
+    fingerprint, so whose cache keys, it changes; the other families' tasks are unchanged."""
+    from bunshinrl.envs import gui
+
+    tasks_mod = load_by_path("rollouts_tasks", "benchmarks/rollouts/tasks.py")
+    at = {s: {t.id: t for t in tasks_mod.build_tasks(["code", "gui"], 0, 1, settle=s)[0]} for s in (0.0, 2.0)}
+    assert at[0.0]["code-fix-0"].fingerprint == at[2.0]["code-fix-0"].fingerprint
+    assert at[0.0]["gui-0"].fingerprint != at[2.0]["gui-0"].fingerprint
+    want = gui.make_env(target=tasks_mod.GUI_TARGETS[0], apps=(), files={tasks_mod.GUI_HELP: tasks_mod.GUI_HELP_PAGE},
+                        settle=2.0)
+    assert at[2.0]["gui-0"].fingerprint == want.fingerprint
+
+
+def test_settle_is_recorded_and_merge_refuses_runs_at_different_settles(tmp_path: Path) -> None:
+    """A real one-rollout run records its --settle; --merge keeps a settle shared by its runs
+    and refuses runs at different settles (a sweep's points merge apart, as seeds of one point)."""
+    import json
+    import subprocess
+
+    helptext = subprocess.run([sys.executable, str(BENCH), "--help"], check=True, capture_output=True, text=True,
+                              timeout=120).stdout
+    assert "--settle SECONDS" in helptext and "OSWorld" in helptext and "default 2.0" in helptext
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, str(BENCH), "--families", "code", "--group-size", "1", "--epochs", "1",
+                           "--configs", "Base", "--short-configs", "", "--seed", "0", "--regime", "local", "--audit",
+                           "off", "--settle", "0.5", "--out", str(run)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "settle 0.5 s" in done.stdout
+    assert json.loads((run / "agent_rollouts.json").read_text())["settle"]["seconds"] == 0.5
+
+    dirs = {}
+    for seed, settle in ((0, 2.0), (1, 2.0), (2, 0.0)):
+        d = tmp_path / f"seed{seed}"
+        d.mkdir()
+        (d / "agent_rollouts.json").write_text(json.dumps({**_seed_result(seed, 10.0, 12.0),
+                                                           "settle": {"seconds": settle}}))
+        dirs[seed] = str(d)
+    out = tmp_path / "merged"
+    refused = subprocess.run([sys.executable, str(BENCH), "--merge", dirs[0], dirs[2], "--out", str(out)],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "differ in settle" in refused.stderr, refused.stderr
+    assert not (out / "agent_rollouts.json").exists()
+    subprocess.run([sys.executable, str(BENCH), "--merge", dirs[0], dirs[1], "--out", str(out)], check=True,
+                   capture_output=True, timeout=120)
+    merged = json.loads((out / "agent_rollouts.json").read_text())
+    assert merged["settle"]["seconds"] == 2.0 and merged["size"]["seeds"] == [0, 1]
 
 
 def test_swe_candidates_follow_the_test_output() -> None:

@@ -3,7 +3,7 @@
 python benchmarks/agent_rollouts.py [--quick] --out DIR [--seeds 3 | --seed S] [--families code,shop]
                                     [--regime paper|local|batch] [--exploration decaying|constant]
                                     [--placements live,fork_first] [--snapshot-policies cost,depth]
-                                    [--audit all|sample|off] [--check-families]
+                                    [--audit all|sample|off] [--check-families] [--settle SECONDS]
 python benchmarks/agent_rollouts.py --merge DIR0 DIR1 DIR2 --out DIR   (per-seed runs -> one result)
 
 The headline (docs/rl_rollouts_method.md), fixed before any run: --regime paper (every step
@@ -55,6 +55,16 @@ first candidate calls, each in two forks of the initial state (per seed: check_f
 Hit rates count the agents' tool calls only (the hidden verifier call is none); a call served by
 waiting for a sibling's running call is counted apart (sibling_waits) and is no hit.
 
+--settle SECONDS (issue 38): OSWorld's protocol for the gui family. Its DesktopEnv.step(action,
+pause=2) runs an action, waits `pause` seconds (2 by default) for the GUI to settle, then observes;
+here each gui action tool (click, type_text, key, launch_app, open_page, ...; not list_windows,
+screenshot or clipboard_get) waits SECONDS after acting, inside the tool, so every execution pays
+it: the real call, a cache replay behind a hit, a speculative run, an audit re-execution. Default
+2.0, OSWorld's own; the other families never pause. It is recorded (`settle`), it is part of the
+gui task's fingerprint (a cache recorded at one settle is never served at another), and --merge
+refuses runs at different settles (a sweep's points are run apart, as seeds are, and merged per
+settle). --quick runs no gui task, so the pause costs CI nothing.
+
 --regime batch (issue 38, docs/rl_rollouts_method.md): a step that starts with k of the
 configuration's N rollouts reasoning is priced with k x 128 / N requests in flight, the paper's
 batch draining as its rollouts finish (Fig. 8). The oracle, in every regime, replays each epoch's
@@ -92,7 +102,7 @@ from bunshinrl.speculation.speculator import PLACEMENTS
 from .configs import CONFIGS, DEFAULT_PLACEMENT, DEFAULT_SNAPSHOT_POLICY, SNAPSHOT_POLICIES
 from .driver import run_seed
 from .regimes import HEADLINE, QUICK, REGIMES, fixed_in_flight, preamble
-from .results import finish, merge
+from .results import finish, merge, settle_record
 
 
 def parse() -> argparse.Namespace:
@@ -140,6 +150,11 @@ def parse() -> argparse.Namespace:
                     help="fault injection (issue 37's proof): each agent tool observes a token specific to the "
                          "sample running it with this probability per (sample, call), keyed by the seed "
                          "(bunshinrl.envs.faults)")
+    ap.add_argument("--settle", type=float, default=2.0, metavar="SECONDS",
+                    help="OSWorld's protocol for the gui family (DesktopEnv.step(action, pause=2)): each gui action "
+                         "tool waits SECONDS after acting for the GUI to settle, paid by every execution (real, "
+                         "replayed, speculative, audited); default 2.0, OSWorld's own; 0 pauses nothing. Other "
+                         "families never pause; --merge refuses runs at different settles")
     ap.add_argument("--guard-auto-disable", choices=("on", "off"), default="on",
                     help="off: a tool found non-deterministic stays reusable (its cached subtrees are still "
                          "dropped at each mismatch), so injected faults keep meeting the cache")
@@ -163,6 +178,8 @@ def parse() -> argparse.Namespace:
     known = {*CONFIGS, *(f"Spec@{p}" for p in PLACEMENTS), *(f"Full@{p}" for p in SNAPSHOT_POLICIES)}
     if bad := [c for c in a.configs if c not in known]:
         ap.error(f"unknown configurations {bad}")
+    if not a.settle >= 0:  # NaN too
+        ap.error(f"--settle is a pause in seconds >= 0, not {a.settle}")
     a.seed_list = [a.seed] if a.seed is not None else list(range(a.seeds))
     return a
 
@@ -195,6 +212,7 @@ async def main() -> int:
         "agent": {**dataclasses.asdict(agent_cfg), "exploration": args.exploration,
                   "exploration_source": EXPLORATION_SOURCE},
         "share_engine": args.share_engine,
+        "settle": settle_record(args.settle),
         "size": {"seeds": args.seed_list, "families": args.families, "code_tasks": args.code_tasks,
                  "group_size": args.group_size, "epochs": args.epochs, "quick": args.quick,
                  "configs": args.configs, "short_configs": args.short_configs, "short_epochs": args.short_epochs,

@@ -163,7 +163,7 @@ def summarize(run: ConfigRun) -> dict[str, Any]:
 
 async def run_seed(seed: int, args: argparse.Namespace, agent_cfg: AgentConfig, model: LatencyModel,
                    store: Path) -> dict[str, Any]:
-    tasks, cands = build_tasks(args.families, seed, args.code_tasks)
+    tasks, cands = build_tasks(args.families, seed, args.code_tasks, args.settle)
     if args.inject_faults:
         tasks = [inject_faults(t, args.inject_faults, seed) for t in tasks]
     checks = [await check_tools(t, cands[t.id]) for t in tasks] if args.check_families else []

@@ -51,9 +51,27 @@ def finish(out: Path, seeds: dict[int, dict[str, Any]], meta: dict[str, Any]) ->
     return result
 
 
+def settle_record(seconds: float) -> dict[str, Any]:
+    """The run's settle pause as its JSON records it (--settle)."""
+    return {"seconds": seconds, "families": ["gui"],
+            "protocol": "OSWorld's DesktopEnv.step(action, pause=2): after each gui action tool, a pause of "
+                        "`seconds` for the GUI to settle, paid by every execution (real, replayed, speculative, "
+                        "audited)"}
+
+
+def _settle_seconds(part: dict[str, Any]) -> float:
+    # A run from before --settle existed paused nothing: settle 0.
+    return float(part.get("settle", {}).get("seconds", 0.0))
+
+
 def merge(dirs: list[Path], out: Path) -> int:
-    """One result from per-seed runs of one size (each dir holds an agent_rollouts.json)."""
+    """One result from per-seed runs of one size (each dir holds an agent_rollouts.json) and one
+    protocol: runs at different settles (--settle) are points of a sweep, merged apart."""
     parts = [json.loads((d / "agent_rollouts.json").read_text()) for d in dirs]
+    settles = sorted({_settle_seconds(p) for p in parts})
+    if len(settles) > 1:
+        raise SystemExit(f"--merge: the runs differ in settle ({', '.join(f'{s:g}' for s in settles)} s): "
+                         "merge the runs of each settle apart")
     keys = ("latency_model", "agent", "share_engine")
     size = {k: v for k, v in parts[0]["size"].items() if k != "seeds"}
     for p in parts[1:]:
@@ -67,7 +85,8 @@ def merge(dirs: list[Path], out: Path) -> int:
                 raise SystemExit(f"--merge: seed {k} appears twice")
             seeds[int(k)] = {**s, "_series": p["series"][k]}
     out.mkdir(parents=True, exist_ok=True)
-    meta = {**{k: parts[0][k] for k in keys}, "size": {**size, "seeds": sorted(seeds)},
+    meta = {**{k: parts[0][k] for k in keys}, "settle": settle_record(settles[0]),
+            "size": {**size, "seeds": sorted(seeds)},
             "runs": [{"dir": str(d), "host": p["host"], "wall_seconds": p["wall_seconds"]}
                      for d, p in zip(dirs, parts, strict=True)]}
     finish(out, seeds, meta)

@@ -24,7 +24,10 @@ GUI_HELP_PAGE = ("<html><head><title>Editor help</title></head><body><h1>Editing
 
 # ---- tasks ----
 
-def build_tasks(families: list[str], seed: int, code_tasks: int) -> tuple[list[Task], dict[str, Any]]:
+def build_tasks(families: list[str], seed: int, code_tasks: int,
+                settle: float = 0.0) -> tuple[list[Task], dict[str, Any]]:
+    """The tasks of `families` at `seed` and their agents' candidates; settle: the gui family's
+    pause after each action, OSWorld's protocol (--settle; gui.make_env)."""
     tasks: list[Task] = []
     cands: dict[str, Any] = {}
     if "code" in families:
@@ -41,7 +44,8 @@ def build_tasks(families: list[str], seed: int, code_tasks: int) -> tuple[list[T
         # The agent starts the editor itself (an application start) or first reads the help page
         # in Chromium (a page load): tools that take real time, as OSWorld's do.
         target = GUI_TARGETS[seed % len(GUI_TARGETS)]
-        t = dataclasses.replace(gui.make_env(target=target, apps=(), files={GUI_HELP: GUI_HELP_PAGE}),
+        t = dataclasses.replace(gui.make_env(target=target, apps=(), files={GUI_HELP: GUI_HELP_PAGE},
+                                             settle=settle),
                                 id=f"gui-{seed}")
         tasks.append(t)
         cands[t.id] = gui_candidates(target, launch=True, help_page=GUI_HELP)
