@@ -3,7 +3,8 @@ patch 0007) is loaded by every dump and restore, also where /run is no tmpfs, an
 CRIU's leftover temporary does not keep it from being written; a workspace on network="none"
 is dumped without its network namespace's contents (--empty-ns net, patch 0008) while one on
 a bridge keeps them; the dump's cgroup yard; tmpfs contents dumped without gzip (patch 0009)
-restore, and so do images an unpatched CRIU wrote with gzip."""
+restore, and so do images an unpatched CRIU wrote with gzip; a tmpfs as its mount made it is
+dumped and restored without tar (patch 0010), and one whose root was changed keeps the change."""
 
 from __future__ import annotations
 
@@ -95,9 +96,10 @@ def test_tmpfs_contents_restore_plain_and_gzipped(tmp_path: Path) -> None:
             saved = Path(snap.save(tmp_path / "saved").result(timeout=120))
         finally:
             snap.release()
-    # What an unpatched CRIU wrote: the same contents, gzipped.
+    # What an unpatched CRIU wrote: the same contents, gzipped (an empty image is patch 0010's).
     for t in (saved / Snapshot.layout.images).glob("tmpfs-dev-*.tar.gz.img"):
-        t.write_bytes(gzip.compress(t.read_bytes()))
+        if t.stat().st_size:
+            t.write_bytes(gzip.compress(t.read_bytes()))
     loaded = Snapshot.load(saved)
     try:
         _assert_a_clone_keeps_the_tmpfs_files(loaded)
@@ -110,5 +112,49 @@ def test_a_bridged_workspace_is_dumped_with_its_network() -> None:
         snap = ws.snapshot("copy")
         try:
             assert list(snap.images_dir.glob("ifaddr-*.img"))
+        finally:
+            snap.release()
+
+
+def _empty_images(snap: Snapshot) -> int:
+    return sum(not t.stat().st_size for t in snap.images_dir.glob("tmpfs-dev-*.tar.gz.img"))
+
+
+def test_a_tmpfs_as_its_mount_made_it_is_dumped_without_tar() -> None:
+    """A default workspace's five tmpfs: /dev holds its device nodes; /dev/shm, /tmp and the masked
+    /proc/acpi and /sys/firmware are empty with the mode and owner their options give a new one.
+    Their images are empty (no tar at the dump, none at the restore), and the clone's mounts are
+    as they were: writable where they were, the same modes."""
+    with Workspace.create(WorkspaceSpec()) as ws:
+        snap = ws.snapshot("copy")
+        try:
+            assert _empty_images(snap) == 4
+            c = _one_clone(snap)
+            try:
+                r = c.commands.run("stat -c '%a %u %g' /dev/shm /tmp /proc/acpi /sys/firmware"
+                                   " && touch /tmp/t /dev/shm/t && ls /dev/null")
+                assert r.exit_code == 0, r
+                assert r.stdout.split("\n")[:4] == ["1777 0 0", "1777 0 0", "555 0 0", "555 0 0"], r.stdout
+            finally:
+                c.destroy()
+        finally:
+            snap.release()
+
+
+def test_an_empty_tmpfs_whose_root_changed_keeps_the_change() -> None:
+    """Empty but chmod-ed or chown-ed since its mount: tar keeps the root's mode and owner, so it
+    goes through tar as before."""
+    with Workspace.create(WorkspaceSpec()) as ws:
+        r = ws.commands.run("chmod 1770 /dev/shm && chown 1000:1001 /tmp")
+        assert r.exit_code == 0, r
+        snap = ws.snapshot("copy")
+        try:
+            assert _empty_images(snap) == 2  # the masked directories alone
+            c = _one_clone(snap)
+            try:
+                r = c.commands.run("stat -c '%a %u %g' /dev/shm /tmp")
+                assert r.stdout.split() == ["1770", "0", "0", "1777", "1000", "1001"], r.stdout
+            finally:
+                c.destroy()
         finally:
             snap.release()
