@@ -1,7 +1,11 @@
 """benchmarks/fork_latency.py's arithmetic and parsing, without a workspace: its percentiles, the
-ticker's gap log read in increments, and the table's rows from a synthetic result. Untimed."""
+ticker's gap log read in increments, and the table's rows from a synthetic result; and
+benchmarks/fork_workloads.py's smallest mode end to end. Untimed."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 from helpers import load_by_path
@@ -59,3 +63,29 @@ def test_rows_and_stages_from_a_result(capsys: pytest.CaptureFixture[str]) -> No
     out = capsys.readouterr().out
     assert "| fork(1): call to clone answering (back to back) | ksm | 5 | 220.0 |" in out
     assert "regime: synthetic" in out
+
+
+def test_fork_workloads_quick_runs_end_to_end(tmp_path: Path) -> None:
+    """benchmarks/fork_workloads.py --quick (ksm, 3 runs, a 64 MiB holder, the shop, the shop under
+    load): every row is there with its runs, and (the suite's leak check) nothing is left. Untimed."""
+    from conftest import leaks
+    from conftest import snapshot as host_snapshot
+
+    workloads = load_by_path("fork_workloads", "benchmarks/fork_workloads.py")
+    before = host_snapshot()
+    out = tmp_path / "fork_workloads.json"
+    assert workloads.main(["--quick", "--out", str(out)]) == 0
+    assert leaks(before) == {}
+    result = json.loads(out.read_text())
+    assert "regime" in result
+    by = {w["workload"]: w for w in result["workloads"]}
+    assert set(by) == {"mem", "shop", "load"} and all(w["engine"] == "ksm" for w in by.values())
+    assert by["mem"]["size_mib"] == 64 and by["mem"]["holder_rss_kib"] >= 64 * 1024
+    for w in by.values():
+        assert len(w["runs"]) == 3
+        assert all(r["answer"] >= r["call"] > 0 and r["frozen_ticker"] >= 0 for r in w["runs"])
+    assert all(r["stall"] > 0 for r in by["load"]["runs"]) and len(by["load"]["baseline"]) == 3
+    assert by["load"]["requests_per_s"] > 0
+    rows = workloads.rows(result)
+    assert ("mem (64 MiB)", "source frozen, ticker", "ksm") in {r[:3] for r in rows}
+    assert len(rows) == 4 + 4 + 5
