@@ -93,3 +93,29 @@ def test_real_servers_fork_four_ways() -> None:
         finally:
             for k in kids:
                 k.destroy()
+
+
+def test_a_server_with_connections_waiting_to_be_accepted_forks() -> None:
+    """CRIU refuses to dump a connection still in a listener's accept queue unless told to skip
+    it (--skip-in-flight); a server under load always has some, so a fork failed one time in
+    five to fifteen (benchmarks/fork_workloads.py). The clone's listener keeps listening and
+    takes a new connection; the queued one stays the source's, which still accepts it."""
+    probe = ("import socket; s = socket.create_connection(('127.0.0.1', 7070), timeout=5); "
+             "print('connected')")
+    with Workspace.create() as ws:
+        ws.files.write("/root/backlog.py", "import socket, time\n"
+                       "srv = socket.socket(); srv.bind(('127.0.0.1', 7070)); srv.listen(8)\n"
+                       "cli = socket.create_connection(('127.0.0.1', 7070)); cli.sendall(b'queued')\n"
+                       "open('/tmp/queued', 'w').write('1')\n"
+                       "time.sleep(3600)\n")
+        _bg(ws, "exec python3 /root/backlog.py")
+        wait_for(lambda: ws.files.exists("/tmp/queued"), timeout=10)
+        (clone,) = forked(ws.fork(1))
+        try:
+            assert run_ok(clone, f"python3 -c \"{probe}\"").stdout.strip() == "connected"
+            assert run_ok(clone, "pgrep -f backlog.py").stdout.strip()
+        finally:
+            clone.destroy()
+        # The source runs on with its queue: the queued connection is still there to accept.
+        queued = run_ok(ws, "ss -Htln sport = :7070").stdout.split()
+        assert queued and int(queued[1]) >= 1, queued  # Recv-Q of a listener: connections queued
