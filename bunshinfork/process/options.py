@@ -88,7 +88,8 @@ def dump_opts(init_pid: int, images: Path, freezer: str, userns: bool = False, e
     # A connection whose handshake completed but that its server has not accepted yet is left
     # out: CRIU cannot restore one and refuses the whole dump otherwise, and a server under
     # load always has some (a fork of one failed one time in five to fifteen). The source keeps
-    # it; a clone's client end of it, if inside the workspace, finds no peer and is reset.
+    # it; a clone's client end of it, if inside the workspace, finds no peer and is reset, and a
+    # paused workspace resumes without it (docs/network.md).
     opts.tcp_skip_in_flight = True
     opts.freeze_cgroup = freezer
     opts.ghost_limit = GHOST_LIMIT
