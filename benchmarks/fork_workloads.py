@@ -52,6 +52,7 @@ from pathlib import Path
 
 from bunshinfork import Workspace
 from bunshinfork.errors import ForkError
+from bunshinfork.templates import start_shop
 
 # fork_latency.py's helpers, loaded by its path: benchmarks/ on sys.path would shadow the tests'
 # own `workloads` package when the tests load this module.
@@ -149,32 +150,6 @@ def wait_file(ws: Workspace, path: str, what: str, timeout: float = 120) -> str:
 # ---- the shop: the web-shop template's database and server, without its browser ----
 
 
-def start_shop(ws: Workspace) -> str:
-    """PostgreSQL and the shop application brought up as WebShopWorkspace.start() does; the URL."""
-    from bunshinfork.templates import webshop as w
-    from bunshinfork.templates._common import add_user, run, start_daemon, wait_until
-
-    ws.files.write(f"{w.SHOP_DIR}/shop_app.py", (w.HERE / "_shop_app.py").read_text())
-    add_user(ws, "postgres", w.PG_UID, "/var/lib/postgresql")
-    run(ws, f"mkdir -p {w.PG_DATA} {w.PG_SOCKET_DIR} && chown -R {w.PG_UID}:{w.PG_UID} /var/lib/postgresql "
-            f"{w.PG_SOCKET_DIR} && chmod 700 {w.PG_DATA}")
-    as_pg = f"setpriv --reuid={w.PG_UID} --regid={w.PG_UID} --clear-groups"
-    run(ws, f"{as_pg} {w.PG_BIN}/initdb -D {w.PG_DATA} -U postgres --auth=trust -E UTF8 --locale=C.UTF-8 "
-            "--no-instructions > /tmp/initdb.log 2>&1 || { cat /tmp/initdb.log; exit 1; }",
-        cwd="/var/lib/postgresql", timeout=120)
-    conf = str(ws.files.read(f"{w.PG_DATA}/postgresql.conf"))
-    ws.files.write(f"{w.PG_DATA}/postgresql.conf", conf + w.PG_CONF)
-    run(ws, f"{as_pg} {w.PG_BIN}/pg_ctl -D {w.PG_DATA} -l /tmp/postgresql.log -w -t 60 start "
-            "> /dev/null || { cat /tmp/postgresql.log; exit 1; }", cwd="/var/lib/postgresql", timeout=90)
-    run(ws, f"{w.PG_BIN}/createdb -h {w.PG_SOCKET_DIR} -U postgres shop")
-    run(ws, ["python3", f"{w.SHOP_DIR}/shop_app.py", "--dsn", w.DSN, "--setup"])
-    start_daemon(ws, f"python3 {w.SHOP_DIR}/shop_app.py --port {w.SHOP_PORT} --dsn {sh_quote(w.DSN)}",
-                 "/tmp/shop.log", cwd=w.SHOP_DIR)
-    url = f"http://127.0.0.1:{w.SHOP_PORT}"
-    wait_until(lambda: run(ws, f"curl -sf -m 2 {url}/health", check=False).ok, "the shop to answer", 30)
-    return url
-
-
 # ---- one fork ----
 
 
@@ -264,7 +239,7 @@ def run_shop(engine: str, runs: int, warmup: int, load: bool, shop: bool, settle
     ws, ticker = source(engine)
     try:
         t0 = time.monotonic()
-        url = start_shop(ws)
+        url = start_shop(ws)  # the web shop template's database and server, without its browser
         up = time.monotonic() - t0
         if shop:
             repeat(warmup, lambda: fork_shop(ws, ticker, engine, url))

@@ -10,7 +10,15 @@ from ._common import TemplateError
 from ._desktop import Window
 from .gui import GuiConfig, GuiWorkspace, gui_workspace, start_gui
 from .wayland import WaylandConfig, WaylandWorkspace, start_wayland, wayland_workspace
-from .webshop import CATALOGUE, Browser, BrowserError, WebShopWorkspace, start_webshop, webshop_workspace
+from .webshop import (
+    CATALOGUE,
+    Browser,
+    BrowserError,
+    WebShopWorkspace,
+    start_shop,
+    start_webshop,
+    webshop_workspace,
+)
 
 
 def attach_desktop(ws: Workspace) -> GuiWorkspace | WaylandWorkspace:
@@ -24,6 +32,6 @@ def attach_desktop(ws: Workspace) -> GuiWorkspace | WaylandWorkspace:
 
 __all__ = [
     "CATALOGUE", "Browser", "BrowserError", "GuiConfig", "GuiWorkspace", "TemplateError", "WaylandConfig",
-    "WaylandWorkspace", "WebShopWorkspace", "Window", "attach_desktop", "gui_workspace", "start_gui", "start_wayland",
-    "start_webshop", "wayland_workspace", "webshop_workspace",
+    "WaylandWorkspace", "WebShopWorkspace", "Window", "attach_desktop", "gui_workspace", "start_gui", "start_shop",
+    "start_wayland", "start_webshop", "wayland_workspace", "webshop_workspace",
 ]

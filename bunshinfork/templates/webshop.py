@@ -46,6 +46,7 @@ PG_SOCKET_DIR = "/run/postgresql"
 PG_UID = 101
 SHOP_DIR = "/opt/bunshin/shop"
 SHOP_PORT = 8080
+SHOP_URL = f"http://127.0.0.1:{SHOP_PORT}"
 CDP_PORT = 9222
 AGENT = f"{SHOP_DIR}/cdp_agent.py"
 DSN = f"host={PG_SOCKET_DIR} dbname=shop user=postgres"
@@ -140,7 +141,7 @@ class Browser:
 class WebShopWorkspace:
     """A Workspace running PostgreSQL, the shop and headless Chromium. attach() re-wraps a clone."""
 
-    url = f"http://127.0.0.1:{SHOP_PORT}"
+    url = SHOP_URL
 
     def __init__(self, ws: Workspace) -> None:
         self.ws = ws
@@ -178,25 +179,7 @@ class WebShopWorkspace:
         """Bring it up inside its workspace, once (the module's start function calls it)."""
         ws = self.ws
         ws.files.write(AGENT, (HERE / "_cdp_agent.py").read_text())
-        ws.files.write(f"{SHOP_DIR}/shop_app.py", (HERE / "_shop_app.py").read_text())
-        # PostgreSQL refuses to run as root; the generated /etc has no account for it.
-        add_user(ws, "postgres", PG_UID, "/var/lib/postgresql")
-        run(ws, f"mkdir -p {PG_DATA} {PG_SOCKET_DIR} && chown -R {PG_UID}:{PG_UID} /var/lib/postgresql "
-                f"{PG_SOCKET_DIR} && chmod 700 {PG_DATA}")
-        as_pg = f"setpriv --reuid={PG_UID} --regid={PG_UID} --clear-groups"
-        run(ws, f"{as_pg} {PG_BIN}/initdb -D {PG_DATA} -U postgres --auth=trust -E UTF8 --locale=C.UTF-8 "
-                "--no-instructions > /tmp/initdb.log 2>&1 || { cat /tmp/initdb.log; exit 1; }",
-            cwd="/var/lib/postgresql", timeout=120)
-        conf = str(ws.files.read(f"{PG_DATA}/postgresql.conf"))
-        ws.files.write(f"{PG_DATA}/postgresql.conf", conf + PG_CONF)
-        run(ws, f"{as_pg} {PG_BIN}/pg_ctl -D {PG_DATA} -l /tmp/postgresql.log -w -t 60 start "
-                "> /dev/null || { cat /tmp/postgresql.log; exit 1; }", cwd="/var/lib/postgresql", timeout=90)
-        run(ws, f"{PG_BIN}/createdb -h {PG_SOCKET_DIR} -U postgres shop")
-        run(ws, ["python3", f"{SHOP_DIR}/shop_app.py", "--dsn", DSN, "--setup"])
-        start_daemon(ws, f"python3 {SHOP_DIR}/shop_app.py --port {SHOP_PORT} --dsn {shlex.quote(DSN)}",
-                     "/tmp/shop.log", cwd=SHOP_DIR)
-        probe = f"python3 -c \"import urllib.request; urllib.request.urlopen('{self.url}/health', timeout=2)\""
-        wait_until(lambda: run(ws, probe, check=False).ok, "the shop to answer", 30)
+        start_shop(ws)
         start_daemon(ws, f"{CHROMIUM} {' '.join(CHROMIUM_FLAGS)} about:blank", "/tmp/chromium.log")
         try:
             wait_until(lambda: _quiet(self.browser.ready), "Chromium's DevTools port", 60)
@@ -222,6 +205,32 @@ class WebShopWorkspace:
 
     def __repr__(self) -> str:
         return f"<WebShopWorkspace {self.ws.id} {self.url}>"
+
+
+
+def start_shop(ws: Workspace) -> str:
+    """PostgreSQL and the shop application, up and answering /health (which reads the database)
+    inside `ws`; the shop's URL there. WebShopWorkspace.start() adds the browser on top."""
+    ws.files.write(f"{SHOP_DIR}/shop_app.py", (HERE / "_shop_app.py").read_text())
+    # PostgreSQL refuses to run as root; the generated /etc has no account for it.
+    add_user(ws, "postgres", PG_UID, "/var/lib/postgresql")
+    run(ws, f"mkdir -p {PG_DATA} {PG_SOCKET_DIR} && chown -R {PG_UID}:{PG_UID} /var/lib/postgresql "
+            f"{PG_SOCKET_DIR} && chmod 700 {PG_DATA}")
+    as_pg = f"setpriv --reuid={PG_UID} --regid={PG_UID} --clear-groups"
+    run(ws, f"{as_pg} {PG_BIN}/initdb -D {PG_DATA} -U postgres --auth=trust -E UTF8 --locale=C.UTF-8 "
+            "--no-instructions > /tmp/initdb.log 2>&1 || { cat /tmp/initdb.log; exit 1; }",
+        cwd="/var/lib/postgresql", timeout=120)
+    conf = str(ws.files.read(f"{PG_DATA}/postgresql.conf"))
+    ws.files.write(f"{PG_DATA}/postgresql.conf", conf + PG_CONF)
+    run(ws, f"{as_pg} {PG_BIN}/pg_ctl -D {PG_DATA} -l /tmp/postgresql.log -w -t 60 start "
+            "> /dev/null || { cat /tmp/postgresql.log; exit 1; }", cwd="/var/lib/postgresql", timeout=90)
+    run(ws, f"{PG_BIN}/createdb -h {PG_SOCKET_DIR} -U postgres shop")
+    run(ws, ["python3", f"{SHOP_DIR}/shop_app.py", "--dsn", DSN, "--setup"])
+    start_daemon(ws, f"python3 {SHOP_DIR}/shop_app.py --port {SHOP_PORT} --dsn {shlex.quote(DSN)}",
+                 "/tmp/shop.log", cwd=SHOP_DIR)
+    probe = f"python3 -c \"import urllib.request; urllib.request.urlopen('{SHOP_URL}/health', timeout=2)\""
+    wait_until(lambda: run(ws, probe, check=False).ok, "the shop to answer", 30)
+    return SHOP_URL
 
 
 def _quiet(fn: Any) -> Any:
