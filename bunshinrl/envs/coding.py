@@ -21,12 +21,12 @@ import textwrap
 from collections.abc import Callable
 from typing import Any
 
-from bunshinfork import BunshinError, Workspace
+from bunshinfork import Workspace
 
 from ..calls.task import Task
 from ..calls.tools import Tool
 from ._common import agent_tool, tools_of
-from .project import PROJ, cat, edit, rel, sh
+from .project import PROJ, cat, edit, rel, sh, verdict
 
 GENERATED_FILES = 3
 FUNCTIONS_PER_FILE = 150
@@ -174,18 +174,12 @@ def verifier(seed: int) -> Callable[[Workspace], tuple[float, str]]:
     return verify
 
 
+def _passed(log: str) -> bool:
+    return log.rstrip().endswith(" 0 failed") and "FAIL" not in log
+
+
 def _verdict(ws: Workspace, fix: str) -> tuple[float, str]:
-    try:
-        log = str(ws.files.read(f"{PROJ}/build/test.log"))
-    except BunshinError:
-        log = ""
-    if log.rstrip().endswith(" 0 failed") and "FAIL" not in log:
-        return 1.0, "tests pass"
-    try:
-        src = str(ws.files.read(f"{PROJ}/src/pricing.c"))
-    except BunshinError:
-        return 0.0, "no sources"
-    return (0.5, "fixed, not tested") if fix in src else (0.0, "tests fail")
+    return verdict(ws, f"{PROJ}/build/test.log", _passed, f"{PROJ}/src/pricing.c", fix, "tests pass")
 
 
 def make_env(seed: int = 0, **spec: Any) -> Task:

@@ -1,11 +1,13 @@
 """What the project families (coding, swe) share: the project's directory in the workspace, a
-shell command run there, paths kept inside it, and the tools that read and edit its files."""
+shell command run there, paths kept inside it, the tools that read and edit its files, and the
+verifier's verdict from the last test log and the fixed source."""
 
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable
 
-from bunshinfork import Workspace
+from bunshinfork import BunshinError, Workspace
 
 from ..calls.tools import command_observation
 from ._common import agent_tool
@@ -41,3 +43,22 @@ def edit(ws: Workspace, path: str, find: str, replace: str) -> str:
     if n:
         ws.files.write(full, text.replace(find, replace))
     return f"edited {path}: {n} replacement(s)"
+
+
+def _read(ws: Workspace, path: str) -> str | None:
+    try:
+        return str(ws.files.read(path))
+    except BunshinError:
+        return None
+
+
+def verdict(ws: Workspace, log: str, passed: Callable[[str], bool], source: str, fix: str,
+            passing: str) -> tuple[float, str]:
+    """1.0 (`passing`) when the last test run's log says the tests `passed`; else 0.5 when the
+    source holds the fix (not tested since), 0.0 when it does not or is gone."""
+    if passed(_read(ws, log) or ""):
+        return 1.0, passing
+    src = _read(ws, source)
+    if src is None:
+        return 0.0, "no sources"
+    return (0.5, "fixed, not tested") if fix in src else (0.0, "tests fail")

@@ -33,12 +33,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bunshinfork import BunshinError, Workspace
+from bunshinfork import Workspace
 
 from ..calls.task import Task
 from ..calls.tools import Tool
 from ._common import agent_tool, tools_of
-from .project import PROJ, cat, edit, rel, sh
+from .project import PROJ, cat, edit, rel, sh, verdict
 
 PROJECT, VERSION = "mpmath", "1.3.0"
 SDIST_SHA256 = "7a28eb2a9774d00c7bc92411c19a89209d5da7c4c9a9e227be8330a23a25b91f"
@@ -144,20 +144,14 @@ def verifier(seed: int) -> Callable[[Workspace], tuple[float, str]]:
     rel, good, _bad, _test = BUGS[seed % len(BUGS)]
 
     def verify(ws: Workspace) -> tuple[float, str]:
-        try:
-            log = str(ws.files.read(LOG))
-        except BunshinError:
-            log = ""
-        summary = log.strip().splitlines()[-1] if log.strip() else ""  # pytest's last line
-        if re.match(r"\d+ passed", summary) and "failed" not in summary and "error" not in summary:
-            return 1.0, "the tests pass"
-        try:
-            src = str(ws.files.read(f"{PROJ}/{rel}"))
-        except BunshinError:
-            return 0.0, "no sources"
-        return (0.5, "fixed, not tested") if good in src else (0.0, "tests fail")
+        return verdict(ws, LOG, _passed, f"{PROJ}/{rel}", good, "the tests pass")
 
     return verify
+
+
+def _passed(log: str) -> bool:
+    summary = log.strip().splitlines()[-1] if log.strip() else ""  # pytest's last line
+    return bool(re.match(r"\d+ passed", summary)) and "failed" not in summary and "error" not in summary
 
 
 def make_env(seed: int = 0, **spec: Any) -> Task:
