@@ -15,15 +15,18 @@ import select
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 
 from .. import deadlines, native
 from ..contract import Check
 from ..errors import BunshinError, CriuError, CriuTimeout
 from ..host import HOST
-from . import sessions
+from . import prestart, sessions
 from .init import INIT_BINARY
 
 try:
@@ -133,9 +136,8 @@ class Session:
     """One `criu swrk` process; one request at a time."""
 
     def __init__(self, keep_fds: tuple[int, ...] = (), ksm_merge: bool = False,
-                 env: dict[str, str] | None = None, die_with_caller: bool = False) -> None:
-        criu = _require()
-        unblock_kdat_cache()
+                 env: dict[str, str] | None = None, die_with_caller: bool = False, criu: str | None = None) -> None:
+        criu = criu or _require()
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sk = parent
         argv = [criu, "swrk", str(child.fileno())]
@@ -166,6 +168,9 @@ class Session:
     @property
     def pid(self) -> int:
         return self._proc.pid
+
+    def alive(self) -> bool:
+        return self._proc.poll() is None
 
     def call(self, req: rpc.criu_req, on_notify: Notify | None = None,
              timeout: float | None = None) -> rpc.criu_resp:
@@ -268,6 +273,68 @@ class Session:
         self.close()
 
 
+# A CRIU that answered success is reaped off its caller's path. Its exit closes the netfilter
+# socket of its network unlock (kept open by CRIU patch 0011), and that release waits out an
+# RCU grace period when nf_tables' destroy work has not run yet: up to 10 ms here, which held
+# a dump's source frozen and every restore. Its images and the restored tasks are complete when
+# it answers; the record (sessions.py) stays until it is reaped, as gc's backstop. The pool's
+# threads are joined at interpreter exit, and Session.close kills a CRIU past 30 s.
+_reaper = ThreadPoolExecutor(max_workers=2, thread_name_prefix="bunshin-criu-reap")
+_reaping: set[Future[None]] = set()
+_reaping_lock = threading.Lock()
+
+
+def _reap_later(s: Session, entry: Path | None) -> None:
+    def reap() -> None:
+        try:
+            s.close()
+        finally:
+            sessions.forget(entry)
+
+    fut = _reaper.submit(reap)
+    with _reaping_lock:
+        _reaping.add(fut)
+    fut.add_done_callback(_reaped)
+
+
+def _reaped(fut: Future[None]) -> None:
+    with _reaping_lock:
+        _reaping.discard(fut)
+
+
+def _start_idle(key: prestart.Key) -> Session:
+    criu, ksm_merge, die_with_caller, env = key
+    return Session(ksm_merge=ksm_merge, env=dict(env), die_with_caller=die_with_caller, criu=criu)
+
+
+PRESTARTED = prestart.install(prestart.Prestarted(
+    _start_idle, alive=lambda s: s.alive(), close=lambda s: s.close()))  # type: ignore[attr-defined]
+
+
+def _session(keep_fds: tuple[int, ...], ksm_merge: bool, env: dict[str, str] | None,
+             die_with_caller: bool) -> Session:
+    """A started CRIU for one request: an idle one of its kind (prestart.py), else a new one.
+    A request that hands CRIU descriptors to inherit (keep_fds) starts its own."""
+    # Here, not at the start of CRIU: an idle one was started before a leftover appeared.
+    unblock_kdat_cache()
+    if not keep_fds:
+        # What an idle CRIU was started with: besides Session's arguments, the environment it
+        # inherited where CRIU reads it (its patches' CRIU_* switches; PATH for the tools it runs).
+        inherited = {k: v for k, v in os.environ.items() if k.startswith("CRIU_") or k == "PATH"}
+        key = (_require(), ksm_merge, die_with_caller, tuple(sorted({**inherited, **(env or {})}.items())))
+        s = PRESTARTED.take(key)
+        if s is not None:
+            return s  # type: ignore[return-value]
+    return Session(keep_fds, ksm_merge, env, die_with_caller=die_with_caller)
+
+
+def settle(timeout: float = 35.0) -> None:
+    """Wait until every CRIU that answered has been reaped (tests, gc, a server's shutdown)."""
+    with _reaping_lock:
+        pending = list(_reaping)
+    futures_wait(pending, timeout=timeout)
+
+
 def request(kind: str, opts: rpc.criu_opts, on_notify: Notify | None = None, keep_fds: tuple[int, ...] = (),
             ksm_merge: bool = False, log: Path | None = None,
             session_hook: Callable[[Session], None] | None = None,
@@ -283,8 +350,10 @@ def request(kind: str, opts: rpc.criu_opts, on_notify: Notify | None = None, kee
     # restores read at the same time.
     images = sessions.dir_id(opts.images_dir) if kind != "restore" and opts.images_dir else None
     entry = None
+    answered = False
     try:
-        with Session(keep_fds, ksm_merge, env, die_with_caller=kind == "restore") as s:
+        s = _session(keep_fds, ksm_merge, env, die_with_caller=kind == "restore")
+        try:
             entry = sessions.record(s.pid, kind, time.time() + timeout, images)
             if session_hook is not None:
                 session_hook(s)
@@ -293,12 +362,19 @@ def request(kind: str, opts: rpc.criu_opts, on_notify: Notify | None = None, kee
             except CriuTimeout as e:
                 tail = log_tail(log) if log is not None else ""
                 raise CriuTimeout(f"criu {kind}: {e}\n{tail}".rstrip()) from None
+            answered = resp.success
+        finally:
+            if answered:
+                _reap_later(s, entry)
+            else:
+                s.close()
     except CriuError:
         if images:
             sessions.end_helpers(images)  # CRIU is reaped (Session.close): its helpers may not be
         raise
     finally:
-        sessions.forget(entry)  # once CRIU is reaped (Session.close)
+        if not answered:
+            sessions.forget(entry)  # once CRIU is reaped (Session.close)
     if not resp.success:
         raise CriuError(failure(kind, resp, log))
     return resp

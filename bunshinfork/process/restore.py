@@ -84,7 +84,9 @@ def restore_tree(b: Build) -> int:
         opts.external.extend(b.criu_external)  # eth0's veth (the network part)
         started = time.time()
         try:
-            resp = criu.request("restore", opts, on_notify, keep_fds=(wfd,), ksm_merge=b.ksm_merge,
+            # CRIU opens the work directory as /proc/<our pid>/fd/<wfd> (work_dir_fd): nothing
+            # to inherit, so an idle CRIU started ahead serves it (prestart.py).
+            resp = criu.request("restore", opts, on_notify, ksm_merge=b.ksm_merge,
                                 log=work / "restore.log", session_hook=RESTORE_HOOK)
             clock.mark(None)
             b.rec.restore_window = (started, time.time())
