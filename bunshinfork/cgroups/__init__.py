@@ -16,7 +16,7 @@ from pathlib import Path
 from .. import state
 from ..contract import Build, Capture, Check, Held, Part
 from ..errors import CgroupError
-from . import cgroup, devices
+from . import cgroup, devices, dynmods
 from .cgroup import Cgroup, detect, leftover_cgroups
 
 __all__ = ["Cgroup", "CgroupsPart", "detect", "leftover_cgroups"]
@@ -67,7 +67,8 @@ def check_device_allowlist() -> Check:
     non-privileged workspace's cgroup gets (devices.py): tried on a cgroup of its own."""
     root = cgroup.CGROUP_ROOT
     try:
-        base = root if detect(root) == "v2" else cgroup.unified_root(root)
+        detect(root)
+        base = cgroup.cgroup2_root(root)
         probe = base / f"bunshin-devices-probe-{os.getpid()}"
         probe.mkdir()
     except (CgroupError, OSError) as e:
@@ -84,9 +85,24 @@ def check_device_allowlist() -> Check:
                  required=True)
 
 
+def check_favordynmods() -> Check:
+    """Whether task moves between cgroups skip the RCU grace period (dynmods.py)."""
+    try:
+        base = cgroup.cgroup2_root(cgroup.CGROUP_ROOT)
+        on = dynmods.enabled(base)
+    except (CgroupError, OSError) as e:
+        return Check("cgroup favordynmods", False, f"no cgroup2 hierarchy to read: {e}", required=False)
+    if on:
+        return Check("cgroup favordynmods", True, f"on at {base}: moving a clone's init into its cgroups waits "
+                     "for no RCU grace period", required=False)
+    return Check("cgroup favordynmods", False, f"off at {base}: each restore waits out an RCU grace period "
+                 f"(6-20 ms here); bunshin turns it on at the first workspace unless {dynmods.OPT_OUT_ENV}=0",
+                 required=False)
+
+
 class CgroupsPart(Part):
     name = "cgroups"
-    probes = (check_cgroups, check_device_allowlist)
+    probes = (check_cgroups, check_device_allowlist, check_favordynmods)
 
     def prepare(self, b: Build) -> None:
         self._create(b, b.rec.spec.cgroup)
@@ -101,6 +117,9 @@ class CgroupsPart(Part):
 
     @staticmethod
     def _create(b: Build, version: str) -> None:
+        # Once per process: restores move each clone's init into its cgroups (dynmods.py).
+        with contextlib.suppress(CgroupError, OSError):
+            dynmods.ensure(cgroup.cgroup2_root(cgroup.CGROUP_ROOT))
         spec = b.rec.spec
         limit = spec.memory_limit if isinstance(spec.memory_limit, int) else None  # validated: bytes
         b.rec.cgroups = Cgroup.create(b.rec.id, memory_limit=limit, pids_limit=spec.pids_limit,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import select
 import time
 from pathlib import Path
 
@@ -42,6 +43,13 @@ def _write(path: Path, value: str) -> None:
         raise CgroupError(f"cannot write {value!r} to {path}: {e.strerror}") from e
 
 
+def _events_frozen(fd: int) -> bool:
+    try:
+        return b"frozen 1" in os.pread(fd, 4096, 0)
+    except OSError as e:
+        raise CgroupError(f"cannot read cgroup.events: {e.strerror}") from e
+
+
 def _is_cgroup2(path: Path) -> bool:
     return (path / "cgroup.controllers").exists()
 
@@ -58,6 +66,11 @@ def unified_root(root: Path) -> Path:
         raise CgroupError(f"no cgroup2 hierarchy at {d} to freeze workspaces with, and mounting one failed: {e}"
                           ) from e
     return d
+
+
+def cgroup2_root(root: Path) -> Path:
+    """The cgroup2 hierarchy workspaces freeze with: `root` itself on a v2 host, else unified_root."""
+    return root if _is_cgroup2(root) else unified_root(root)
 
 
 def detect(root: Path = CGROUP_ROOT) -> str:
@@ -215,16 +228,30 @@ class Cgroup:
 
     def _set_frozen(self, frozen: bool, timeout: float) -> None:
         d = Path(self.freezer_dir)
-        _write(d / "cgroup.freeze", "1" if frozen else "0")
-        deadline = time.monotonic() + timeout
-        while self.frozen() != frozen:
-            if time.monotonic() > deadline:
-                # Never leave a half-frozen workspace behind a failed freeze.
-                if frozen:
-                    with contextlib.suppress(CgroupError):
-                        _write(d / "cgroup.freeze", "0")
-                raise CgroupError(f"{d} did not {'freeze' if frozen else 'thaw'} within {timeout}s")
-            time.sleep(0.002)
+        # cgroup.events wakes a poller (POLLPRI) when its "frozen" line changes: a freeze is
+        # seen the moment it completes (every fork's source waits on it), not at the next of a
+        # 2 ms sleep's polls. Opened before the write, so no change can come before the watch.
+        try:
+            events = os.open(d / "cgroup.events", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise CgroupError(f"cannot open {d / 'cgroup.events'}: {e.strerror}") from e
+        try:
+            watch = select.poll()
+            watch.register(events, select.POLLPRI)
+            _write(d / "cgroup.freeze", "1" if frozen else "0")
+            deadline = time.monotonic() + timeout
+            while _events_frozen(events) != frozen:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    # Never leave a half-frozen workspace behind a failed freeze.
+                    if frozen:
+                        with contextlib.suppress(CgroupError):
+                            _write(d / "cgroup.freeze", "0")
+                    raise CgroupError(f"{d} did not {'freeze' if frozen else 'thaw'} within {timeout}s")
+                # Bounded, so that a missed wake-up costs 10 ms, never the deadline.
+                watch.poll(max(1, min(10, int(left * 1000))))
+        finally:
+            os.close(events)
 
     def memory_usage(self) -> int:
         if self.version == "v1":
