@@ -14,6 +14,7 @@ import dataclasses
 import enum
 import errno
 import fcntl
+import functools
 import json
 import os
 import secrets
@@ -411,7 +412,9 @@ T = TypeVar("T")
 def save(obj: Any, path: Path) -> None:
     """Write a state dataclass atomically."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(dataclasses.asdict(obj), indent=1, sort_keys=True))
+    # Without indent json uses its C encoder: a fork saves its record at every part, and the
+    # pure-Python one made that 1 ms a save (`python -m json.tool` reads a record for a person).
+    tmp.write_text(json.dumps(dataclasses.asdict(obj), sort_keys=True))
     os.replace(tmp, path)
 
 
@@ -421,6 +424,13 @@ def load(cls: type[T], path: Path) -> T:
         return _decode(cls, json.loads(path.read_text()))
     except (KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path} is not a {cls.__name__}: {e}") from e
+
+
+@functools.cache
+def _hints(tp: type) -> dict[str, Any]:
+    # typing.get_type_hints evaluates every annotation string anew: 0.1 ms a class, most of
+    # what reading a record cost (gc and a fork's release read every record).
+    return typing.get_type_hints(tp)
 
 
 def _decode(tp: Any, value: Any) -> Any:
@@ -434,7 +444,7 @@ def _decode(tp: Any, value: Any) -> Any:
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return tp(value)
     if dataclasses.is_dataclass(tp):
-        hints = typing.get_type_hints(tp)
+        hints = _hints(tp)
         # Fields a newer version wrote are ignored, as runc does; missing ones take their defaults.
         known = {f.name for f in dataclasses.fields(tp) if f.init}
         return tp(**{k: _decode(hints[k], v) for k, v in value.items() if k in known})

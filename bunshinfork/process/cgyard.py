@@ -12,8 +12,10 @@ hierarchy of the images is not mounted here, there is no yard and CRIU makes its
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
+import threading
 from pathlib import Path
 
 YARD = "cgyard"  # in the snapshot's directory
@@ -26,11 +28,31 @@ def _dir_name(cnames: list[str]) -> str:
 
 
 def _image_hierarchies(images: Path) -> list[list[str]]:
+    raw = (images / "cgroup.img").read_bytes()
+    with _parsed_lock:
+        found = _parsed.get(raw)
+    if found is None:
+        found = _parse_hierarchies(raw)
+        with _parsed_lock:
+            if len(_parsed) >= PARSED_KEPT:
+                _parsed.pop(next(iter(_parsed)))
+            _parsed[raw] = found
+    return [list(c) for c in found]
+
+
+# pycriu's pure-Python decode of a cgroup image takes 2 ms, on every fork's path after the
+# thaw; the successive snapshots of one source write the same bytes. Keyed by the bytes
+# themselves, so a hit is exactly what decoding would give.
+PARSED_KEPT = 32
+_parsed: dict[bytes, tuple[tuple[str, ...], ...]] = {}
+_parsed_lock = threading.Lock()
+
+
+def _parse_hierarchies(raw: bytes) -> tuple[tuple[str, ...], ...]:
     from pycriu import images as pb  # type: ignore[import-not-found]
 
-    with open(images / "cgroup.img", "rb") as f:
-        entries = pb.load(f)["entries"]
-    return [list(c["cnames"]) for c in entries[0].get("controllers", [])] if entries else []
+    entries = pb.load(io.BytesIO(raw))["entries"]
+    return tuple(tuple(c["cnames"]) for c in entries[0].get("controllers", [])) if entries else ()
 
 
 def _host_mounts() -> list[tuple[frozenset[str], str]]:
