@@ -99,9 +99,8 @@ def load_capture(snap_dir: Path) -> tuple[NetworkState, list[Flow]] | None:
 # ---- nftables ----
 
 def _nft_text(text: str) -> None:
-    from .nat import nft_module
-    nft = nft_module().Nftables()
-    rc, _, err = nft.cmd(text)
+    from .nat import nft_cmd
+    rc, _, err = nft_cmd(text)
     if rc != 0:
         raise NetworkError(f"nftables refused the clone rules: {str(err).strip()[:300]}; is nf_tables with "
                            "conntrack zones and NAT in the kernel? see 'bunshin doctor'")

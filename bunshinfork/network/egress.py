@@ -60,8 +60,8 @@ __all__ = ["ALL_TRAFFIC", "CLOSED", "E2B_KEYS", "E2B_UNSUPPORTED", "EgressPolicy
 
 
 def _nft_text(text: str) -> None:
-    from .nat import nft_module
-    rc, _, err = nft_module().Nftables().cmd(text)
+    from .nat import nft_cmd
+    rc, _, err = nft_cmd(text)
     if rc != 0:
         raise NetworkError(f"nftables refused the egress rules: {str(err).strip()[:300]}")
 

@@ -67,8 +67,8 @@ class Guard:
 
 
 def _nft_text(text: str) -> None:
-    from .nat import nft_module
-    rc, _, err = nft_module().Nftables().cmd(text)
+    from .nat import nft_cmd
+    rc, _, err = nft_cmd(text)
     if rc != 0:
         raise NetworkError(f"nftables refused the workspace's guard rules: {str(err).strip()[:300]}; "
                            "is nf_tables with reject and conntrack in the kernel? see 'bunshin doctor'")

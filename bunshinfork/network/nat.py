@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import json
+import os
+import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -41,11 +43,44 @@ def nft_module() -> Any:
     return nftables
 
 
+# One libnftables context per process, for the life of the process, behind a lock (a context is
+# not thread-safe). Freeing one closes its netlink socket, and the kernel's release of a
+# netfilter socket waits for nf_tables' destroy work when a deleted rule or table has left some:
+# an RCU grace period, 6-12 ms here, per context. A context a call made and dropped paid it at
+# every teardown (100 ms of a bridged clone's destroy, six or more contexts) and in every
+# restore's rules. The context's cache is checked against the kernel's ruleset generation at
+# each command, so a long-lived one reads what other processes changed. Its socket was opened
+# in the host's network namespace, which is the only one bunshin's tables live in.
+_nft_lock = threading.Lock()
+_nft_ctx: Any = None
+
+
+def _reset_after_fork() -> None:
+    global _nft_lock, _nft_ctx
+    _nft_lock, _nft_ctx = threading.Lock(), None
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def nft_cmd(text: str) -> tuple[int, Any, Any]:
+    """Run nft's text commands through the process's context: (rc, output, error)."""
+    global _nft_ctx
+    with _nft_lock:
+        if _nft_ctx is None:
+            _nft_ctx = nft_module().Nftables()
+        _nft_ctx.set_json_output(False)
+        return _nft_ctx.cmd(text)
+
+
 def nft_json(commands: list[dict[str, Any]]) -> dict[str, Any]:
     """Run nft's JSON commands; NetworkError with what nft said when it refuses them."""
-    nft = nft_module().Nftables()
-    nft.set_json_output(True)
-    rc, out, err = nft.json_cmd({"nftables": commands})
+    global _nft_ctx
+    with _nft_lock:
+        if _nft_ctx is None:
+            _nft_ctx = nft_module().Nftables()
+        _nft_ctx.set_json_output(True)
+        rc, out, err = _nft_ctx.json_cmd({"nftables": commands})
     if rc != 0:
         raise NetworkError(
             f"nftables refused {json.dumps(commands)[:200]}: {str(err).strip()}; is nf_tables with "
