@@ -414,8 +414,26 @@ def save(obj: Any, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     # Without indent json uses its C encoder: a fork saves its record at every part, and the
     # pure-Python one made that 1 ms a save (`python -m json.tool` reads a record for a person).
-    tmp.write_text(json.dumps(dataclasses.asdict(obj), sort_keys=True))
+    tmp.write_text(json.dumps(_plain(obj), sort_keys=True))
     os.replace(tmp, path)
+
+
+def _plain(obj: Any) -> Any:
+    """dataclasses.asdict without its deep copy of every leaf: the same JSON, in a third of the
+    time (a fork saves its record at every part)."""
+    names = _field_names.get(type(obj))
+    if names is None and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        names = _field_names.setdefault(type(obj), tuple(f.name for f in dataclasses.fields(obj)))
+    if names is not None:
+        return {n: _plain(getattr(obj, n)) for n in names}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    return obj
+
+
+_field_names: dict[type, tuple[str, ...]] = {}
 
 
 def load(cls: type[T], path: Path) -> T:
