@@ -19,7 +19,9 @@ Per engine, each measured `--runs` times, after two warm-up forks:
 Then `Sandbox.create()` of the real e2b SDK against `bunshin serve` from one of its snapshots,
 client-measured, with pause() and connect() beside it.
 
-No pool is used: every clone's restore begins after its call. Targets are printed, never
+No pool of clones is used: every clone's restore begins after its call. The CRIU processes that
+dump and restore are started ahead where one is idle (bunshinfork/process/prestart.py, one per
+kind): their hits and misses are printed, and a CRIU's CPU counts its start. Targets are printed, never
 asserted. Everything made (workspaces, snapshots, the server and its sandboxes) is removed.
 """
 
@@ -39,6 +41,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from bunshinfork import Snapshot, Workspace, WorkspaceSpec
+from bunshinfork.process import criu
 
 GAP_LOGGED_MS = 3.0
 GAPS_FILE = "/tmp/fork-latency-gaps"
@@ -123,7 +126,10 @@ class Ticker:
 
 
 def cpu_seconds() -> tuple[float, float]:
-    """(reaped children's CPU: CRIU and its helpers; this process's CPU)."""
+    """(reaped children's CPU: CRIU and its helpers; this process's CPU). The CRIU that answered
+    are reaped off the fork's path: waited for first, outside the timed span. A CRIU started
+    ahead (prestart.py) counts its start too, when the request it served has it reaped."""
+    criu.settle()
     c = resource.getrusage(resource.RUSAGE_CHILDREN)
     s = resource.getrusage(resource.RUSAGE_SELF)
     return c.ru_utime + c.ru_stime, s.ru_utime + s.ru_stime
@@ -218,6 +224,7 @@ def run_engine(engine: str, runs: int, runs16: int, space: float) -> dict:
     ws, ticker = source(engine)
     try:
         repeat(2, lambda: fork1(ws, ticker, engine))  # warm-up: caches, the first snapshot's chain
+        hits, misses = criu.PRESTARTED.stats.hits, criu.PRESTARTED.stats.misses
         b2b = repeat(runs, lambda: fork1(ws, ticker, engine))
         spaced = repeat(runs, lambda: fork1(ws, ticker, engine), space)
         f16 = repeat(runs16, lambda: fork16(ws, engine, 16))
@@ -229,7 +236,9 @@ def run_engine(engine: str, runs: int, runs16: int, space: float) -> dict:
             snap.release()
     finally:
         ws.destroy()
-    return {"engine": engine, "fork1_back_to_back": b2b, "fork1_spaced": spaced, "fork16": f16, "snapshot_fork1": sf}
+    started = {"hits": criu.PRESTARTED.stats.hits - hits, "misses": criu.PRESTARTED.stats.misses - misses}
+    return {"engine": engine, "fork1_back_to_back": b2b, "fork1_spaced": spaced, "fork16": f16, "snapshot_fork1": sf,
+            "criu_started_ahead": started}
 
 
 # ---- bunshin serve, client-measured ----
@@ -353,6 +362,12 @@ def print_report(result: dict) -> None:
     print("|---|" + "---|" * len(engines))
     for stage, per in stage_rows(result):
         print(f"| {stage} | " + " | ".join(ms(per[e]) if e in per else "" for e in engines) + " |")
+    print()
+    for e in result["engines"]:
+        started = e.get("criu_started_ahead")
+        if started:
+            print(f"{e['engine']}: CRIU requests served by a CRIU started ahead (prestart.py): {started['hits']}; "
+                  f"that started their own: {started['misses']}")
 
 
 def regime(args: argparse.Namespace) -> str:
@@ -363,7 +378,8 @@ def regime(args: argparse.Namespace) -> str:
             f"kernel {platform.release()}, soft-dirty {soft_dirty}, CRIU {'.'.join(map(str, criu.version()))}; "
             f"a default workspace (containment defences on) running an idle Python process and a 1 ms ticker; "
             f"{args.runs} runs per row ({args.runs16} for fork(16)), back to back and {args.space:g} s apart; "
-            f"no pool: every restore begins after its call")
+            f"no pool of clones: every restore begins after its call, in a CRIU process started ahead where "
+            f"one is idle (hits and misses below)")
 
 
 def main(argv: list[str] | None = None) -> int:
