@@ -40,8 +40,9 @@ clean:
 # The fork benchmark with the cow engine: in a guest kernel, since this host cannot load
 # modules. Debian's 6.12 line, where ksm (PR_SET_MEMORY_MERGE, Linux 6.4) runs beside cow and
 # copy, the snapshot-cost benchmark there with soft-dirty tracking, and the rollout benchmark
-# reduced (the coding task) with cow sharing. Results land in results/guest/{engines,sizes,
-# snapshots,rollouts}.
+# reduced (the coding task) with cow sharing, after fork_latency reduced (10 runs, 3 of fork(16), no
+# serve) for cow beside ksm and copy. Results land in results/guest/{fork_latency.json,engines,
+# sizes,snapshots,rollouts}.
 BENCH_GUEST_KERNEL ?= 6.12
 # Both host cores for the guest's two vCPUs, for timings comparable with 6.1's; a text-patching
 # oops under multi-threaded TCG (see kernel/guest.py) ends the run loudly, never skews it.
@@ -53,6 +54,8 @@ bench-guest: setup
 	$(PY) kernel/guest.py --kernel $(BENCH_GUEST_KERNEL) --tcg-thread $(BENCH_TCG_THREAD) --mem 16384 --timeout 8000 \
 		--out $(CURDIR)/results/guest -- '\
 	insmod $$BUNSHIN_GUEST_MODULE || exit 1; \
+	$(CURDIR)/$(PY) benchmarks/fork_latency.py --engines cow,ksm,copy --runs 10 --runs16 3 --no-serve \
+		--out $$BUNSHIN_GUEST_OUT/fork_latency.json && \
 	$(CURDIR)/$(PY) benchmarks/fork_memory.py --engines copy,ksm,cow --forks 1,2,4,8,16 --size-mib 1024 \
 		--settle-timeout 180 --out $$BUNSHIN_GUEST_OUT/engines && \
 	$(CURDIR)/$(PY) benchmarks/fork_memory.py --engines cow --forks 1,4,16 --size-mib 256,2048 \

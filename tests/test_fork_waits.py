@@ -226,3 +226,41 @@ def test_the_first_workspace_turns_favordynmods_on(monkeypatch: pytest.MonkeyPat
     finally:
         monkeypatch.setattr(dynmods, "_tried", set())
         dynmods.ensure(base)  # the host as bunshin keeps it
+
+
+def test_a_forked_child_process_reaps_its_own_workspaces() -> None:
+    """A process that forks after using bunshinfork: the child's inits are reaped by a reaper of
+    its own (the copied poll object raised 'concurrent poll() invocation' in the child's reaper
+    thread, so a child's init that died was left a zombie), and its CRIU work (started ahead,
+    reaped off the path) has pools of its own."""
+    script = textwrap.dedent("""
+        import os, signal, time
+        from bunshinfork import Workspace, WorkspaceSpec
+        from bunshinfork.process import criu
+        w = Workspace.create(WorkspaceSpec())
+        w.fork(1)[0].destroy()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                c = Workspace.create(WorkspaceSpec())
+                (k,) = c.fork(1)
+                ok = k.commands.run("echo hi").stdout == "hi\\n"
+                k.destroy()
+                criu.settle(10)
+                init = c.init_pid
+                os.kill(init, signal.SIGKILL)  # dies on its own: only the reaper reaps it
+                deadline = time.monotonic() + 10
+                while os.path.exists(f"/proc/{init}") and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                code = 0 if ok and not os.path.exists(f"/proc/{init}") else 2
+                c.destroy()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        w.destroy()
+        raise SystemExit(os.waitstatus_to_exitcode(status))
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert "concurrent poll()" not in r.stderr

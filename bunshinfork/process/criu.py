@@ -302,6 +302,16 @@ def _reaped(fut: Future[None]) -> None:
         _reaping.discard(fut)
 
 
+def _reaper_after_fork() -> None:
+    # A forked child has none of the pool's threads, and the CRIU being reaped are its parent's.
+    global _reaper, _reaping, _reaping_lock
+    _reaper = ThreadPoolExecutor(max_workers=2, thread_name_prefix="bunshin-criu-reap")
+    _reaping, _reaping_lock = set(), threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reaper_after_fork)
+
+
 def _start_idle(key: prestart.Key) -> Session:
     criu, ksm_merge, die_with_caller, env = key
     return Session(ksm_merge=ksm_merge, env=dict(env), die_with_caller=die_with_caller, criu=criu)

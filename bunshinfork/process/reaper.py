@@ -32,6 +32,18 @@ class _Reaper:
                 self._thread.start()
         os.write(self._wake_w, b"x")
 
+    def after_fork_in_child(self) -> None:
+        """A forked child has no reaper thread, and its copy of the poll object still counts
+        the parent's poll() as running (a new thread's poll() raised 'concurrent poll()
+        invocation'): start afresh, with none of the parent's inits, which are not its children."""
+        for fd in self._fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        with contextlib.suppress(OSError):
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+        self.__init__()  # type: ignore[misc]
+
     def reap_now(self, pid: int) -> None:
         """Reap `pid` if it is our child and has exited; never blocks (a dying pid namespace's
         init can wait on tasks that only some other party can release)."""
@@ -55,3 +67,4 @@ class _Reaper:
 
 
 reaper = _Reaper()
+os.register_at_fork(after_in_child=reaper.after_fork_in_child)
