@@ -37,6 +37,15 @@ def _stocked(n: int = 2) -> set[int]:
     return {s.pid for s in criu.PRESTARTED.idle()}  # type: ignore[attr-defined]
 
 
+def _fork_and_answer(ws: Workspace) -> None:
+    (c,) = ws.fork(1, memory="copy")
+    assert not isinstance(c, Exception), c
+    try:
+        assert c.commands.run("echo hi").stdout == "hi\n"
+    finally:
+        c.destroy()
+
+
 def _alive(pid: int) -> bool:
     try:
         status = Path(f"/proc/{pid}/stat").read_text()
@@ -58,12 +67,7 @@ def test_a_fork_runs_in_criu_started_before_the_call(monkeypatch: pytest.MonkeyP
             return call(self, *a, **k)  # type: ignore[arg-type]
 
         monkeypatch.setattr(criu.Session, "call", recording)
-        (c,) = ws.fork(1, memory="copy")
-        assert not isinstance(c, Exception), c
-        try:
-            assert c.commands.run("echo hi").stdout == "hi\n"
-        finally:
-            c.destroy()
+        _fork_and_answer(ws)
         assert len(used) == 2 and set(used) <= idle, (used, idle)  # the dump's and the restore's
         assert criu.PRESTARTED.stats.hits == hits + 2
 
@@ -75,12 +79,7 @@ def test_an_idle_criu_that_died_is_not_handed_out() -> None:
             os.kill(pid, signal.SIGKILL)
         wait_for(lambda: not any(s.alive() for s in criu.PRESTARTED.idle()), timeout=10)  # type: ignore[attr-defined]
         misses = criu.PRESTARTED.stats.misses
-        (c,) = ws.fork(1, memory="copy")
-        assert not isinstance(c, Exception), c
-        try:
-            assert c.commands.run("echo hi").stdout == "hi\n"
-        finally:
-            c.destroy()
+        _fork_and_answer(ws)
         assert criu.PRESTARTED.stats.misses >= misses + 1
 
 
