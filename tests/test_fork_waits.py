@@ -214,16 +214,16 @@ def test_the_first_workspace_turns_favordynmods_on(monkeypatch: pytest.MonkeyPat
     base = cgroup.cgroup2_root(cgroup.CGROUP_ROOT)
     _clear_favordynmods(base)
     try:
-        monkeypatch.setattr(dynmods, "_tried", set())
+        monkeypatch.setattr(dynmods, "_tried", {})
         monkeypatch.setenv(dynmods.OPT_OUT_ENV, "0")
         with Workspace.create(WorkspaceSpec()):
             assert dynmods.enabled(base) is False  # the host opted out: left as it is
-        monkeypatch.setattr(dynmods, "_tried", set())
+        monkeypatch.setattr(dynmods, "_tried", {})
         monkeypatch.delenv(dynmods.OPT_OUT_ENV)
         with Workspace.create(WorkspaceSpec()):
             assert dynmods.enabled(base) is True
     finally:
-        monkeypatch.setattr(dynmods, "_tried", set())
+        monkeypatch.setattr(dynmods, "_tried", {})
         dynmods.ensure(base)  # the host as bunshin keeps it
 
 

@@ -29,7 +29,7 @@ MOUNT = "/usr/bin/mount"  # util-linux, essential on Debian
 MOUNT_TIMEOUT = 10.0
 
 _lock = threading.Lock()
-_tried: set[str] = set()
+_tried: dict[str, bool] = {}  # mount point -> whether it is on, once this process has looked
 
 
 def enabled(mount_point: Path) -> bool | None:
@@ -48,17 +48,18 @@ def ensure(mount_point: Path) -> bool:
     it is on. Never raises: without it, moves are only slower."""
     key = str(mount_point)
     with _lock:
-        if key in _tried:
-            return bool(enabled(mount_point))
-        _tried.add(key)
-        if os.environ.get(OPT_OUT_ENV, "1") == "0":
-            return bool(enabled(mount_point))
-        try:
-            state = enabled(mount_point)
-            if state is None or state:
-                return bool(state)
-            subprocess.run([MOUNT, "-o", f"remount,{OPTION}", key], stdin=subprocess.DEVNULL,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=MOUNT_TIMEOUT, check=False)
-            return bool(enabled(mount_point))
-        except (OSError, subprocess.SubprocessError):
-            return False
+        if key not in _tried:
+            _tried[key] = _turn_on(mount_point)
+        return _tried[key]
+
+
+def _turn_on(mount_point: Path) -> bool:
+    try:
+        state = enabled(mount_point)
+        if state is None or state or os.environ.get(OPT_OUT_ENV, "1") == "0":
+            return bool(state)
+        subprocess.run([MOUNT, "-o", f"remount,{OPTION}", str(mount_point)], stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=MOUNT_TIMEOUT, check=False)
+        return bool(enabled(mount_point))
+    except (OSError, subprocess.SubprocessError):
+        return False

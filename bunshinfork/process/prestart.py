@@ -101,10 +101,6 @@ class Prestarted:
             with contextlib.suppress(Exception):
                 self._close(s)
 
-    def reopen(self) -> None:
-        with self._cond:
-            self._closed = False
-
     def idle(self) -> list[object]:
         """The sessions waiting now (our children that no request has yet)."""
         with self._cond:
