@@ -63,24 +63,25 @@ def _reset_after_fork() -> None:
 os.register_at_fork(after_in_child=_reset_after_fork)
 
 
+def _context(json_output: bool) -> Any:
+    """The process's context, made on first use, set to the output asked; hold _nft_lock."""
+    global _nft_ctx
+    if _nft_ctx is None:
+        _nft_ctx = nft_module().Nftables()
+    _nft_ctx.set_json_output(json_output)
+    return _nft_ctx
+
+
 def nft_cmd(text: str) -> tuple[int, Any, Any]:
     """Run nft's text commands through the process's context: (rc, output, error)."""
-    global _nft_ctx
     with _nft_lock:
-        if _nft_ctx is None:
-            _nft_ctx = nft_module().Nftables()
-        _nft_ctx.set_json_output(False)
-        return _nft_ctx.cmd(text)
+        return _context(False).cmd(text)
 
 
 def nft_json(commands: list[dict[str, Any]]) -> dict[str, Any]:
     """Run nft's JSON commands; NetworkError with what nft said when it refuses them."""
-    global _nft_ctx
     with _nft_lock:
-        if _nft_ctx is None:
-            _nft_ctx = nft_module().Nftables()
-        _nft_ctx.set_json_output(True)
-        rc, out, err = _nft_ctx.json_cmd({"nftables": commands})
+        rc, out, err = _context(True).json_cmd({"nftables": commands})
     if rc != 0:
         raise NetworkError(
             f"nftables refused {json.dumps(commands)[:200]}: {str(err).strip()}; is nf_tables with "
