@@ -4,7 +4,8 @@ CRIU's leftover temporary does not keep it from being written; a workspace on ne
 is dumped without its network namespace's contents (--empty-ns net, patch 0008) while one on
 a bridge keeps them; the dump's cgroup yard; tmpfs contents dumped without gzip (patch 0009)
 restore, and so do images an unpatched CRIU wrote with gzip; a tmpfs as its mount made it is
-dumped and restored without tar (patch 0010), and one whose root was changed keeps the change."""
+dumped and restored without tar (patch 0010), in a user namespace too, and one whose root was
+changed keeps the change."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import gzip
 import os
 import time
 from pathlib import Path
+
+import pytest
 
 from bunshinfork import Snapshot, Workspace, WorkspaceSpec
 from bunshinfork.process import cgyard, criu
@@ -120,12 +123,21 @@ def _empty_images(snap: Snapshot) -> int:
     return sum(not t.stat().st_size for t in snap.images_dir.glob("tmpfs-dev-*.tar.gz.img"))
 
 
-def test_a_tmpfs_as_its_mount_made_it_is_dumped_without_tar() -> None:
+USERNS = [pytest.param(False, id="root"), pytest.param(True, id="userns")]
+
+
+def _spec(userns: bool) -> WorkspaceSpec:
+    return WorkspaceSpec(rootfs="debian", userns=True) if userns else WorkspaceSpec()
+
+
+@pytest.mark.parametrize("userns", USERNS)
+def test_a_tmpfs_as_its_mount_made_it_is_dumped_without_tar(userns: bool) -> None:
     """A default workspace's five tmpfs: /dev holds its device nodes; /dev/shm, /tmp and the masked
     /proc/acpi and /sys/firmware are empty with the mode and owner their options give a new one.
     Their images are empty (no tar at the dump, none at the restore), and the clone's mounts are
-    as they were: writable where they were, the same modes."""
-    with Workspace.create(WorkspaceSpec()) as ws:
+    as they were: writable where they were, the same modes. In a user namespace the host sees
+    their roots owned by the map's first uid, which the options name as 0 inside."""
+    with Workspace.create(_spec(userns)) as ws:
         snap = ws.snapshot("copy")
         try:
             assert _empty_images(snap) == 4
@@ -141,10 +153,11 @@ def test_a_tmpfs_as_its_mount_made_it_is_dumped_without_tar() -> None:
             snap.release()
 
 
-def test_an_empty_tmpfs_whose_root_changed_keeps_the_change() -> None:
+@pytest.mark.parametrize("userns", USERNS)
+def test_an_empty_tmpfs_whose_root_changed_keeps_the_change(userns: bool) -> None:
     """Empty but chmod-ed or chown-ed since its mount: tar keeps the root's mode and owner, so it
     goes through tar as before."""
-    with Workspace.create(WorkspaceSpec()) as ws:
+    with Workspace.create(_spec(userns)) as ws:
         r = ws.commands.run("chmod 1770 /dev/shm && chown 1000:1001 /tmp")
         assert r.exit_code == 0, r
         snap = ws.snapshot("copy")

@@ -39,7 +39,6 @@ from .nsock import Flow, sysctls_in
 BRIDGE = HOST.bridge
 WS_IFNAME = "eth0"
 HOST_IF_PREFIX = "bn"
-INNER_IF_PREFIX = "bm"  # a userns clone's eth0 until CRIU moves it in (make_clone_pair)
 _HOST_IF = re.compile(r"^bn[0-9a-f]{10}$")
 _WS_ID = re.compile(r"^ws-([0-9a-f]{12})$")
 _ALIAS_TAG = "bunshin"
@@ -472,16 +471,6 @@ def set_egress(ws_id: str, net: NetworkState | None, egress_spec: object) -> Non
             proxies.stop_pids(proxies.pids(ws_id) - old)
             raise
         proxies.stop_pids(old)
-
-
-def make_clone_pair(host_if: str) -> str:
-    """A clone's veth made before its restore, for a clone in a user namespace: `host_if` and
-    an inner end (returned) that CRIU moves into the clone's namespace as eth0. Removing the
-    host end (teardown) removes both."""
-    inner = INNER_IF_PREFIX + host_if.removeprefix(HOST_IF_PREFIX)
-    with IPRoute() as ipr:
-        ipr.link("add", ifname=host_if, kind="veth", peer={"ifname": inner})
-    return inner
 
 
 def clone_link_up(ws_id: str, net: NetworkState) -> None:
