@@ -138,8 +138,8 @@ def test_fork_keeps_internal_closes_external(internet: FakeHost, memory: str, na
 
 
 def test_fork_in_a_user_namespace_is_online(internet: FakeHost) -> None:
-    """A clone in a user namespace (serve's default) gets eth0 as the source had it (CRIU moves
-    in a veth made beforehand: its own veth restore through usernsd fails with EOPNOTSUPP), and
+    """A clone in a user namespace (serve's default) gets eth0 as the source had it (CRIU's
+    usernsd makes it in the clone's namespace: criu/patches/0012), and
     its ICMP sockets (ping_group_range in the map's host gids, which CRIU's dump maps into the
     namespace: the whole-range value failed the restore with EINVAL)."""
     with Workspace.create(rootfs="debian", userns=True, network="bridge", nat=True) as src:
