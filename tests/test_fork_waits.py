@@ -7,7 +7,8 @@
 - CRIU patch 0011: the netfilter socket of a restore's network unlock stays open until CRIU
   exits (releasing it at the unlock waited out an RCU grace period).
 - cgroup2's favordynmods (cgroups/dynmods.py) is turned on by the first workspace, unless the
-  host opted out.
+  host opted out; a loaded snapshot's clones (serve's sandboxes) restore through a host yard
+  (cgyard.host_yard), so their CRIU mounts no cgroup2 of its own, which reset the option.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from pathlib import Path
 import pytest
 from helpers import wait_for
 
-from bunshinfork import Workspace, WorkspaceSpec
+from bunshinfork import Snapshot, Workspace, WorkspaceSpec
 from bunshinfork.cgroups import cgroup, dynmods
-from bunshinfork.process import criu, sessions
+from bunshinfork.process import cgyard, criu, sessions
 
 ROOT = Path(__file__).resolve().parent.parent
 NETLINK_NETFILTER = 12
@@ -225,6 +226,37 @@ def test_the_first_workspace_turns_favordynmods_on(monkeypatch: pytest.MonkeyPat
     finally:
         monkeypatch.setattr(dynmods, "_tried", {})
         dynmods.ensure(base)  # the host as bunshin keeps it
+
+
+def test_a_loaded_snapshots_clone_leaves_favordynmods_on(tmp_path: Path) -> None:
+    """A snapshot loaded from disk has no yard of its own: without the host's, its clone's CRIU
+    made one, and its cgroup2 mount without options cleared favordynmods host-wide (the kernel
+    applies a cgroup2 mount's options to the hierarchy), so every later move waited again."""
+    base = cgroup.cgroup2_root(cgroup.CGROUP_ROOT)
+    if not dynmods.ensure(base):
+        pytest.skip("favordynmods is not on here")
+    with Workspace.create(WorkspaceSpec()) as ws:
+        snap = ws.snapshot("copy")
+        try:
+            saved = snap.save(str(tmp_path / "saved")).result(timeout=120)  # type: ignore[union-attr]
+        finally:
+            snap.release()
+    loaded = Snapshot.load(saved)
+    try:
+        assert cgyard.of(loaded.dir) is None  # nothing written into the saver's directory
+        assert cgyard.of(loaded.dir, loaded.images_dir) == cgyard.host_yard(loaded.images_dir) is not None
+        (c,) = loaded.fork(1)
+        assert not isinstance(c, Exception), c
+        try:
+            log = (c.record.dir / "criu" / "restore.log").read_text(errors="replace")
+            assert f"Opening {cgyard.host_yard(loaded.images_dir)} as cg yard" in log
+            assert "Making controller dir" not in log
+            assert c.id in Path(f"/proc/{c.init_pid}/cgroup").read_text()
+        finally:
+            c.destroy()
+    finally:
+        loaded.release()
+    assert dynmods.enabled(base) is True
 
 
 def test_a_forked_child_process_reaps_its_own_workspaces() -> None:

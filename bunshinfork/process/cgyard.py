@@ -8,10 +8,15 @@ is made once, after the dump, from the hierarchies its images name: a directory 
 where the host already mounts them (no mount of our own, so nothing to leak), reused by every
 clone (CRIU's --cgroup-yard, which then mounts nothing for an entry that exists). Where a
 hierarchy of the images is not mounted here, there is no yard and CRIU makes its own.
+
+A snapshot loaded from disk lives in its saver's directory: its clones use a host yard instead,
+the same symlinks under the state root, one per set of hierarchies, shared by every process.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import io
 import os
 import shutil
@@ -93,7 +98,8 @@ def prepare_dump(snap_dir: Path, init_pid: int) -> Path | None:
     return _make(snap_dir, DUMP_YARD, wanted)
 
 
-def _make(snap_dir: Path, name: str, wanted: list[list[str]]) -> Path | None:
+def _links(wanted: list[list[str]]) -> dict[str, str]:
+    """Each hierarchy's yard entry and where this host mounts it; empty where one is not mounted."""
     mounts = _host_mounts()
     links: dict[str, str] = {}
     for cnames in wanted:
@@ -101,22 +107,76 @@ def _make(snap_dir: Path, name: str, wanted: list[list[str]]) -> Path | None:
         found = [point for opts, point in mounts
                  if (not opts if cnames == [""] else opts and opts >= set(cnames))]
         if not found:
-            return None
+            return {}
         links[_dir_name(cnames)] = found[0]
+    return links
+
+
+def _make(snap_dir: Path, name: str, wanted: list[list[str]]) -> Path | None:
+    links = _links(wanted)
     if not links:
         return None
-    tmp = snap_dir / f".{name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    for entry, point in links.items():
-        # Relative: CRIU reaches the yard through a descriptor also from inside the clone's
-        # new root, where an absolute link would resolve among the clone's own files.
-        os.symlink(os.path.relpath(point, os.path.realpath(snap_dir) + "/" + name), tmp / entry)
-    os.replace(tmp, snap_dir / name)
+    tmp = f".{name}.tmp"
+    shutil.rmtree(snap_dir / tmp, ignore_errors=True)
+    _write(snap_dir, tmp, links, name)
     return snap_dir / name
 
 
-def of(snap_dir: Path) -> Path | None:
-    """The snapshot's yard, if it has one (a snapshot loaded from disk has none)."""
+def _write(parent: Path, tmp: str, links: dict[str, str], name: str) -> None:
+    """The yard `parent/name`, made as `tmp` and renamed into place."""
+    (parent / tmp).mkdir()
+    try:
+        for entry, point in links.items():
+            # Relative: CRIU reaches the yard through a descriptor also from inside the clone's
+            # new root, where an absolute link would resolve among the clone's own files.
+            os.symlink(os.path.relpath(point, os.path.realpath(parent) + "/" + name), parent / tmp / entry)
+        os.replace(parent / tmp, parent / name)
+    except BaseException:
+        shutil.rmtree(parent / tmp, ignore_errors=True)
+        raise
+
+
+def of(snap_dir: Path, images: Path | None = None) -> Path | None:
+    """The snapshot's yard; for one without (a snapshot loaded from disk: its directory is the
+    saver's), given its images, this host's yard for the same hierarchies (host_yard)."""
     yard = snap_dir / YARD
-    return yard if yard.is_dir() else None
+    if yard.is_dir():
+        return yard
+    return host_yard(images) if images is not None else None
+
+
+# Without a yard CRIU mounts every hierarchy itself, and a cgroup2 mount without options resets
+# that hierarchy's root options host-wide (kernel/cgroup/cgroup.c, apply_cgroup_root_flags):
+# favordynmods went off at every restore of a loaded snapshot (serve's sandboxes, resumes), and
+# the next move into a cgroup waited a grace period again (dynmods.py).
+HOST_YARDS = "cgyards"  # under the state root: one yard per set of hierarchies, symlinks only
+_host_yards: dict[tuple[tuple[str, ...], ...], Path | None] = {}
+_host_yards_lock = threading.Lock()
+
+
+def host_yard(images: Path) -> Path | None:
+    """A yard for `images`' hierarchies under this host's state root, made once and shared by
+    every process and snapshot (its name is its content's digest); None where a hierarchy of the
+    images is not mounted here, or they name none."""
+    try:
+        wanted = tuple(tuple(c) for c in _image_hierarchies(images))
+    except (OSError, KeyError, IndexError, ValueError, ImportError):
+        return None
+    with _host_yards_lock:
+        if wanted in _host_yards and (_host_yards[wanted] is None or _host_yards[wanted].is_dir()):
+            return _host_yards[wanted]
+        links = _links([list(c) for c in wanted])
+        yard = None
+        if links:
+            from .. import state
+
+            root = state.RUN_ROOT / HOST_YARDS
+            root.mkdir(parents=True, exist_ok=True)
+            digest = hashlib.sha256(repr(sorted(links.items())).encode()).hexdigest()[:16]
+            yard = root / digest
+            if not yard.is_dir():
+                with contextlib.suppress(FileExistsError, OSError):  # another process made it
+                    _write(root, f"{digest}.{os.getpid()}.{threading.get_ident()}", links, digest)
+            yard = yard if yard.is_dir() else None
+        _host_yards[wanted] = yard
+        return yard

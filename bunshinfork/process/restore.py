@@ -80,7 +80,7 @@ def restore_tree(b: Build) -> int:
 
     try:
         opts = restore_opts(b.source.images, wfd, str(b.root.path), cg.hierarchy_paths(), fresh_net,
-                            cgyard.of(b.source.dir), spec.userns)
+                            cgyard.of(b.source.dir, b.source.images), spec.userns)
         opts.external.extend(b.criu_external)  # eth0's veth (the network part)
         started = time.time()
         try:
