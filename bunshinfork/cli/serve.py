@@ -143,7 +143,12 @@ def run(args: argparse.Namespace) -> int:
     # output goes to terminals, logs and CI transcripts), and the line reads it back.
     shown_key = key if args.api_key_file is None else f'"$(cat {shlex.quote(str(args.api_key_file))})"'
     tls = _tls(args.tls_cert, args.tls_key)
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    # IPPROTO_TCP named, not left 0: asyncio turns Nagle's algorithm off only on a connection whose
+    # socket says it is TCP (base_events._set_nodelay), and an accepted socket takes the listener's.
+    # With it on, every response after a connection's first waited for the client's delayed ACK
+    # between its head and its body: 40 ms on each call an SDK makes over its kept-alive pool.
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM,
+                         socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port if args.port is not None else 443 if tls else 3000))
     host, port = sock.getsockname()[:2]
