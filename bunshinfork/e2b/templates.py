@@ -10,6 +10,7 @@ from typing import Any
 from ..errors import InvalidArgumentException, NotFoundException
 from ..images import templates, warm
 from ..workspace import Workspace
+from .kept import Kept
 from .types import SnapshotInfo
 
 DEFAULT = "base"
@@ -54,8 +55,30 @@ def delete(snapshot_id: str) -> bool:
     d = templates.find(snapshot_id)
     if d is None or d.name != snapshot_id:
         return False
+    if KEPT is not None:
+        KEPT.forget(d)
     shutil.rmtree(d)
     return True
+
+
+# Saved snapshots this process keeps loaded between starts (kept.py): None unless a long-lived
+# process asks for it (keep_loaded); a library's Sandbox.create loads at each start.
+KEPT: Kept | None = None
+
+
+def keep_loaded() -> Kept:
+    """Keep each saved snapshot started from loaded until release_loaded() (bunshin serve)."""
+    global KEPT
+    if KEPT is None:
+        KEPT = Kept()
+    return KEPT
+
+
+def release_loaded() -> None:
+    global KEPT
+    kept, KEPT = KEPT, None
+    if kept is not None:
+        kept.close()
 
 
 def start(template: str | None, lifetime: float, env: dict[str, str], network: dict[str, Any]) -> Workspace:
@@ -63,8 +86,9 @@ def start(template: str | None, lifetime: float, env: dict[str, str], network: d
     its own, and the egress policy of `network`: its network is the snapshot's), or a new
     workspace on the rootfs the template names, with `network` (WorkspaceSpec fields)."""
     # What a template is by its name comes first: no snapshot (whatever names it has) shadows it.
-    if not is_builtin(template) and templates.find(str(template)) is not None:
-        clone = Workspace.from_template(template, timeout=lifetime)
+    if not is_builtin(template) and (saved_dir := templates.find(str(template))) is not None:
+        clone = (KEPT.fork_one(saved_dir, str(template), lifetime) if KEPT is not None
+                 else Workspace.from_template(str(template), timeout=lifetime))
         try:
             if env:
                 clone.update_env(env)

@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from .. import Workspace
 from ..aio import AsyncSandbox
 from ..e2b import lifecycle
+from ..e2b import templates as e2b_templates
 from ..errors import BunshinError
 from . import authority, envd, ports
 from .allow import TemplatePolicy
@@ -62,6 +63,8 @@ class Server:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        # Each snapshot a sandbox starts from stays loaded while the server runs (e2b/kept.py).
+        e2b_templates.keep_loaded()
         await self.recover()
         if self.on_ready is not None:
             self.on_ready()
@@ -95,6 +98,7 @@ class Server:
                     await self.rest.kill_entry(e)
         for t in list(self._tasks):
             t.cancel()
+        await asyncio.to_thread(e2b_templates.release_loaded)
 
     # ---- deadlines ----
 
