@@ -347,10 +347,12 @@ class Workspace:
         """Replace the workspace's egress policy while it runs (WorkspaceSpec.egress's forms;
         None: all allowed). Connections already open keep going; new ones meet the new rules.
         Forks made from now on inherit it; those made before keep theirs. SpecError for a bad
-        policy, before anything changes."""
+        policy, before anything changes. The policy in force already changes nothing."""
         self.live_init_pid()
         _fresh_egress(self._rec)
         spec = dataclasses.replace(self._rec.spec, egress=egress).validate()
+        if spec.egress == self._rec.spec.egress:
+            return  # in force already (a clone given its snapshot's policy): no rule to rewrite
         set_egress(self.id, self._rec.network, spec.egress)
         self._rec.spec = dataclasses.replace(self._rec.spec, egress=spec.egress)
         self._rec.save()

@@ -304,6 +304,21 @@ def test_egress_policy_holds_between_ports_with_bridge_rules_alone() -> None:
             server.kill()
 
 
+def test_the_policy_in_force_is_not_rewritten(monkeypatch: pytest.MonkeyPatch) -> None:
+    """set_egress with the policy a workspace has (a clone given its snapshot's, serve's every
+    create) rewrites no rule; another policy is installed."""
+    import bunshinfork.workspace as workspace_mod
+
+    calls: list[object] = []
+    real = workspace_mod.set_egress
+    monkeypatch.setattr(workspace_mod, "set_egress", lambda *a: (calls.append(a[2]), real(*a)))
+    with Workspace.create(network="bridge", egress="closed") as a:
+        a.set_egress("closed")
+        assert calls == []
+        a.set_egress(None)
+        assert len(calls) == 1 and a.info().egress is None
+
+
 def _drop_ip_family_egress(egress: Any, ws_id: str) -> None:
     from bunshinfork.network.nat import nft_json
 
