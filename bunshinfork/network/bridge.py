@@ -433,6 +433,8 @@ def setup_clone(ws_id: str, source: NetworkState, flows: list[Flow], egress_spec
             if result.nat:
                 ensure_nat(net)
             clones.install(ws_id, host_if, result, net, flows)
+            assert result.zone is not None
+            clones.rule_up(result.zone)
             guard.install(guard.Guard(ws_id, host_if, source.ip, net, None, None, block_private, isolated))
             if (policy := _policy(egress_spec)) is not None:
                 # The clone's own proxy (its own port: the clones' connections, one inside
@@ -441,6 +443,8 @@ def setup_clone(ws_id: str, source: NetworkState, flows: list[Flow], egress_spec
         except BaseException:
             with contextlib.suppress(Exception):
                 clones.remove({ws_id})
+            with contextlib.suppress(Exception):
+                clones.rules_down({result.zone} if result.zone else set())
             with contextlib.suppress(Exception):
                 guard.remove({ws_id})
             with contextlib.suppress(Exception):

@@ -204,23 +204,32 @@ def link_up(host_if: str, alias: str, net: NetworkState) -> None:
     assert net.zone is not None and net.gateway is not None
     m = mark(net.zone)
     try:
+        idx = socket.if_nametoindex(host_if)  # an ioctl, where a netlink lookup dumps every link
+    except OSError:
+        raise NetworkError(f"the clone's veth {host_if} is missing after its restore") from None
+    try:
         with IPRoute() as ipr:
-            found = ipr.link_lookup(ifname=host_if)
-            if not found:
-                raise NetworkError(f"the clone's veth {host_if} is missing after its restore")
-            idx = found[0]
-            ipr.link("set", index=idx, ifalias=alias)
             _sysctl(host_if, "proxy_arp", "1")
             _sysctl(host_if, "rp_filter", "0")
             # Before it goes up: no link-local address, a host address no IPv4 rule covers.
             with contextlib.suppress(FileNotFoundError):
                 Path(f"/proc/sys/net/ipv6/conf/{host_if}/disable_ipv6").write_text("1")
             ipr.addr("add", index=idx, address=net.gateway, prefixlen=32)
-            ipr.link("set", index=idx, state="up")
+            ipr.link("set", index=idx, ifalias=alias, state="up")
             ipr.route("add", dst="0.0.0.0/0", oif=idx, table=m)
-            ipr.rule("add", family=socket.AF_INET, priority=RULE_PRIORITY, fwmark=m, table=m)
     except NetlinkError as e:
         raise NetworkError(f"cannot route the clone's link {host_if}: {e}; run 'bunshin gc'") from e
+
+
+def rule_up(zone: int) -> None:
+    """The ip rule sending the clone's marked replies to its own table, made before its restore:
+    it names no device, and every step taken then is one fewer while the clone's tasks wait."""
+    m = mark(zone)
+    try:
+        with IPRoute() as ipr:
+            ipr.rule("add", family=socket.AF_INET, priority=RULE_PRIORITY, fwmark=m, table=m)
+    except NetlinkError as e:
+        raise NetworkError(f"cannot add the clone's ip rule for zone {zone}: {e}; run 'bunshin gc'") from e
 
 
 def rules_down(zones: set[int] | None = None, keep: set[int] | None = None) -> list[str]:
