@@ -10,12 +10,17 @@ never carried, with the ip tool or without it."""
 from __future__ import annotations
 
 import re
+import struct
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from bunshinfork import Snapshot, Workspace, state
+from bunshinfork.errors import ForkError
 
 USERNS = [pytest.param(False, id="root"), pytest.param(True, id="userns")]
 
@@ -91,3 +96,53 @@ def test_a_sources_own_rules_and_legacy_iptables_are_restored_by_their_tools(sou
             assert "iptables-legacy-restore" in log
         finally:
             c.destroy()
+
+
+@pytest.fixture(scope="module")
+def saved_bridged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    with Workspace.create(network="bridge", nat=True) as ws:
+        snap = ws.snapshot("copy")
+        try:
+            path = Path(snap.save(str(tmp_path_factory.mktemp("bridged") / "s")).result(timeout=120))  # type: ignore[union-attr]
+        finally:
+            snap.release()
+    yield path
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(image=st.sampled_from(["ifaddr", "route", "rule"]),
+       magic=st.sampled_from([0x47361222, 0x45311224, 0x71706986, 0]),
+       body=st.binary(max_size=256))
+def test_a_snapshots_forged_ip_dump_is_refused_or_restored_inside_its_clone(
+        saved_bridged: Path, image: str, magic: int, body: bytes) -> None:
+    """A snapshot is untrusted: its ip dumps, replayed by CRIU itself now, are forged here (any
+    magic, any bytes after it). The clone is made or refused with a ForkError, nothing is left
+    behind (the leak census), and what was replayed stayed inside the clone's namespace: the
+    host's addresses, routes and rules are as they were."""
+    (f,) = (saved_bridged / "images").glob(f"{image}-*.img")
+    original = f.read_bytes()
+    host = _host_net()
+    f.write_bytes(struct.pack("I", magic) + body)
+    try:
+        loaded = Snapshot.load(saved_bridged)
+        try:
+            (c,) = loaded.fork(1)
+            if isinstance(c, Exception):
+                assert isinstance(c, ForkError), c
+            else:
+                c.destroy()
+        finally:
+            loaded.release()
+    finally:
+        f.write_bytes(original)
+    assert _host_net() == host
+
+
+def _host_net() -> tuple[set[tuple[str, str]], set[str], list[str]]:
+    """The host's addresses (by device), routes and rules; not what changes by itself (address
+    lifetimes, a bridge's carrier)."""
+    def ip(*argv: str) -> list[str]:
+        return subprocess.run(["ip", *argv], capture_output=True, text=True, timeout=10).stdout.splitlines()
+    addrs = {(ln.split()[1], ln.split()[3]) for ln in ip("-o", "addr", "show")}
+    routes = {ln.replace(" linkdown", "") for ln in ip("route", "show", "table", "all")}
+    return addrs, routes, ip("rule", "show")
