@@ -259,6 +259,15 @@ def test_a_loaded_snapshots_clone_leaves_favordynmods_on(tmp_path: Path) -> None
     assert dynmods.enabled(base) is True
 
 
+def test_a_host_yard_links_only_hierarchies() -> None:
+    """A loaded snapshot's images are not ours: a name in its cgroup image that is a mount
+    option (`rw`) or a path passes for no hierarchy, and gives no yard (CRIU makes its own)."""
+    assert cgyard._links([["rw"]]) == {} and cgyard._links([["name=../x"]]) == {}
+    mounted = [c for c in ("pids", "memory", "cpu") if any(c in o for o, _ in cgyard._host_mounts())]
+    if mounted:
+        assert cgyard._links([[mounted[0]]])
+
+
 def test_a_forked_child_process_reaps_its_own_workspaces() -> None:
     """A process that forks after using bunshinfork: the child's inits are reaped by a reaper of
     its own (the copied poll object raised 'concurrent poll() invocation' in the child's reaper

@@ -20,7 +20,7 @@ from pathlib import Path
 from ..errors import BunshinError, TemplateNotFound, WarmTemplateError
 from ..workspace import Snapshot, Workspace
 
-CAPACITY = 8  # loaded snapshots kept; each holds a reflinked copy of its layer and open nothing
+CAPACITY = 8  # loaded snapshots kept; each holds a reflinked copy of its layer, and keeps nothing open
 
 
 @dataclass

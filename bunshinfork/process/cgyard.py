@@ -98,8 +98,22 @@ def prepare_dump(snap_dir: Path, init_pid: int) -> Path | None:
     return _make(snap_dir, DUMP_YARD, wanted)
 
 
+def _controllers() -> set[str]:
+    """The kernel's cgroup controllers (/proc/cgroups)."""
+    try:
+        rows = Path("/proc/cgroups").read_text().splitlines()
+    except OSError:
+        return set()
+    return {r.split()[0] for r in rows if r and not r.startswith("#")}
+
+
 def _links(wanted: list[list[str]]) -> dict[str, str]:
-    """Each hierarchy's yard entry and where this host mounts it; empty where one is not mounted."""
+    """Each hierarchy's yard entry and where this host mounts it; empty where one is not mounted,
+    or where a name is none a hierarchy can have (a loaded snapshot's images are not ours: a
+    mount option such as `rw` must not pass for a controller)."""
+    known = _controllers()
+    if any(n and n not in known and not (n.startswith("name=") and "/" not in n) for c in wanted for n in c):
+        return {}
     mounts = _host_mounts()
     links: dict[str, str] = {}
     for cnames in wanted:
