@@ -434,7 +434,7 @@ def setup_clone(ws_id: str, source: NetworkState, flows: list[Flow], egress_spec
                 ensure_nat(net)
             clones.install(ws_id, host_if, result, net, flows)
             assert result.zone is not None
-            clones.rule_up(result.zone)
+            clones.rule_up(ipr, result.zone)  # the socket setup_clone holds
             guard.install(guard.Guard(ws_id, host_if, source.ip, net, None, None, block_private, isolated))
             if (policy := _policy(egress_spec)) is not None:
                 # The clone's own proxy (its own port: the clones' connections, one inside

@@ -221,13 +221,12 @@ def link_up(host_if: str, alias: str, net: NetworkState) -> None:
         raise NetworkError(f"cannot route the clone's link {host_if}: {e}; run 'bunshin gc'") from e
 
 
-def rule_up(zone: int) -> None:
+def rule_up(ipr: IPRoute, zone: int) -> None:
     """The ip rule sending the clone's marked replies to its own table, made before its restore:
     it names no device, and every step taken then is one fewer while the clone's tasks wait."""
     m = mark(zone)
     try:
-        with IPRoute() as ipr:
-            ipr.rule("add", family=socket.AF_INET, priority=RULE_PRIORITY, fwmark=m, table=m)
+        ipr.rule("add", family=socket.AF_INET, priority=RULE_PRIORITY, fwmark=m, table=m)
     except NetlinkError as e:
         raise NetworkError(f"cannot add the clone's ip rule for zone {zone}: {e}; run 'bunshin gc'") from e
 
