@@ -59,3 +59,7 @@ int bn_inject_syscall(int pid, long nr, long a1, long a2, long a3, int timeout_m
  * `page` bytes at a and b; out[i] is 1 where page i is equal, else 0. Returns how many
  * are equal. */
 size_t bn_pages_equal(const unsigned char *a, const unsigned char *b, size_t n, size_t page, unsigned char *out);
+
+/* Runs of pages to dump in a pagemap slice (csrc/pages.c): present or swapped, not the zero
+ * page; (first page, count) pairs into runs, at most max_runs; returns how many. */
+size_t bn_pagemap_runs(const uint64_t *pm, size_t n, uint64_t zero_pfn, uint64_t *runs, size_t max_runs);

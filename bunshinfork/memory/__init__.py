@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..contract import Build, Capture, Captured, Check, Held, Part
 from ..errors import KernelFeatureError, SpecError
-from . import ksm
+from . import ksm, late
 from .engines import ENGINES, Engine, best
 
 __all__ = ["ENGINES", "MemoryPart", "for_fork", "for_images", "resolve"]
@@ -108,6 +108,8 @@ class MemoryPart(Part):
 
     def before_freeze(self, c: Capture) -> None:
         engine(c.snap).before_freeze(c)
+        if engine(c.snap).kind == "image":
+            late.plan(c)  # a large source's pages written after the thaw
 
     def capture(self, c: Capture) -> None:
         engine(c.snap).capture(c)
@@ -118,6 +120,7 @@ class MemoryPart(Part):
 
     def release(self, held: Held) -> None:
         if isinstance(held, Captured):
+            late.release(held)
             engine(held).release(held)
 
     def gc(self) -> list[str]:

@@ -56,6 +56,34 @@ class Holder:
             _kill_holder(self.parent, self.child, self.child_ns, _Budget(None))
             self.child = 0
 
+    def release_running(self) -> None:
+        """Kill and reap a holder process whose parent runs again: the parent's leader alone is
+        stopped (ptrace), for the injected wait4, and let go. A parent that exited meanwhile left
+        the holder to the namespace's init, which reaps it."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if not self.child:
+            return
+        budget = _Budget(None)
+        try:
+            native.ptrace_seize(self.parent)
+        except ProcessLookupError:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.child, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(self.child, WALL)
+            self.child = 0
+            return
+        try:
+            budget.call("waiting for the ptrace stop of", self.parent,
+                        lambda t: native.ptrace_wait_stop(self.parent, t))
+            _kill_holder(self.parent, self.child, self.child_ns, budget)
+            self.child = 0
+        finally:
+            with contextlib.suppress(OSError):
+                native.ptrace_detach(self.parent)
+
 
 class _Budget:
     """Per-call timeouts: the `inject` deadline, cut to what is left of an overall one."""
@@ -128,8 +156,9 @@ def _kill_holder(parent: int, child: int, child_ns: int, budget: _Budget) -> Non
 def take(leaders: Iterable[int], keep_processes: bool = False, until: float | None = None) -> list[Holder]:
     """Make a holder for each process in `leaders` (thread-group leaders, all already stopped
     by ptrace through seize_all). With the module and keep_processes False, each holder is
-    turned into a descriptor and its process killed and reaped at once. Every injected syscall
-    has the `inject` deadline, and none starts after `until` (time.monotonic())."""
+    turned into a descriptor and its process killed and reaped at once; a kept holder process
+    ends with release_running() once its parent runs again. Every injected syscall has the
+    `inject` deadline, and none starts after `until` (time.monotonic())."""
     holders = []
     budget = _Budget(until)
     use_module = cow.available() and not keep_processes
@@ -180,21 +209,23 @@ def ns_pid(host_pid: int) -> int:
 
 
 def capture_tree(pids: list[int], freeze: Callable[[], None], thaw: Callable[[], None],
-                 until: float | None = None) -> dict[int, Holder]:
+                 until: float | None = None, hold: Iterable[int] | None = None,
+                 keep_processes: bool = False) -> dict[int, Holder]:
     """Holders for every process of a frozen tree, keyed by pid inside its namespace.
 
     The tree is frozen on entry and on return. Every thread is seized while frozen; a thaw
     lets them reach their ptrace stop (no user code runs: the interrupt is taken on the way
     back to user space); holders are forked and, with the module, turned into descriptors;
     the tree is frozen again before the threads are detached into the freezer. Each step has
-    the `inject` deadline and none starts after `until` (DeadlineExceeded).
+    the `inject` deadline and none starts after `until` (DeadlineExceeded). `hold`: the
+    processes (host pids) to make holders for, where not all of `pids`; every one is stopped.
     """
     tids = seize_all(pids)
     out: dict[int, Holder] = {}
     try:
         thaw()
         wait_all(tids, until)
-        for h in take(pids, until=until):
+        for h in take(pids if hold is None else list(hold), keep_processes=keep_processes, until=until):
             out[ns_pid(h.parent)] = h
         freeze()
     except BaseException:

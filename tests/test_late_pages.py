@@ -1,0 +1,132 @@
+"""A large source's anonymous pages are written after it resumes (bunshinfork/memory/late.py):
+its clone still gets the memory exactly as it was at the dump, while the source rewrites it;
+a process with MADV_DONTFORK memory (which a holder would not have) and one with
+MADV_WIPEONFORK memory are carried as a plain dump carries them; no holder outlives the fork.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import pytest
+from fork_support import forked
+from helpers import wait_for
+
+from bunshinfork import Workspace
+from bunshinfork.cgroups import Cgroup
+from bunshinfork.memory import late
+
+MIB = 1 << 20
+RESULT = "/root/late-result.json"
+READY = "/root/late-ready"
+# A writer that sweeps its 48 MiB buffer without end, stamping each page's first 8 bytes with
+# the sweep's number. At any instant the stamps read g+1 on a prefix and g after it. Once it
+# finds itself in a clone (a new time namespace), it ends the sweep it is in and records the
+# stamps: one number everywhere, unless the clone's memory was read at more than one instant.
+# A second process keeps 8 MiB of MADV_DONTFORK and 1 MiB of MADV_WIPEONFORK memory filled with
+# a pattern, beside 8 MiB of plain memory (large enough to be held, were it not for DONTFORK).
+WRITER = f"""
+import os, time
+N = 48 << 20
+P = 4096
+b = bytearray(os.urandom(N))
+ns = os.readlink('/proc/self/ns/time')
+open('{READY}-w', 'w').close()
+g = 0
+while True:
+    g += 1
+    stamp = g.to_bytes(8, 'little')
+    for off in range(0, N, P):
+        b[off:off + 8] = stamp
+    if os.readlink('/proc/self/ns/time') != ns:
+        stamps = sorted({{int.from_bytes(b[o:o + 8], 'little') for o in range(0, N, P)}})
+        open('{RESULT}.tmp', 'w').write(repr(stamps[:20]) + ' ' + str(len(stamps)))
+        os.rename('{RESULT}.tmp', '{RESULT}')
+        while True:
+            time.sleep(3600)
+"""
+KEEPER = f"""
+import ctypes, json, mmap, os, time
+N = 8 << 20
+PATTERN = (bytes(range(1, 256)) * (N // 255 + 1))[:N]
+plain = bytearray(os.urandom(N))
+dontfork = mmap.mmap(-1, N, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+dontfork.madvise(mmap.MADV_DONTFORK)
+dontfork[:] = PATTERN
+wipe = mmap.mmap(-1, 1 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+wipe.madvise(18)  # MADV_WIPEONFORK (not in mmap before 3.12)
+wipe[:] = PATTERN[:1 << 20]
+digest = hash(bytes(plain))
+ns = os.readlink('/proc/self/ns/time')
+open('{READY}-k', 'w').close()
+while os.readlink('/proc/self/ns/time') == ns:
+    time.sleep(0.01)
+out = {{"dontfork": dontfork[:] == PATTERN, "wipe_zero": wipe[:] == bytes(1 << 20),
+        "plain": hash(bytes(plain)) == digest}}
+open('{RESULT}-k.tmp', 'w').write(json.dumps(out))
+os.rename('{RESULT}-k.tmp', '{RESULT}-k')
+while True:
+    time.sleep(3600)
+"""
+
+
+def processes(ws: Workspace) -> list[tuple[str, str]]:
+    """(state, command) of every process in the workspace but the ps that lists them."""
+    out = str(ws.commands.run(["ps", "-eo", "stat=,args="]).stdout)
+    return sorted(((line.split(None, 1)[0][0], line.split(None, 1)[1]) for line in out.splitlines()
+                   if line.split() and "ps -eo" not in line), key=lambda p: p[1])
+
+
+@pytest.fixture(params=["root", "userns"])
+def source(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[Workspace]:
+    monkeypatch.setenv(late.MIN_ENV, "32")
+    spec = {"rootfs": "debian", "userns": True} if request.param == "userns" else {}
+    with Workspace.create(**spec) as ws:
+        ws.files.write("/root/writer.py", WRITER)
+        ws.files.write("/root/keeper.py", KEEPER)
+        ws.commands.run("exec python3 /root/writer.py", background=True)
+        ws.commands.run("exec python3 /root/keeper.py", background=True)
+        wait_for(lambda: ws.files.exists(f"{READY}-w") and ws.files.exists(f"{READY}-k"), timeout=60)
+        yield ws
+
+
+@pytest.mark.parametrize("engine", ["copy", "ksm"])
+def test_a_clone_gets_the_memory_as_dumped_while_the_source_rewrites_it(source: Workspace, engine: str) -> None:
+    before = processes(source)
+    clone = forked(source.fork(1, engine))[0]
+    try:
+        wait_for(lambda: clone.files.exists(RESULT) and clone.files.exists(f"{RESULT}-k"), timeout=60)
+        stamps, distinct = str(clone.files.read(RESULT)).split(" ")
+        assert distinct == "1", f"the clone's buffer holds stamps of several sweeps: {stamps}"
+        assert json.loads(str(clone.files.read(f"{RESULT}-k"))) == {"dontfork": True, "wipe_zero": True,
+                                                                     "plain": True}
+        timings = clone.info().timings
+        # The pages were written late: holders were made, and most pages came from them.
+        assert timings.get("snapshot.holders", 0) > 0, timings
+        assert not source.files.exists(RESULT)  # the source never saw itself as a clone
+    finally:
+        clone.destroy()
+    # No holder left: the same processes, none stopped or traced (t, T) and no zombie (Z).
+    after = processes(source)
+    assert [cmd for _, cmd in after] == [cmd for _, cmd in before]
+    assert not [p for p in after if p[0] in "tTZ"], after
+    assert source.record.cgroups is not None
+    for pid in Cgroup(source.record.cgroups).pids():
+        status = open(f"/proc/{pid}/status").read()
+        assert "TracerPid:\t0" in status, status
+
+
+def test_a_small_source_is_dumped_as_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(late.MIN_ENV, "off")
+    assert late.min_bytes() is None
+    monkeypatch.setenv(late.MIN_ENV, "")
+    assert late.min_bytes() == late.DEFAULT_MIN
+    with Workspace.create() as ws:
+        clone = forked(ws.fork(1))[0]
+        try:
+            assert "snapshot.holders" not in clone.info().timings
+        finally:
+            clone.destroy()
+    assert os.environ.get(late.MIN_ENV) == ""
