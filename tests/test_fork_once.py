@@ -44,10 +44,13 @@ def _restore_log(ws: Workspace) -> str:
     return (state.RUN_ROOT / ws.id / "criu" / "restore.log").read_text(errors="replace")
 
 
-def test_the_cgroup_yard_is_made_once_per_snapshot(src: Workspace) -> None:
-    with src.snapshot("copy") as snap, fork_of(snap, 2) as clones:
-        yard = cgyard.of(snap.dir)
-        assert yard is not None and "cgyard" in snap.timing.stages
+def test_one_cgroup_yard_serves_every_snapshot_of_the_host(src: Workspace) -> None:
+    with src.snapshot("copy") as snap, src.snapshot("copy") as second, fork_of(snap, 2) as clones:
+        # Nothing is made per snapshot (no stage after the thaw): the host's yard serves both.
+        yard = cgyard.of(snap.dir, snap.images_dir)
+        assert yard is not None and yard == cgyard.of(second.dir, second.images_dir)
+        assert yard.parent.name == cgyard.HOST_YARDS and not (snap.dir / cgyard.YARD).exists()
+        assert "cgyard" not in snap.timing.stages
         for c in clones:
             log = _restore_log(c)
             # Each clone's CRIU used the snapshot's yard and mounted no hierarchy of its own ...

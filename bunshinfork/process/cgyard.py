@@ -1,16 +1,18 @@
-"""A snapshot's cgroup yard: the host's cgroup hierarchies as CRIU's restore wants to find them.
+"""Cgroup yards: the host's cgroup hierarchies as CRIU wants to find them.
 
-CRIU's restore (--manage-cgroups) works on the cgroup hierarchies through a "yard": a directory
-with one entry per hierarchy of the images, named after its controllers. Given none, each
-restore makes one itself, mounting every hierarchy afresh (ten mounts here, the cgroup2 one
-alone 9 ms) and unmounting them at the end: per clone, the same every time. A snapshot's yard
-is made once, after the dump, from the hierarchies its images name: a directory of symlinks to
-where the host already mounts them (no mount of our own, so nothing to leak), reused by every
-clone (CRIU's --cgroup-yard, which then mounts nothing for an entry that exists). Where a
-hierarchy of the images is not mounted here, there is no yard and CRIU makes its own.
+CRIU's dump and restore (--manage-cgroups) work on the cgroup hierarchies through a "yard": a
+directory with one entry per hierarchy, named after its controllers. Given none, each CRIU
+makes one itself, mounting every hierarchy afresh (ten mounts here, the cgroup2 one alone 9 ms)
+and unmounting them at the end; and a cgroup2 mount without options resets favordynmods
+host-wide (below). A yard here is a directory of symlinks to where the host already mounts the
+hierarchies (no mount of our own, so nothing to leak); CRIU's --cgroup-yard then mounts nothing
+for an entry that exists. Where a hierarchy is not mounted here, there is no yard and CRIU
+makes its own.
 
-A snapshot loaded from disk lives in its saver's directory: its clones use a host yard instead,
-the same symlinks under the state root, one per set of hierarchies, shared by every process.
+Restores use a host yard (host_yard): one per set of hierarchies under the state root, made
+once and shared by every process and snapshot, retained or loaded. A dump's yard is made before
+the freeze from the source init's hierarchies (prepare_dump). Snapshots taken before host yards
+existed have their own (YARD), which of() still finds.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import shutil
 import threading
 from pathlib import Path
 
-YARD = "cgyard"  # in the snapshot's directory
+YARD = "cgyard"  # a snapshot's own, in its directory (made by earlier versions)
 DUMP_YARD = "cgyard-dump"  # the dump's, beside it (prepare_dump)
 
 
@@ -72,16 +74,6 @@ def _host_mounts() -> list[tuple[frozenset[str], str]]:
         opts = frozenset() if tail[0] == "cgroup2" else frozenset(tail[2].split(","))
         out.append((opts, fields[4].replace("\\040", " ")))
     return out
-
-
-def prepare(snap_dir: Path, images: Path) -> Path | None:
-    """Make the snapshot's yard; None (and no yard) where some hierarchy of its images is not
-    mounted on this host, or its images name none."""
-    try:
-        wanted = _image_hierarchies(images)
-    except (OSError, KeyError, IndexError, ValueError, ImportError):
-        return None
-    return _make(snap_dir, YARD, wanted)
 
 
 def prepare_dump(snap_dir: Path, init_pid: int) -> Path | None:
@@ -151,8 +143,8 @@ def _write(parent: Path, tmp: str, links: dict[str, str], name: str) -> None:
 
 
 def of(snap_dir: Path, images: Path | None = None) -> Path | None:
-    """The snapshot's yard; for one without (a snapshot loaded from disk: its directory is the
-    saver's), given its images, this host's yard for the same hierarchies (host_yard)."""
+    """The yard a restore of the snapshot uses: its own where an earlier version made one, else,
+    given its images, this host's yard for their hierarchies (host_yard)."""
     yard = snap_dir / YARD
     if yard.is_dir():
         return yard

@@ -107,16 +107,10 @@ def dump_tree(c: Capture) -> None:
         step()
     # Image fix-ups need not hold the source frozen, nor what every clone's restore reuses.
     c.after_thaw.append(lambda: rearm_expired_timerfds(images))
-    c.after_thaw.append(lambda: _prepare_yard(c))
     if c.delta and c.dedupe:
         c.after_thaw.append(lambda: _dedupe(c, lineage))
     else:
         _record_parent(c)
-
-
-def _prepare_yard(c: Capture) -> None:
-    with c.stage("cgyard"):
-        cgyard.prepare(c.snap.dir, c.snap.images)
 
 
 def _tracked_candidate(c: Capture, lineage: Lineage) -> bool:
