@@ -17,6 +17,7 @@ from helpers import wait_for
 
 from bunshinfork import Workspace
 from bunshinfork.cgroups import Cgroup
+from bunshinfork.errors import ForkError
 from bunshinfork.memory import late
 from bunshinfork.process import criu
 
@@ -134,3 +135,83 @@ def test_a_small_source_is_dumped_as_before(monkeypatch: pytest.MonkeyPatch) -> 
         finally:
             clone.destroy()
     assert os.environ.get(late.MIN_ENV) == ""
+
+
+KILLER = """
+import os, signal, time
+# Kills every process it sees stopped under a tracer (state t) that is a copy of its parent (the
+# same command line): a holder, from inside.
+def cmdline(pid):
+    return open(f'/proc/{pid}/cmdline', 'rb').read()
+
+while True:
+    for pid in os.listdir('/proc'):
+        if pid.isdigit():
+            try:
+                fields = open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()
+                if fields[0] == 't' and cmdline(pid) == cmdline(fields[1]):
+                    os.kill(int(pid), signal.SIGKILL)
+            except OSError:
+                pass
+    time.sleep(0.001)
+"""
+
+
+@pytest.mark.skipif(criu.dirty_tracking(), reason="the kernel tracks dirty pages: no late pages")
+def test_a_workspace_that_kills_its_holders_gets_a_fork_error_and_loses_nothing(source: Workspace) -> None:
+    """Code in the workspace sees its holders (stopped, traced) and kills them: the fork fails with
+    a typed error or, where the killer was too late, succeeds whole; the source runs on, and no
+    holder, zombie or tracer is left behind."""
+    source.files.write("/root/killer.py", KILLER)
+    source.commands.run("exec python3 /root/killer.py", background=True)
+    before = [cmd for _, cmd in processes(source)]
+    outcomes = []
+    for _ in range(3):
+        try:
+            clone = forked(source.fork(1, "copy"))[0]
+        except (ForkError, AssertionError) as e:
+            outcomes.append(type(e).__name__)
+            continue
+        try:
+            wait_for(lambda c=clone: c.files.exists(RESULT), timeout=60)
+            assert str(clone.files.read(RESULT)).split(" ")[1] == "1"
+            outcomes.append("clone")
+        finally:
+            clone.destroy()
+    assert source.is_running()
+    after = processes(source)
+    assert [cmd for _, cmd in after] == before, outcomes
+    assert not [p for p in after if p[0] in "tTZ"], after
+    assert source.record.cgroups is not None
+    for pid in Cgroup(source.record.cgroups).pids():
+        assert "TracerPid:\t0" in Path(f"/proc/{pid}/status").read_text()
+
+
+@pytest.mark.parametrize("parent", ["lives", "dies"])
+def test_a_holder_ends_without_a_trace_whether_its_parent_lives_or_died(parent: str) -> None:
+    """release_running(): a kept holder is killed and reaped with its parent running again, and
+    where the parent died meanwhile (the holder then belongs to the namespace's init)."""
+    from bunshinfork.memory import holders
+
+    with Workspace.create() as ws:
+        ws.commands.run("exec sleep 600", background=True)
+        assert ws.record.cgroups is not None
+        cg = Cgroup(ws.record.cgroups)
+        wait_for(lambda: any(Path(f"/proc/{p}/comm").read_text().strip() == "sleep" for p in cg.pids()))
+        sleeper = next(p for p in cg.pids() if Path(f"/proc/{p}/comm").read_text().strip() == "sleep")
+        cg.freeze()
+        try:
+            hs = holders.capture_tree(cg.pids(), cg.freeze, cg.thaw, hold=[sleeper], keep_processes=True)
+        finally:
+            cg.thaw()
+        (h,) = hs.values()
+        assert h.child and Path(f"/proc/{h.child}/status").exists()
+        if parent == "dies":
+            os.kill(sleeper, 9)
+            wait_for(lambda: not Path(f"/proc/{sleeper}").exists())  # reaped by its command's init
+        child = h.child
+        h.release_running()
+        wait_for(lambda: not Path(f"/proc/{child}").exists(), timeout=10)
+        left = processes(ws)
+        assert not [p for p in left if p[0] in "tTZ"], left
+        assert ("S", "sleep 600") in left if parent == "lives" else all("sleep" not in c for _, c in left)

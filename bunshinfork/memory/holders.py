@@ -58,31 +58,43 @@ class Holder:
 
     def release_running(self) -> None:
         """Kill and reap a holder process whose parent runs again: the parent's leader alone is
-        stopped (ptrace), for the injected wait4, and let go. A parent that exited meanwhile left
-        the holder to the namespace's init, which reaps it."""
+        stopped (ptrace), for the injected wait4, and let go. Where the parent has died (before
+        or while we stop it), the holder was handed to the namespace's init with a SIGCHLD
+        exit signal: once we have seen it die as its tracer, that init reaps it."""
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
         if not self.child:
             return
         budget = _Budget(None)
+        seized = True
         try:
-            native.ptrace_seize(self.parent)
-        except ProcessLookupError:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.child, signal.SIGKILL)
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(self.child, WALL)
-            self.child = 0
-            return
-        try:
-            budget.call("waiting for the ptrace stop of", self.parent,
-                        lambda t: native.ptrace_wait_stop(self.parent, t))
-            _kill_holder(self.parent, self.child, self.child_ns, budget)
-            self.child = 0
+            try:
+                native.ptrace_seize(self.parent)
+                budget.call("waiting for the ptrace stop of", self.parent,
+                            lambda t: native.ptrace_wait_stop(self.parent, t))
+            except ProcessLookupError:
+                seized = False
+            if seized:
+                _kill_holder(self.parent, self.child, self.child_ns, budget)
+            else:
+                self._end_unreaped()
+        except BaseException:
+            # Never leave it alive (a parent traced by someone else refuses our seize): dead, a
+            # holder with exit signal 0 stays a zombie of a live parent until it waits with __WALL.
+            self._end_unreaped()
+            raise
         finally:
-            with contextlib.suppress(OSError):
-                native.ptrace_detach(self.parent)
+            if seized:
+                with contextlib.suppress(OSError):
+                    native.ptrace_detach(self.parent)
+
+    def _end_unreaped(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.child, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.child, WALL)
+        self.child = 0
 
 
 class _Budget:

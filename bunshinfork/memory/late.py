@@ -3,22 +3,24 @@
 Where the kernel tracks no dirty pages, CRIU writes every page with the source frozen (0.6 s
 for 1 GiB here). For a source with at least min_bytes() of anonymous memory, the dump writes
 none of it (criu/patches/0001), and while the tree is still frozen a fork is injected into
-each large process (holders.py: a copy-on-write image of the process as dumped, which never
-runs an instruction and of which its parent hears nothing); a small process's pages are read
-from it at once, still frozen. Then the source resumes, each holder's pages are merged into
-its process's pagemap and pages images, and the holder is killed and reaped inside its parent
-(whose leader thread alone stops for that one injected wait4). The images are then what CRIU's
-own dump writes (present and swapped pages, never the shared zero page, none of MADV_WIPEONFORK
-or MAP_DROPPABLE memory), and any image engine restores them.
+each process (holders.py: a copy-on-write image of the process as dumped, which never runs an
+instruction and of which its parent hears nothing: a few hundred microseconds, where reading
+even a small process's pages and images costs milliseconds). Then the source resumes, each
+holder's pages are merged into its process's pagemap and pages images, and the holder is killed
+and reaped inside its parent (whose leader thread alone stops for that one injected wait4). The
+images are then what CRIU's own dump writes (present and swapped pages, never the shared zero
+page, none of MADV_WIPEONFORK or MAP_DROPPABLE memory), and any image engine restores them.
 
 Not taken where a pre-dump already shortens the freeze (dirty tracking), for a workspace its
 user paused, where a memory limit leaves no room for a second copy of the held memory (the
 source may rewrite all of it while its holders live), or a pids limit no room for the holders.
 A process with MADV_DONTFORK memory (a fork would not copy it) is read while frozen.
+Each holder counts against the pids limit and shows in `ps` until its pages are written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import os
@@ -42,8 +44,6 @@ except ImportError:  # pragma: no cover - set-up installs pycriu into the venv
 MIN_ENV = "BUNSHIN_LATE_PAGES_MIN_MB"  # a number of MiB, or "off"
 # Below it the freeze saves less than the slower write after the thaw costs the fork (docs/benchmarks.md).
 DEFAULT_MIN = 256 << 20
-# Below this a process's pages are read while frozen: a fork and a reap would cost about as much.
-HOLD_MIN = 4 << 20
 KEY = "late"  # Captured.held: the holders, from the dump until their pages are written
 
 PAGE = 4096
@@ -106,15 +106,15 @@ def plan(c: Capture) -> None:
     anon = {pid: rss_anon(pid) for pid in cg.pids()}
     if sum(anon.values()) < threshold:
         return
-    big = [pid for pid, a in anon.items() if a >= HOLD_MIN]
-    if not _room(cg, sum(anon[p] for p in big), len(big)):
+    if not _room(cg, sum(anon.values()), len(anon)):
         return
     c.dump_env.update(cow.DUMP_ENV)
     c.after_dump.append(lambda: _hold(c, cg))
 
 
 def _hold(c: Capture, cg: Cgroup) -> None:
-    """After the dump, still frozen: holders for the large processes, the others' pages now."""
+    """After the dump, still frozen: a holder for each process; the pages of one with
+    MADV_DONTFORK memory, which its fork would not have, are read now."""
     images = c.snap.images
     by_ns = {holders.ns_pid(pid): pid for pid in cg.pids()}
     hold: list[int] = []
@@ -126,7 +126,7 @@ def _hold(c: Capture, cg: Cgroup) -> None:
             if host is None:
                 raise ForkError(f"dumped process {ns} is not in the workspace's cgroup")
             vmas = _vmas(images, ns)
-            if rss_anon(host) >= HOLD_MIN and not any(_madv(v) & (1 << MADV_DONTFORK) for v in vmas):
+            if not any(_madv(v) & (1 << MADV_DONTFORK) for v in vmas):
                 hold.append(host)
             else:
                 written += write(images, ns, host)
@@ -144,10 +144,13 @@ def _finish(c: Capture) -> None:
     try:
         with c.stage("late_pages"):
             c.criu["late_pages"] = sum(write(c.snap.images, ns, h.child) for ns, h in hs.items())
-    except (OSError, ValueError) as e:
-        raise ForkError(f"writing the snapshot's memory after the thaw failed: {e}") from e
-    finally:
-        _end(hs)
+    except BaseException as e:
+        with contextlib.suppress(Exception):  # the write's error is the one to report
+            _end(hs)
+        if isinstance(e, (OSError, ValueError)):
+            raise ForkError(f"writing the snapshot's memory after the thaw failed: {e}") from e
+        raise
+    _end(hs)
 
 
 def release(snap: Captured) -> None:
@@ -163,7 +166,8 @@ def _end(hs: dict[int, holders.Holder]) -> None:
         except Exception as e:  # every holder gets its chance to end
             errors.append(e)
     if errors:
-        raise errors[0]
+        raise ForkError(f"ending the snapshot's memory holders failed ({len(errors)} of {len(hs)}): "
+                        f"{errors[0]}") from errors[0]
 
 
 def _load(path: Path) -> dict:
