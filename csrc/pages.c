@@ -1,5 +1,6 @@
-/* Page comparison for incremental snapshot images: a dump's pages against those its parent
- * snapshot stored at the same addresses (bunshinfork/process/pages.py). */
+/* Pages of snapshot images: a dump's pages compared with those its parent snapshot stored at
+ * the same addresses (bunshinfork/process/pages.py), and the runs of pages a dump writes, read
+ * from a process's pagemap (bunshinfork/memory/late.py). */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>

@@ -108,7 +108,7 @@ def test_a_clone_gets_the_memory_as_dumped_while_the_source_rewrites_it(source: 
         assert json.loads(str(clone.files.read(f"{RESULT}-k"))) == {"dontfork": True, "wipe_zero": True,
                                                                      "plain": True}
         timings = clone.info().timings
-        # The pages were written late: holders were made, and most pages came from them.
+        # The pages were written late: holders were made while frozen.
         assert timings.get("snapshot.holders", 0) > 0, timings
         assert not source.files.exists(RESULT)  # the source never saw itself as a clone
     finally:

@@ -128,8 +128,11 @@ def _hold(c: Capture, cg: Cgroup) -> None:
             vmas = _vmas(images, ns)
             if not any(_madv(v) & (1 << MADV_DONTFORK) for v in vmas):
                 hold.append(host)
-            else:
+                continue
+            try:
                 written += write(images, ns, host)
+            except (OSError, ValueError) as e:
+                raise ForkError(f"reading the memory of dumped process {ns} failed: {e}") from e
     with c.stage("holders"):
         c.snap.held[KEY] = holders.capture_tree(cg.pids(), cg.freeze, cg.thaw, until=c.until, hold=hold,
                                                 keep_processes=True)
