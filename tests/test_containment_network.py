@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from fake_internet import fake_host
 from fork_support import forked
-from helpers import run_ok
+from helpers import run_ok, wait_for
 
 from bunshinfork.workspace import Workspace
 
@@ -245,7 +245,9 @@ def test_isolation_holds_with_bridge_rules_alone() -> None:
             assert guard.remove({a.id, b.id}, families=("inet",)) == sorted([a.id, b.id])
             assert _reach(a, b) != "connected"
             guard.remove({a.id, b.id}, families=("bridge",))
-            assert _reach(a, b) == "connected"
+            # Retried: the dropped probes can leave a neighbour entry to resolve again first
+            # (1 in 7 runs timed out within the probe's 1 s on the first try).
+            wait_for(lambda: _reach(a, b) == "connected", timeout=15)
         finally:
             server.kill()
 
