@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -201,8 +202,8 @@ def repeat(n: int, fn: Callable[[], dict], space: float = 0.0) -> list[dict]:
     return out
 
 
-def source(engine: str) -> tuple[Workspace, Ticker]:
-    ws = Workspace.create(WorkspaceSpec())
+def source(engine: str, spec: dict | None = None) -> tuple[Workspace, Ticker]:
+    ws = Workspace.create(WorkspaceSpec(**(spec or {})))
     try:
         ws.commands.run(f"python3 -c {sh_quote(IDLE)}", background=True)
         ws.commands.run(f"python3 -c {sh_quote(TICKER)}", background=True)
@@ -240,6 +241,37 @@ def run_engine(engine: str, runs: int, runs16: int, space: float) -> dict:
     started = {"hits": criu.PRESTARTED.stats.hits - hits, "misses": criu.PRESTARTED.stats.misses - misses}
     return {"engine": engine, "fork1_back_to_back": b2b, "fork1_spaced": spaced, "fork16": f16, "snapshot_fork1": sf,
             "criu_started_ahead": started}
+
+
+# ---- the containment defences, one row each ----
+
+# Each is on by default or where a server turns it on (bunshin serve: limits, user namespace,
+# port isolation); the last row turns the default ones off, for contrast.
+DEFENCES: tuple[tuple[str, dict], ...] = (
+    ("default: capabilities dropped, seccomp profile, masked /proc", {}),
+    ("+ cgroup limits (2 cores, 512 MiB, 1024 pids: serve's)",
+     {"cpu_limit": 2.0, "memory_limit": 512 << 20, "pids_limit": 1024}),
+    ("+ disk quota (10 GiB: serve's)", {"disk_limit": 10 << 30}),
+    ("+ user namespace (serve's default; the debian rootfs)", {"rootfs": "debian", "userns": True}),
+    ("+ bridged, port isolation, private ranges blocked", {"network": "bridge", "port_isolation": True,
+                                                           "block_private": True}),
+    ("privileged: capabilities kept, no seccomp profile, /proc unmasked (defences off)", {"privileged": True}),
+)
+
+
+def run_defences(engine: str, runs: int) -> list[dict]:
+    """fork(1) of a source with each defence on, back to back after two warm-up forks."""
+    out = []
+    for label, spec in DEFENCES:
+        ws, ticker = source(engine, spec)
+        try:
+            one = functools.partial(fork1, ws, ticker, engine)
+            repeat(2, one)
+            rs = repeat(runs, one)
+        finally:
+            ws.destroy()
+        out.append({"defence": label, "spec": {k: v for k, v in spec.items()}, "engine": engine, "runs": rs})
+    return out
 
 
 # ---- bunshin serve, client-measured ----
@@ -310,6 +342,11 @@ def rows(result: dict) -> list[tuple[str, str, dict, float | None]]:
         out.append(("Snapshot.fork(1): call to clone answering", eng, summary([r["answer"] for r in sf]),
                     TARGETS["snapfork1_answer"]))
         out.append(("Snapshot.fork(1): CPU, CRIU (restore)", eng, summary([r["cpu_criu"] for r in sf]), None))
+    for d in result.get("defences", []):
+        out.append((f"fork(1) with {d['defence']}: call to clone answering", d["engine"],
+                    summary([r["answer"] for r in d["runs"]]), None))
+        out.append((f"fork(1) with {d['defence']}: source frozen, ticker", d["engine"],
+                    summary([r["frozen_ticker"] for r in d["runs"]]), None))
     if s := result.get("serve"):
         out.append(("serve: Sandbox.create(snapshot), client-measured", "serve", summary(s["create_from_snapshot"]),
                     TARGETS["serve_create"]))
@@ -357,6 +394,8 @@ def print_report(result: dict) -> None:
         print(f"| {name} | {eng} | {s['n']} | {ms(s['median'])} | {ms(s['p90'])} | {spread} | {t} |")
     print()
     engines = [e["engine"] for e in result["engines"]]
+    if not engines:
+        return
     print("fork(1)'s stages, back to back, median (ms):")
     print()
     print("| stage | " + " | ".join(engines) + " |")
@@ -379,6 +418,7 @@ def regime(args: argparse.Namespace) -> str:
             f"kernel {platform.release()}, soft-dirty {soft_dirty}, CRIU {'.'.join(map(str, criu.version()))}; "
             f"a default workspace (containment defences on) running an idle Python process and a 1 ms ticker; "
             f"{args.runs} runs per row ({args.runs16} for fork(16)), back to back and {args.space:g} s apart; "
+            f"{args.defence_runs} back to back per containment defence row; "
             f"no pool of clones: every restore begins after its call, in a CRIU process started ahead where "
             f"one is idle (hits and misses below)")
 
@@ -391,15 +431,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--space", type=float, default=1.0, help="seconds between spaced runs")
     ap.add_argument("--serve-runs", type=int, default=20)
     ap.add_argument("--no-serve", action="store_true", help="skip bunshin serve's rows")
+    ap.add_argument("--defence-runs", type=int, default=10, help="fork(1) runs per defence row (0: none)")
+    ap.add_argument("--defences-only", action="store_true", help="only the rows per containment defence")
     ap.add_argument("--quick", action="store_true", help="ksm only, 5 runs, 3 of fork(16), no serve (CI)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if args.quick:
         args.engines, args.runs, args.runs16, args.space, args.no_serve = "ksm", 5, 3, 0.2, True
+        args.defence_runs = 0
     result: dict = {"regime": regime(args), "engines": []}
-    for engine in args.engines.split(","):
-        result["engines"].append(run_engine(engine, args.runs, args.runs16, args.space))
-    if not args.no_serve:
+    engines = args.engines.split(",")
+    if not args.defences_only:
+        for engine in engines:
+            result["engines"].append(run_engine(engine, args.runs, args.runs16, args.space))
+    if args.defence_runs:
+        result["defences"] = run_defences(engines[0], args.defence_runs)
+    if not args.no_serve and not args.defences_only:
         try:
             result["serve"] = run_serve(args.serve_runs)
         except Exception as e:  # the engines' rows still print
