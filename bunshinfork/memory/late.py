@@ -33,25 +33,19 @@ from ..cgroups import Cgroup
 from ..contract import Capture, Captured
 from ..errors import ForkError
 from ..native import ffi, lib
-from ..process import criu
+from ..process import criu, pages
 from . import cow, holders
-
-try:
-    import pycriu.images as criu_images  # type: ignore[import-not-found]
-except ImportError:  # pragma: no cover - set-up installs pycriu into the venv
-    criu_images = None
+from .materialize import SPECIAL, TASK_SIZE, VMA_ANON_PRIVATE
 
 MIN_ENV = "BUNSHIN_LATE_PAGES_MIN_MB"  # a number of MiB, or "off"
 # Below it the freeze saves less than the slower write after the thaw costs the fork (docs/benchmarks.md).
 DEFAULT_MIN = 256 << 20
 KEY = "late"  # Captured.held: the holders, from the dump until their pages are written
 
-PAGE = 4096
-PE_PRESENT = 4  # criu/include/pagemap.h
-TASK_SIZE = 1 << 47
+PAGE, PE_PRESENT = pages.PAGE, pages.PE_PRESENT
 # criu/include/image.h: a private anonymous VMA whose pages CRIU writes, less the areas it skips.
-VMA_AREA_REGULAR, VMA_ANON_PRIVATE = 1 << 0, 1 << 9
-SKIPPED = (1 << 2) | (1 << 3) | (1 << 12) | (1 << 16)  # vsyscall, vDSO, vvar, guard
+VMA_AREA_REGULAR, VMA_AREA_GUARD = 1 << 0, 1 << 16
+SKIPPED = SPECIAL | VMA_AREA_GUARD  # vsyscall, vDSO, vvar, guard
 MAP_DROPPABLE = 0x08
 MADV_DONTFORK, MADV_WIPEONFORK = 10, 18
 CHUNK = 1 << 20  # bytes per read of memory or old pages
@@ -116,7 +110,9 @@ def _hold(c: Capture, cg: Cgroup) -> None:
     """After the dump, still frozen: a holder for each process; the pages of one with
     MADV_DONTFORK memory, which its fork would not have, are read now."""
     images = c.snap.images
-    by_ns = {holders.ns_pid(pid): pid for pid in cg.pids()}
+    pids = cg.pids()  # frozen: the same list for the holders below
+    by_ns = {holders.ns_pid(pid): pid for pid in pids}
+    vmas: dict[int, list[dict]] = {}  # decoded once, for the writes after the thaw too
     hold: list[int] = []
     written = 0
     with c.stage("late_frozen"):
@@ -125,28 +121,28 @@ def _hold(c: Capture, cg: Cgroup) -> None:
             host = by_ns.get(ns)
             if host is None:
                 raise ForkError(f"dumped process {ns} is not in the workspace's cgroup")
-            vmas = _vmas(images, ns)
-            if not any(_madv(v) & (1 << MADV_DONTFORK) for v in vmas):
+            vmas[ns] = _vmas(images, ns)
+            if not any(_madv(v) & (1 << MADV_DONTFORK) for v in vmas[ns]):
                 hold.append(host)
                 continue
             try:
-                written += write(images, ns, host)
+                written += write(images, ns, host, vmas[ns])
             except (OSError, ValueError) as e:
                 raise ForkError(f"reading the memory of dumped process {ns} failed: {e}") from e
     with c.stage("holders"):
-        c.snap.held[KEY] = holders.capture_tree(cg.pids(), cg.freeze, cg.thaw, until=c.until, hold=hold,
+        c.snap.held[KEY] = holders.capture_tree(pids, cg.freeze, cg.thaw, until=c.until, hold=hold,
                                                 keep_processes=True)
     c.criu["late_frozen_pages"] = written
     # First of what runs after the thaw: every later step reads complete images.
-    c.after_thaw.insert(0, lambda: _finish(c))
+    c.after_thaw.insert(0, lambda: _finish(c, vmas))
 
 
-def _finish(c: Capture) -> None:
+def _finish(c: Capture, vmas: dict[int, list[dict]]) -> None:
     """The source runs again: each holder's pages into its images, then the holder ends."""
     hs: dict[int, holders.Holder] = c.snap.held.pop(KEY, {})
     try:
         with c.stage("late_pages"):
-            c.criu["late_pages"] = sum(write(c.snap.images, ns, h.child) for ns, h in hs.items())
+            c.criu["late_pages"] = sum(write(c.snap.images, ns, h.child, vmas[ns]) for ns, h in hs.items())
     except BaseException as e:
         with contextlib.suppress(Exception):  # the write's error is the one to report
             _end(hs)
@@ -173,15 +169,8 @@ def _end(hs: dict[int, holders.Holder]) -> None:
                         f"{errors[0]}") from errors[0]
 
 
-def _load(path: Path) -> dict:
-    if criu_images is None:
-        raise RuntimeError("pycriu is not importable; run scripts/setup.sh")
-    with open(path, "rb") as f:
-        return criu_images.load(f)
-
-
 def _vmas(images: Path, ns: int) -> list[dict]:
-    return _load(images / f"mm-{ns}.img")["entries"][0]["vmas"]
+    return pages.load_image(images / f"mm-{ns}.img")["entries"][0]["vmas"]
 
 
 def _madv(v: dict) -> int:
@@ -251,11 +240,11 @@ def _present(pagemap_fd: int, start: int, end: int, zero: int) -> list[_Run]:
     return out
 
 
-def write(images: Path, ns: int, pid: int) -> int:
-    """Merge the anonymous pages CRIU left out of process `ns`'s images, read from `pid` (the
-    process itself, frozen, or its holder), into them; returns the pages written."""
+def write(images: Path, ns: int, pid: int, vmas: list[dict]) -> int:
+    """Merge the anonymous pages CRIU left out of process `ns`'s images (its VMAs: `vmas`), read
+    from `pid` (the process itself, frozen, or its holder), into them; returns the pages written."""
     pm_path = images / f"pagemap-{ns}.img"
-    pagemap = _load(pm_path)
+    pagemap = pages.load_image(pm_path)
     head, *entries = pagemap["entries"]
     pages_path = images / f"pages-{head['pages_id']}.img"
     runs: list[_Run] = []
@@ -266,7 +255,7 @@ def write(images: Path, ns: int, pid: int) -> int:
         off += e["nr_pages"] * PAGE if present else 0
     zero = zero_pfn()
     with open(f"/proc/{pid}/pagemap", "rb", buffering=0) as pmf:
-        new = [r for v in _vmas(images, ns) if _dumped(v) for r in _present(pmf.fileno(), v["start"], v["end"], zero)]
+        new = [r for v in vmas if _dumped(v) for r in _present(pmf.fileno(), v["start"], v["end"], zero)]
     if not new:
         return 0
     runs = sorted([*runs, *new], key=lambda r: r.vaddr)
@@ -277,11 +266,8 @@ def write(images: Path, ns: int, pid: int) -> int:
     _copy(runs, tmp_pages, pages_path, pid, ns)
     pagemap["entries"] = [head, *({"vaddr": r.vaddr, "compat_nr_pages": 0, "flags": r.flags, "nr_pages": r.n}
                                   for r in runs)]
-    tmp_map = pm_path.with_name(pm_path.name + ".late")
-    with open(tmp_map, "wb") as f:
-        criu_images.dump(pagemap, f)
     os.replace(tmp_pages, pages_path)
-    os.replace(tmp_map, pm_path)
+    pages.dump_image(pagemap, pm_path)
     return sum(r.n for r in new)
 
 

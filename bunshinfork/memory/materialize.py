@@ -31,16 +31,6 @@ TASK_SIZE = 1 << 47
 CHUNK = 256  # pages per pread
 
 
-def _load(path: Path) -> dict:
-    with open(path, "rb") as f:
-        return criu_images.load(f)
-
-
-def _dump(img: dict, path: Path) -> None:
-    with open(path, "wb") as f:
-        criu_images.dump(img, f)
-
-
 def _existing_pages(images: Path, pagemap: dict) -> list[tuple[int, int, bytes | None]]:
     """(vaddr, nr_pages, data or None for non-present entries) in pagemap order."""
     head, *entries = pagemap["entries"]
@@ -84,9 +74,9 @@ def complete_images(src: Path, dest: Path, holders_by_ns_pid: dict[int, Holder])
         h = holders_by_ns_pid.get(pid)
         if h is None:
             continue
-        vmas = _load(mm_path)["entries"][0]["vmas"]
+        vmas = pages.load_image(mm_path)["entries"][0]["vmas"]
         pagemap_path = dest / f"pagemap-{pid}.img"
-        pagemap = _load(pagemap_path)
+        pagemap = pages.load_image(pagemap_path)
         merged = _existing_pages(dest, pagemap)
         for v in vmas:
             st = v["status"]
@@ -103,4 +93,4 @@ def complete_images(src: Path, dest: Path, holders_by_ns_pid: dict[int, Holder])
                 if data is not None:
                     f.write(data)
         pagemap["entries"] = entries
-        _dump(pagemap, pagemap_path)
+        pages.dump_image(pagemap, pagemap_path)

@@ -104,14 +104,16 @@ class _Files:
         self._maps.clear()
 
 
-def _load(path: Path) -> dict:
+def load_image(path: Path) -> dict:
+    """A CRIU image, decoded by pycriu."""
     if criu_images is None:
         raise RuntimeError("pycriu is not importable; run scripts/setup.sh")
     with open(path, "rb") as f:
         return criu_images.load(f)
 
 
-def _dump(img: dict, path: Path) -> None:
+def dump_image(img: dict, path: Path) -> None:
+    """Write a CRIU image whole or not at all (a temporary file renamed over `path`)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         criu_images.dump(img, f)
@@ -136,7 +138,7 @@ def _resolve(images: Path | None, name: str, files: _Files, stop: Path | None = 
     pages it reads from `stop` (a level of that chain) are runs with src IN_STOP."""
     if images is None or not (images / name).exists() or level > chain.MAX_DEPTH:
         return []
-    pm = _load(images / name)
+    pm = load_image(images / name)
     src = files.index(_pages_file(images, pm))
     out: list[Run] = []
     off = 0
@@ -205,7 +207,7 @@ def _in_parent(entries: list[dict]) -> int:
 
 def _dedupe_one(images: Path, name: str, parent: _Runs, files: _Files) -> tuple[int, int, int]:
     path = images / name
-    pm = _load(path)
+    pm = load_image(path)
     pages_path = _pages_file(images, pm)
     entries = pm["entries"][1:]
     written = sum(e["nr_pages"] for e in entries if e.get("flags", PE_PRESENT) & PE_PRESENT)
@@ -252,7 +254,7 @@ def _dedupe_one(images: Path, name: str, parent: _Runs, files: _Files) -> tuple[
     pm["entries"] = [pm["entries"][0], *out.entries]
     # The pagemap names the new page file's layout: both are replaced before anything restores.
     os.replace(tmp, pages_path)
-    _dump(pm, path)
+    dump_image(pm, path)
     return written, kept, _in_parent(out.entries)
 
 
@@ -266,7 +268,7 @@ def squash(images: Path, dest: Path, until: Path | None = None) -> None:
     files = _Files()
     try:
         for name in names:
-            pm = _load(images / name)
+            pm = load_image(images / name)
             page_files.add(_pages_file(images, pm).name)
             out = _Writer()
             with open(_pages_file(dest, pm), "wb") as f:
@@ -278,7 +280,7 @@ def squash(images: Path, dest: Path, until: Path | None = None) -> None:
                     m = files.map(r.src)
                     f.write(m[r.offset:r.offset + r.n * PAGE])
             pm["entries"] = [pm["entries"][0], *out.entries]
-            _dump(pm, dest / name)
+            dump_image(pm, dest / name)
     finally:
         files.close()
     for entry in os.scandir(images):
