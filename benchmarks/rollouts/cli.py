@@ -138,7 +138,12 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--cache-mib", type=int, default=1024, help="resident budget of Full's prefix cache")
     ap.add_argument("--spec-depth", type=int, default=2)
     ap.add_argument("--share-engine", default="ksm", help="fork engine of Base, Spec and Full (cow in a guest)")
-    ap.add_argument("--slow-seconds", type=float, default=1.0, help="a call this slow is a 'slow tool'")
+    ap.add_argument("--slow-seconds", default="measured",
+                    help="speculation's gate: 'measured' (the default: a chain runs when its expected saving, from "
+                         "measured call, snapshot and rollback times and the selector's calibrated probability, "
+                         "exceeds its expected cost) or SECONDS (the fixed rule before issue 38: a call this slow "
+                         "is a 'slow tool'); the cache's depth policy captures calls at least SECONDS slow (1.0 "
+                         "when measured)")
     ap.add_argument("--check-families", action="store_true",
                     help="before the epochs, run check_family on each task (its agent's first candidate calls, "
                          "each in two forks of the initial state) and record check_family per seed")
@@ -162,6 +167,11 @@ def parse() -> argparse.Namespace:
     for k, v in (QUICK if a.quick else HEADLINE).items():
         if hasattr(a, k) and getattr(a, k) is None:
             setattr(a, k, v)
+    if a.slow_seconds != "measured":
+        try:
+            a.slow_seconds = float(a.slow_seconds)
+        except ValueError:
+            ap.error(f"--slow-seconds takes 'measured' or seconds, not {a.slow_seconds!r}")
     a.families = [f for f in a.families.split(",") if f]
     a.short_configs = [c for c in a.short_configs.split(",") if c]
     a.short_seeds = [int(x) for x in a.short_seeds.split(",") if x]
@@ -212,6 +222,7 @@ async def main() -> int:
         "agent": {**dataclasses.asdict(agent_cfg), "exploration": args.exploration,
                   "exploration_source": EXPLORATION_SOURCE},
         "share_engine": args.share_engine,
+        "speculation_gate": args.slow_seconds if isinstance(args.slow_seconds, str) else f"fixed {args.slow_seconds} s",
         "settle": settle_record(args.settle),
         "size": {"seeds": args.seed_list, "families": args.families, "code_tasks": args.code_tasks,
                  "group_size": args.group_size, "epochs": args.epochs, "quick": args.quick,

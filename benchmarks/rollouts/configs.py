@@ -38,7 +38,7 @@ class ConfigRun:
 
 
 def make_config(name: str, tasks: list[Task], cands: dict[str, Any], agent_cfg: AgentConfig, model: LatencyModel,
-                store: Path, cache_mib: int, spec_depth: int, slow_seconds: float, share: str = "ksm",
+                store: Path, cache_mib: int, spec_depth: int, slow_seconds: float | str, share: str = "ksm",
                 regime: str = "local", rollouts: int = 1, audit: str = "off", seed: int = 0, faults: bool = False,
                 auto_disable: bool = True) -> ConfigRun:
     """name: one of CONFIGS, or Spec@PLACEMENT, Full@POLICY. The core is built by build_core, as
@@ -56,7 +56,7 @@ def make_config(name: str, tasks: list[Task], cands: dict[str, Any], agent_cfg: 
         # other depth and every slow call.
         cache_bytes=cache_mib * MiB if caches(config) else 0, store=store / name,
         snapshot_policy=(variant or DEFAULT_SNAPSHOT_POLICY) if caches(config) else DEFAULT_SNAPSHOT_POLICY,  # type: ignore[arg-type]
-        snapshot_every=2, snapshot_slower_than=slow_seconds,
+        snapshot_every=2, snapshot_slower_than=1.0 if isinstance(slow_seconds, str) else slow_seconds,
         speculation_depth=spec_depth if speculates(config) else 0, slow_tool_seconds=slow_seconds,
         task_quantile=0.5, online_real_calls=2 if caches(config) else None, min_probability=0.5,
         placement=variant if kind == "Spec" and variant else DEFAULT_PLACEMENT,  # type: ignore[arg-type]

@@ -93,6 +93,8 @@ async def run_epoch(run: ConfigRun, group: int, epoch: int) -> dict[str, Any]:
         "rewards": rewards,
         "errors": [e for s in r.samples for e in s.errors],
         "wasted_speculation_seconds": round(r.wasted_seconds, 3),
+        # The speculator's counts so far (cumulative): launched, hits, mismatches, the gate's.
+        "speculation": run.engine.core.stats()["speculation"],
         **r.invariant(),  # divergences, rewound, rerolled and the seconds they cost
         "phases": phases(r, r.seconds + r.teardown_seconds),
         "audit": audit,

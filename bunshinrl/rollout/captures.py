@@ -50,10 +50,8 @@ class Captures:
         core = self.core
         assert isinstance(self.state, Live)
         calls = [h.call for h in self.history] + [call]
-        chain = core.speculator.predict(self.task.id, self.ctx.sample, calls, self.tools,
-                                        real_calls=self.timeline.count("tool")) if core.speculator else []
-        if chain and not core.worth_a_snapshot(self.task.id):
-            chain = []
+        chain = core.speculation_chain(self.task.id, self.ctx.sample, calls, self.tools,
+                                       real_calls=self.timeline.count("tool"))
         if capture is None and not chain:
             return
         ws = self.state.ws

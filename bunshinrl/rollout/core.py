@@ -98,7 +98,7 @@ class RolloutCore(Starts):
 
     def stats(self) -> dict[str, Any]:
         return {"cache": self.cache.stats() if self.cache is not None else None,
-                "speculation": dict(self.speculator.stats) if self.speculator is not None else None,
+                "speculation": self.speculator.report() if self.speculator is not None else None,
                 "guard": self.guard.report()}
 
     async def drain(self) -> None:

@@ -259,6 +259,7 @@ class Rollout(WarmWorkspaces, Rewinding, Captures, SpeculationGlue):
             ws = self.core.workspaces.add(await st.branch.close())
             self._enter(Live(ws))
             self.timeline.add("spec_miss", t, self.now(), detail)
+            self.core.note_spec_miss(self.task.id, self.now() - t)
         elif isinstance(st, Idle):
             await self._materialize(st)
         assert isinstance(self.state, Live)

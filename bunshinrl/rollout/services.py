@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bunshinfork import AsyncWorkspace, Workspace
 
 from ..calls.guard import DeterminismGuard
+from ..calls.signature import ToolCall
+from ..calls.tools import Tool
 from ..prefix.cache import ToolPrefixCache
+from ..speculation.gate import GateCosts
 from ..speculation.speculator import Speculator
 from ..speculation.tail import TailPolicy
 from ..states.metrics import WorkspaceRegistry
@@ -56,6 +60,7 @@ class SampleServices:
         self._lock = threading.Lock()
         self._bg: set[asyncio.Future[Any]] = set()
         self._snapshot_s: dict[str, float] = {}  # per task: a snapshot's measured seconds (EWMA)
+        self._miss_s: dict[str, float] = {}  # per task: a spec_miss span's measured seconds (EWMA)
 
     def all_workspaces(self) -> list[Workspace]:
         """Every workspace the core holds now, speculative forks included (memory sampling)."""
@@ -83,6 +88,28 @@ class SampleServices:
         if not ok and self.speculator is not None:
             self.speculator.stats["declined_off_path"] = self.speculator.stats.get("declined_off_path", 0) + 1
         return ok
+
+    def note_spec_miss(self, task_id: str, seconds: float) -> None:
+        """How long a wrong guess held a sample of the task (its spec_miss span: the rollback)."""
+        with self._lock:
+            old = self._miss_s.get(task_id, seconds)
+            self._miss_s[task_id] = 0.7 * old + 0.3 * seconds
+
+    def speculation_chain(self, task_id: str, sample: int, calls: Sequence[ToolCall], tools: Mapping[str, Tool],
+                          real_calls: int) -> list[ToolCall]:
+        """The chain to speculate after `calls` (empty: none). With the speculator's measured gate
+        the snapshot is one of the costs it weighs; without, a chain whose snapshot is predicted
+        to outlast the reasoning step is not started (worth_a_snapshot)."""
+        spec = self.speculator
+        if spec is None:
+            return []
+        with self._lock:
+            miss = self._miss_s.get(task_id)
+        costs = GateCosts(reasoning=self.reasoning.predict(), snapshot=self.snapshot_estimate(task_id), miss=miss)
+        chain = spec.predict(task_id, sample, calls, tools, real_calls=real_calls, costs=costs)
+        if chain and spec.gate is None and not self.worth_a_snapshot(task_id):
+            return []
+        return chain
 
     # ---- background work ----
 

@@ -57,9 +57,9 @@ class WarmWorkspaces:
             self._shadow_replays = 0
         self._enter(Idle(warm))
         if self.core.speculator is not None and not child.children:
-            chain = self.core.speculator.predict(self.task.id, self.ctx.sample, [h.call for h in self.history] + [call],
-                                                 self.tools, real_calls=self.timeline.count("tool"))
-            if chain and self.core.worth_a_snapshot(self.task.id):
+            chain = self.core.speculation_chain(self.task.id, self.ctx.sample, [h.call for h in self.history] + [call],
+                                                self.tools, real_calls=self.timeline.count("tool"))
+            if chain:
                 replays = self._shadow_replays or self._rebuild_replays(child)
                 self._enter(Settling(None, asyncio.ensure_future(self._speculate_on(warm, chain, replays)),
                                      "materialize"))

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from ..calls.guard import DeterminismGuard
 from ..prefix.cache import SnapshotPolicy, ToolPrefixCache
+from ..speculation.gate import MeasuredGate
 from ..speculation.speculator import Placement, Speculator
 from ..speculation.tail import TailPolicy
 from ..states.backend import SnapshotBackend
@@ -24,9 +26,12 @@ class CoreConfig:
     """cache_bytes: the prefix cache's resident budget (0: no cache); store: its directory for
     states on disk (None: a private one); snapshot_policy and the rest of the snapshot_* fields:
     ToolPrefixCache's; persist_between_epochs: persistence waits for the gap between epochs;
-    speculation_depth: calls per speculative chain (0: no speculation); slow_tool_seconds,
-    task_quantile, online_real_calls: the TailPolicy's; prefetch: warm workspaces behind hits
-    and the root prefetched; keep_initial, overlap_fork: Base's parity with the cache's root;
+    speculation_depth: calls per speculative chain (0: no speculation); slow_tool_seconds:
+    "measured" (the speculator's MeasuredGate weighs each chain from measured call, snapshot and
+    rollback times and the selector's calibrated probabilities) or the TailPolicy's fixed rule
+    (seconds; None: its tool quantile); task_quantile, online_real_calls: the TailPolicy's;
+    prefetch: warm workspaces behind hits and the root prefetched; keep_initial, overlap_fork:
+    Base's parity with the cache's root;
     critical_path_captures: captures weigh the next reasoning step and expected revisits;
     verify_seconds: RolloutCore's (a finishing sample's wait for the replay behind its last hit)."""
 
@@ -37,7 +42,7 @@ class CoreConfig:
     snapshot_slower_than: float | None = None
     persist_between_epochs: bool = True
     speculation_depth: int = 0
-    slow_tool_seconds: float | None = 0.5
+    slow_tool_seconds: float | Literal["measured"] | None = "measured"
     min_probability: float = 0.5
     placement: Placement = "live"
     task_quantile: float = 0.0
@@ -63,10 +68,13 @@ def build_core(config: CoreConfig, *, guard: DeterminismGuard | None = None, rea
                                 snapshot_policy=config.snapshot_policy,
                                 persist_between_epochs=config.persist_between_epochs)
     if speculator is None and config.speculation_depth > 0:
-        tail = tail or TailPolicy(slow_tool_seconds=config.slow_tool_seconds, task_quantile=config.task_quantile,
-                                  online_real_calls=config.online_real_calls)
+        measured = config.slow_tool_seconds == "measured"
+        fixed = None if isinstance(config.slow_tool_seconds, str) else config.slow_tool_seconds
+        tail = tail or TailPolicy(slow_tool_seconds=fixed,
+                                  task_quantile=config.task_quantile, online_real_calls=config.online_real_calls)
         speculator = Speculator(depth=config.speculation_depth, memory=config.memory, tail=tail,
-                                min_probability=config.min_probability, placement=config.placement)
+                                min_probability=config.min_probability, placement=config.placement,
+                                gate=MeasuredGate() if measured else None)
     return RolloutCore(cache=cache, speculator=speculator, guard=guard, tail=tail, memory=config.memory,
                        prefetch=config.prefetch, keep_initial=config.keep_initial, overlap_fork=config.overlap_fork,
                        reasoning=reasoning, critical_path_captures=config.critical_path_captures,

@@ -51,6 +51,8 @@ class BranchOwner(Protocol):
 
     def record_waste(self, seconds: float) -> None: ...
 
+    def record_outcome(self, probability: float | None, hit: bool) -> None: ...
+
 
 class SpeculativeBranch:
     """One chain of predicted calls, from the state the sample's workspace had at launch.
@@ -66,11 +68,13 @@ class SpeculativeBranch:
     """
 
     def __init__(self, owner: BranchOwner, ws: Workspace, snapshot: SharedSnapshot, calls: Sequence[ToolCall],
-                 tools: Mapping[str, Tool], placement: Placement = "live") -> None:
+                 tools: Mapping[str, Tool], placement: Placement = "live",
+                 probabilities: Sequence[float] | None = None) -> None:
         check_placement(placement)
         loop = asyncio.get_running_loop()
         self._owner = owner
         self.calls = list(calls)
+        self.probabilities = list(probabilities) if probabilities else []
         self.placement = placement
         # The chain runs in _live; with fork_first it is restored by _run and _home waits for the
         # real call, until call 0 is adopted (then it is stale and goes).
@@ -175,21 +179,24 @@ class SpeculativeBranch:
         j = self._next
         if self._closed or self._aborted or j >= len(self.calls):
             return None
+        p = self.probabilities[j] if j < len(self.probabilities) else None
         if self.calls[j] != call:
             self._owner.stats["mismatches"] += 1
+            self._owner.record_outcome(p, False)
             return None
         t0 = time.monotonic()
         try:
             obs, took = await self._results[j]
         except SpeculationError:
             self._owner.stats["mismatches"] += 1
-            return None
+            return None  # the chain failed: no word on the guess itself
         if self._refused_after[j] > (self._refused_after[j - 1] if j else 0):
             # It tried to reach outside and was refused: its observation is not the real call's.
             self._owner.stats["spec_refused_egress"] += 1
             self._owner.stats["mismatches"] += 1
             return None
         self._owner.stats["hits"] += 1
+        self._owner.record_outcome(p, True)
         waited = time.monotonic() - t0
         self._next = j + 1
         if j == 0:

@@ -103,14 +103,19 @@ class ToolSelector(ClassifierMixin, BaseEstimator):
     def predict_chain(self, ctx: SelectorContext, depth: int, min_probability: float = 0.0) -> list[ToolCall]:
         """Greedily predict up to `depth` next calls, stopping at the final answer or at a guess
         less likely than min_probability (speculating on it would most likely be wasted)."""
-        out: list[ToolCall] = []
+        return [c for c, _ in self.predict_chain_proba(ctx, depth, min_probability)]
+
+    def predict_chain_proba(self, ctx: SelectorContext, depth: int,
+                            min_probability: float = 0.0) -> list[tuple[ToolCall, float]]:
+        """predict_chain's calls, each with its probability given the calls before it."""
+        out: list[tuple[ToolCall, float]] = []
         calls = ctx.calls
         for _ in range(depth):
             label, p = self.top_k(SelectorContext(ctx.task_id, calls), 1)[0]
             if label == FINAL or p < min_probability:
                 break
             call = ToolCall.from_key(label)
-            out.append(call)
+            out.append((call, p))
             calls = (*calls, call)
         return out
 

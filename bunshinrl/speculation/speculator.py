@@ -30,6 +30,7 @@ from ..calls.tools import Tool
 from ..states.backend import SharedSnapshot
 from ..states.metrics import WorkspaceRegistry
 from .branch import PLACEMENTS, Placement, SpecHit, SpeculationError, SpeculativeBranch, check_placement
+from .gate import GateCosts, MeasuredGate
 from .selector import SelectorContext, ToolSelector, is_fitted
 from .tail import TailPolicy
 
@@ -38,6 +39,15 @@ from .tail import TailPolicy
 # "inherit": the chain has the workspace's own egress policy.
 Egress = Literal["closed", "inherit"]
 EGRESS: tuple[Egress, ...] = ("closed", "inherit")
+
+
+class Chain(list[ToolCall]):
+    """A predicted chain, with the selector's probability of each call given the ones before it
+    (the speculator calibrates its gate on how they fare)."""
+
+    def __init__(self, calls: Sequence[ToolCall] = (), probabilities: Sequence[float] = ()) -> None:
+        super().__init__(calls)
+        self.probabilities = list(probabilities)
 
 
 def _check_isolated(ws: Workspace, egress: str = "inherit") -> None:
@@ -59,7 +69,8 @@ class Speculator:
 
     def __init__(self, selector: ToolSelector | None = None, *, depth: int = 2, memory: str = "auto",
                  tail: TailPolicy | None = None, guard: DeterminismGuard | None = None,
-                 min_probability: float = 0.5, placement: Placement = "live", egress: Egress = "closed") -> None:
+                 min_probability: float = 0.5, placement: Placement = "live", egress: Egress = "closed",
+                 gate: MeasuredGate | None = None) -> None:
         if depth < 1:
             raise ValueError("depth must be >= 1")
         check_placement(placement)
@@ -73,30 +84,55 @@ class Speculator:
         self.tail = tail
         self.guard = guard or DeterminismGuard()
         self.min_probability = min_probability
+        # With a gate, whether a chain is worth running is weighed from measured times and the
+        # selector's calibrated probabilities; without, the tail policy's fixed slow-call rule.
+        self.gate = gate
         self._tasks: set[asyncio.Future[Any]] = set()
         self.workspaces = WorkspaceRegistry()  # speculative forks alive right now (memory sampling)
         self.stats = {"launched": 0, "hits": 0, "mismatches": 0, "spec_refused_egress": 0, "wasted_seconds": 0.0}
 
     def predict(self, task_id: str, sample: int, calls: Sequence[ToolCall],
-                tools: Mapping[str, Tool], real_calls: int = 0) -> list[ToolCall]:
+                tools: Mapping[str, Tool], real_calls: int = 0, costs: GateCosts | None = None) -> Chain:
         """The chain worth speculating from here: empty when the selector has no guess, the first
-        guess is an unreusable tool, or the tail policy does not consider this sample slow.
+        guess is an unreusable tool, or the tail policy does not consider this sample slow; with a
+        gate, only the calls its measured saving and cost admit (costs: what the core measured).
         real_calls: how many calls this rollout has executed for real so far."""
         if self.selector is None or not is_fitted(self.selector):
-            return []
-        chain = self.selector.predict_chain(SelectorContext(task_id, tuple(calls)), self.depth,
-                                            self.min_probability)
-        keep: list[ToolCall] = []
-        for c in chain:
+            return Chain()
+        guesses: list[tuple[ToolCall, float]] = []
+        for c, p in self.selector.predict_chain_proba(SelectorContext(task_id, tuple(calls)), self.depth,
+                                                      self.min_probability):
             tool = tools.get(c.name)
             if tool is None or not self.guard.reusable(tool):
                 break  # a non-deterministic call's result could never be adopted
+            guesses.append((c, p))
+        if self.gate is not None:
+            if self.tail is not None and not self.tail.in_tail(task_id, sample, real_calls):
+                return Chain()
+            measured = self.tail.call_seconds if self.tail is not None else (lambda _c: None)
+            keep = self.gate.admit(guesses, measured, costs or GateCosts())
+            return Chain(keep, [p for _, p in guesses[:len(keep)]])
+        keep: list[ToolCall] = []
+        for c, _ in guesses:
             if keep and self.tail is not None and not self.tail.is_slow(c):
                 break  # the checkpoint before it would cost more than running it later saves
             keep.append(c)
         if self.tail is not None and not self.tail.should_speculate(task_id, sample, keep, real_calls):
-            return []
-        return keep
+            return Chain()
+        return Chain(keep, [p for _, p in guesses[:len(keep)]])
+
+    def report(self) -> dict[str, Any]:
+        """The speculator's counts, with its gate's (gate_*) and calibration when it has one."""
+        out: dict[str, Any] = dict(self.stats)
+        if self.gate is not None:
+            out.update({f"gate_{k}": v for k, v in self.gate.stats.items()})
+            out["gate_calibration"] = round(self.gate.calibration(), 4)
+        return out
+
+    def record_outcome(self, probability: float | None, hit: bool) -> None:
+        """A launched guess resolved (the gate calibrates the selector's probabilities on it)."""
+        if self.gate is not None and probability is not None:
+            self.gate.record_outcome(probability, hit)
 
     async def launch(self, ws: Workspace, calls: Sequence[ToolCall], tools: Mapping[str, Tool],
                      snapshot: SharedSnapshot | None = None) -> SpeculativeBranch:
@@ -107,7 +143,8 @@ class Speculator:
         _check_isolated(ws, self.egress)
         snap = snapshot.acquire() if snapshot is not None else await SharedSnapshot.take_async(ws, self.memory)
         self.stats["launched"] += 1
-        return SpeculativeBranch(self, ws, snap, calls, tools, self.placement)
+        return SpeculativeBranch(self, ws, snap, calls, tools, self.placement,
+                                 probabilities=getattr(calls, "probabilities", None))
 
     def track(self, aw: Any) -> None:
         """Run a branch's teardown in the background; drain() waits for it."""
@@ -125,5 +162,5 @@ class Speculator:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
 
-__all__ = ["EGRESS", "PLACEMENTS", "Egress", "Placement", "SpecHit", "SpeculationError", "SpeculativeBranch",
+__all__ = ["EGRESS", "PLACEMENTS", "Chain", "Egress", "Placement", "SpecHit", "SpeculationError", "SpeculativeBranch",
            "Speculator"]

@@ -116,6 +116,10 @@ class TailPolicy:
         costs, and the call after it is predicted again once it has run) for a tail sample."""
         if not chain or not self.is_slow(chain[0]):
             return False
+        return self.in_tail(task_id, sample, real_calls)
+
+    def in_tail(self, task_id: str, sample: int, real_calls: int = 0) -> bool:
+        """A tail sample: its task's record says so, or it has left the cache's paths (online)."""
         online = self.online_real_calls is not None and real_calls >= self.online_real_calls
         return online or self.is_tail_sample(task_id, sample)
 

@@ -1,0 +1,123 @@
+"""Speculation's measured gate (issue 38): a chain runs when its expected saving on the path,
+from measured call times and the selector's calibrated probability, exceeds its expected cost
+(the rollback of a wrong guess, a snapshot that outlasts the reasoning step)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from rl_support import counter_task, my_snapshots, no_own_leaks  # noqa: F401 (fixture, used by name)
+
+from bunshinfork import Workspace
+from bunshinrl import SharedSnapshot, ToolCall, ToolSelector
+from bunshinrl.rollout.reasoning import ReasoningClock
+from bunshinrl.rollout.wiring import CoreConfig, build_core
+from bunshinrl.speculation.gate import GateCosts, MeasuredGate
+from bunshinrl.speculation.selector import SelectorContext
+from bunshinrl.speculation.speculator import Chain, Speculator
+
+TOOLS = counter_task().tools
+SLOW, BUMP = ToolCall("slow", {"s": 1}), ToolCall("bump", {"n": 1})
+
+
+def test_the_gate_weighs_saving_against_cost() -> None:
+    gate = MeasuredGate()
+    times = {SLOW.key: 2.0, BUMP.key: 0.02}
+    def seconds(c: ToolCall) -> float | None:
+        return times.get(c.key)
+    cheap = GateCosts(reasoning=3.0, snapshot=0.1, miss=0.2)
+    # Never measured: nothing says it saves anything.
+    assert gate.admit([(ToolCall("state"), 0.99)], seconds, cheap) == []
+    # A 2 s call, likely, beside a 0.1 s snapshot and a 0.2 s rollback: worth it.
+    assert gate.admit([(SLOW, 0.9)], seconds, cheap) == [SLOW]
+    # A 20 ms call saves less than a likely rollback costs, however sure the guess.
+    assert gate.admit([(BUMP, 0.9)], seconds, cheap) == []
+    # The saving is capped by the reasoning step the call hides behind, and a snapshot that
+    # outlasts that step is waited for whatever the guess.
+    assert gate.admit([(SLOW, 0.9)], seconds, GateCosts(reasoning=0.5, snapshot=1.5, miss=0.2)) == []
+    # The chain goes on while the chance of reaching a call, times its time, beats a checkpoint.
+    assert gate.admit([(SLOW, 0.9), (SLOW, 0.9)], seconds, cheap) == [SLOW, SLOW]
+    assert gate.admit([(SLOW, 0.9), (BUMP, 0.9)], seconds, cheap) == [SLOW]
+    assert gate.stats == {"admitted": 3, "declined_unmeasured": 1, "declined_cost": 2}
+
+
+def test_guesses_that_fail_lower_the_selector_s_word() -> None:
+    gate = MeasuredGate()
+    def seconds(c: ToolCall) -> float | None:
+        return 1.0 if c == SLOW else None
+    costs = GateCosts(reasoning=3.0, snapshot=0.1, miss=1.0)
+    assert gate.admit([(SLOW, 0.7)], seconds, costs) == [SLOW]  # 0.7 s saved against 0.3 s
+    for _ in range(8):
+        gate.record_outcome(0.7, False)  # its confident guesses were all wrong
+    assert gate.calibrated(0.7) < 0.5
+    assert gate.admit([(SLOW, 0.7)], seconds, costs) == []
+    for _ in range(40):
+        gate.record_outcome(0.7, True)
+    assert gate.admit([(SLOW, 0.7)], seconds, costs) == [SLOW]
+
+
+def _selector() -> ToolSelector:
+    return ToolSelector(n_features=2**8).fit(
+        [SelectorContext("t", ()), SelectorContext("t", (SLOW,)), SelectorContext("t", (SLOW, BUMP))] * 4,
+        [SLOW.key, BUMP.key, SLOW.key] * 4)
+
+
+def test_the_core_gates_speculation_by_what_it_measured() -> None:
+    """build_core's default: the measured gate, fed by the core's own measurements (the tail's
+    call times, the task's snapshot and rollback times, the reasoning clock)."""
+    reasoning = [3.0]
+    core = build_core(CoreConfig(speculation_depth=2), reasoning=ReasoningClock(model=lambda: reasoning[0]))
+    assert core.speculator is not None and core.speculator.gate is not None
+    core.speculator.selector = _selector()
+    chain = lambda: core.speculation_chain("t", 0, [], TOOLS, real_calls=0)  # noqa: E731
+    assert chain() == []  # nothing measured yet
+    core.tail.record_call(SLOW, 0.6)  # below the fixed rule's 1 s of the benchmark before
+    core.note_snapshot("t", 0.05)
+    assert chain() == [SLOW]
+    reasoning[0] = 0.2  # a short step caps the saving at 0.2 s; the snapshot now outlasts it...
+    core.note_snapshot("t", 1.0)
+    core.note_spec_miss("t", 10.0)  # ...and a wrong guess has cost 10 s on the path
+    assert chain() == []
+    report = core.stats()["speculation"]
+    assert report["gate_admitted"] == 1 and report["gate_declined_unmeasured"] == 1
+    assert report["gate_declined_cost"] == 1
+    # A number keeps the fixed rule, and no gate.
+    fixed = build_core(CoreConfig(speculation_depth=2, slow_tool_seconds=1.0))
+    assert fixed.speculator is not None and fixed.speculator.gate is None
+
+
+@pytest.mark.usefixtures("no_own_leaks")
+def test_a_branch_reports_its_guess_to_the_gate() -> None:
+    """A launched chain carries the selector's probabilities; resolving it wrong lowers the
+    calibration the gate weighs the next guesses with."""
+    before = set(my_snapshots())
+
+    async def main() -> None:
+        ws = await asyncio.to_thread(Workspace.create)
+        spec = Speculator(memory="ksm", gate=MeasuredGate())
+        try:
+            await asyncio.to_thread(counter_task().setup, ws)
+            branch = await spec.launch(ws, Chain([BUMP], [0.9]), TOOLS)
+            assert await branch.resolve(ToolCall("touch", {"name": "real"})) is None
+            back = await branch.close()
+            await asyncio.to_thread(back.destroy)
+        finally:
+            await spec.drain()
+            await asyncio.to_thread(ws.destroy)
+        assert spec.gate is not None and spec.gate.calibration() == pytest.approx(4 / 4.9)
+        assert spec.report()["gate_calibration"] == pytest.approx(4 / 4.9, abs=1e-4)
+
+    asyncio.run(main())
+    assert set(my_snapshots()) == before
+
+
+def test_a_predicted_chain_carries_its_probabilities() -> None:
+    core = build_core(CoreConfig(speculation_depth=2), reasoning=ReasoningClock(model=lambda: 3.0))
+    assert core.speculator is not None
+    core.speculator.selector = _selector()
+    core.tail.record_call(SLOW, 2.0)
+    core.tail.record_call(BUMP, 2.0)
+    chain = core.speculation_chain("t", 0, [], TOOLS, real_calls=0)
+    assert isinstance(chain, Chain) and list(chain) == [SLOW, BUMP]
+    assert len(chain.probabilities) == 2 and all(0.5 <= p <= 1.0 for p in chain.probabilities)
