@@ -10,7 +10,7 @@ import pytest
 from rl_support import counter_task, my_snapshots, no_own_leaks  # noqa: F401 (fixture, used by name)
 
 from bunshinfork import Workspace
-from bunshinrl import SharedSnapshot, ToolCall, ToolSelector
+from bunshinrl import ToolCall, ToolSelector
 from bunshinrl.rollout.reasoning import ReasoningClock
 from bunshinrl.rollout.wiring import CoreConfig, build_core
 from bunshinrl.speculation.gate import GateCosts, MeasuredGate

@@ -21,6 +21,7 @@ from bunshinrl.rollout.timeline import DIVERGENCE_KINDS, DIVERGENCE_OUTCOMES
 from .configs import ConfigRun, MiB, make_config
 from .oracle import replay
 from .sampler import HostSampler
+from .stats import gate_profile
 from .tasks import build_tasks, check_tools
 
 PHASES = ("setup", "reason", "tool", "cache_hit", "sibling_wait", "audit", "materialize", "post_wait", "spec_hit",
@@ -60,6 +61,7 @@ async def run_epoch(run: ConfigRun, group: int, epoch: int) -> dict[str, Any]:
     if run.engine.speculator is not None:
         run.engine.fit_selector()
     audit = (await run.auditor.audit(r)).summary() if run.auditor is not None else None
+    gate = run.engine.speculator.gate if run.engine.speculator is not None else None
     run.results.append(r)
     reason = [s for (e, _t, _s), s in run.server.reasoning_seconds.items() if e == epoch]
     # The oracle: this epoch's decisions replayed through the same server with every tool at 0 s.
@@ -95,6 +97,8 @@ async def run_epoch(run: ConfigRun, group: int, epoch: int) -> dict[str, Any]:
         "wasted_speculation_seconds": round(r.wasted_seconds, 3),
         # The speculator's counts so far (cumulative): launched, hits, mismatches, the gate's.
         "speculation": run.engine.core.stats()["speculation"],
+        # What the gate weighed this epoch, per tool (docs/rl_rollouts_method.md, the gate's note).
+        "speculation_gate": gate_profile(gate.take_decisions()) if gate is not None else None,
         **r.invariant(),  # divergences, rewound, rerolled and the seconds they cost
         "phases": phases(r, r.seconds + r.teardown_seconds),
         "audit": audit,
@@ -107,6 +111,10 @@ async def run_epoch(run: ConfigRun, group: int, epoch: int) -> dict[str, Any]:
           flush=True)
     print(f"        beside it: teardown {r.teardown_seconds:.1f} s, persistence {persist:.1f} s (done before the "
           f"next epoch: yes)", flush=True)
+    for tool, g in (row["speculation_gate"] or {}).items():
+        print(f"        gate {tool}: admitted {g['admitted']}, declined {g['declined']} (medians: p "
+              f"{g['median_p_calibrated']}, call {g['median_call']} s, reasoning {g['median_reasoning']} s, "
+              f"snapshot {g['median_snapshot']} s, rollback {g['median_miss']} s)", flush=True)
     if row["oracle_exceeds_epoch"]:
         print(f"        the epoch ended {oracle - r.seconds:.1f} s before its oracle (a replay, not a bound here: "
               f"steps met smaller batches than with free tools); its own reasoning {row['reasoning_bound_seconds']:.1f}"

@@ -126,3 +126,22 @@ def snapshot_policies(seeds: dict[int, dict[str, Any]], summ: dict[str, Any], ep
         out["default"] = DEFAULT_SNAPSHOT_POLICY
     return out
 
+
+
+def gate_profile(decisions: list[dict[str, Any]]) -> dict[str, Any]:
+    """The speculation gate's decisions of an epoch, per tool: how many it admitted and declined,
+    and the medians of what it weighed (the selector's calibrated probability, the call's measured
+    seconds, the predicted reasoning, snapshot and rollback)."""
+    out: dict[str, Any] = {}
+    for tool in sorted({str(d["tool"]) for d in decisions}):
+        rows = [d for d in decisions if d["tool"] == tool]
+
+        def med(key: str, rows: list[dict[str, Any]] = rows) -> float | None:
+            xs = [float(r[key]) for r in rows if r.get(key) is not None]
+            return round(statistics.median(xs), 3) if xs else None
+
+        out[tool] = {"admitted": sum(bool(r["admitted"]) for r in rows),
+                     "declined": sum(not r["admitted"] for r in rows),
+                     **{f"median_{k}": med(k) for k in ("p_calibrated", "call", "reasoning", "snapshot", "miss",
+                                                        "saving", "cost")}}
+    return out

@@ -14,6 +14,7 @@ nothing says it would save anything. This replaces a fixed "slow call" threshold
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -41,6 +42,8 @@ class MeasuredGate:
         self._hits = 0.0
         self._predicted = 0.0
         self.stats = {"admitted": 0, "declined_unmeasured": 0, "declined_cost": 0}
+        # The last decisions on a chain's first call, what each weighed (a run's profile).
+        self.decisions: deque[dict[str, float | str | bool]] = deque(maxlen=4096)
 
     def record_outcome(self, probability: float, hit: bool) -> None:
         """A launched guess resolved: it had `probability` and was right (hit) or not."""
@@ -82,6 +85,7 @@ class MeasuredGate:
             reach *= self.calibrated(p)
             if i == 0:
                 saving, cost = self.expected(p, seconds, costs)
+                self._note(call, p, seconds, costs, saving, cost)
                 if saving <= cost:
                     self._count("declined_cost")
                     break
@@ -92,9 +96,28 @@ class MeasuredGate:
             self._count("admitted")
         return out
 
+    def _note(self, call: ToolCall, p: float, seconds: float, costs: GateCosts, saving: float, cost: float) -> None:
+        calibrated = self.calibrated(p)  # before the lock: it takes it too
+        with self._lock:
+            self.decisions.append({"tool": call.name, "p": round(p, 3), "p_calibrated": round(calibrated, 3),
+                                   "call": round(seconds, 3), "reasoning": _r(costs.reasoning),
+                                   "snapshot": _r(costs.snapshot), "miss": _r(costs.miss), "saving": round(saving, 3),
+                                   "cost": round(cost, 3), "admitted": saving > cost})
+
+    def take_decisions(self) -> list[dict[str, float | str | bool]]:
+        """The decisions noted since the last take."""
+        with self._lock:
+            out = list(self.decisions)
+            self.decisions.clear()
+        return out
+
     def _count(self, key: str) -> None:
         with self._lock:
             self.stats[key] += 1
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
 
 
 __all__ = ["GateCosts", "MeasuredGate"]
