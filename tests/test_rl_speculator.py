@@ -204,3 +204,14 @@ def test_speculation_refuses_networked_workspaces() -> None:
     fake = SimpleNamespace(id="ws-x", info=lambda: SimpleNamespace(network={"mode": "bridge"}))
     with pytest.raises(SpeculationError):
         _check_isolated(fake)  # type: ignore[arg-type]
+
+
+def test_the_tail_is_the_task_that_holds_the_slowest_rollouts() -> None:
+    """A desktop task whose mean rollout is short but whose slowest one ends the epoch is the
+    tail, not a coding task slower on average (a filter on the mean kept speculation off it)."""
+    tail = TailPolicy(slow_tool_seconds=0.5, task_quantile=0.5)
+    for t in [40.0] * 9 + [110.0]:
+        tail.record_rollout("gui", 0, t)
+    for t in [80.0] * 10:
+        tail.record_rollout("swe", 0, t)
+    assert tail.is_tail_sample("gui", 0) and not tail.is_tail_sample("swe", 0)

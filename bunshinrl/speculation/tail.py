@@ -19,9 +19,10 @@ class TailPolicy:
     """slow_tool_seconds: a call is slow when its mean recorded time reaches this (None: when it
     is in the upper tool_quantile of tools). A call's own record (same tool and arguments) is
     used when there is one, else its tool's: query("/report") and query("/stats") differ. A
-    sample is in the tail when its task's mean recorded rollout time is at least the
+    sample is in the tail when its task's recorded rollout time is at least the
     task_quantile of all tasks' (GRPO samples of a task are exchangeable, so the task is what
-    history can tell about a sample); without any record every sample qualifies.
+    history can tell about a sample), a task's time being its slow rollouts' (the 90th percentile
+    of its records: the epoch waits for the slowest); without any record every sample qualifies.
 
     online_real_calls: with a prefix cache, a sample that has already run this many calls for real
     in the current rollout counts as tail too: it left what the cache knows early and has the
@@ -108,8 +109,8 @@ class TailPolicy:
             own = self._tasks.get(task_id)
             if not own:
                 return True
-            means = sorted(statistics.fmean(v) for v in self._tasks.values())
-        return statistics.fmean(own) >= _quantile(means, self.task_quantile)
+            tails = sorted(_upper(v) for v in self._tasks.values())
+        return _upper(own) >= _quantile(tails, self.task_quantile)
 
     def should_speculate(self, task_id: str, sample: int, chain: Sequence[ToolCall], real_calls: int = 0) -> bool:
         """Speculate when the next predicted call is slow (a fast one saves less than the fork
@@ -122,6 +123,14 @@ class TailPolicy:
         """A tail sample: its task's record says so, or it has left the cache's paths (online)."""
         online = self.online_real_calls is not None and real_calls >= self.online_real_calls
         return online or self.is_tail_sample(task_id, sample)
+
+
+def _upper(times: list[float]) -> float:
+    """A task's slow rollouts: the 90th percentile of its recorded times. An epoch ends with its
+    slowest rollout, and a task whose mean is low can still hold it: a desktop task whose mean
+    rollout was shorter than a coding task's had the epoch's last rollout, and a filter on the
+    mean kept speculation off it."""
+    return _quantile(sorted(times), 0.9)
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:
