@@ -24,6 +24,7 @@ SLOW, BUMP = ToolCall("slow", {"s": 1}), ToolCall("bump", {"n": 1})
 def test_the_gate_weighs_saving_against_cost() -> None:
     gate = MeasuredGate()
     times = {SLOW.key: 2.0, BUMP.key: 0.02}
+
     def seconds(c: ToolCall) -> float | None:
         return times.get(c.key)
     cheap = GateCosts(reasoning=3.0, snapshot=0.1, miss=0.2)
@@ -36,10 +37,13 @@ def test_the_gate_weighs_saving_against_cost() -> None:
     # The saving is capped by the reasoning step the call hides behind, and a snapshot that
     # outlasts that step is waited for whatever the guess.
     assert gate.admit([(SLOW, 0.9)], seconds, GateCosts(reasoning=0.5, snapshot=1.5, miss=0.2)) == []
-    # The chain goes on while the chance of reaching a call, times its time, beats a checkpoint.
+    # The chain goes on while what a further call saves beats the rollbacks it risks...
     assert gate.admit([(SLOW, 0.9), (SLOW, 0.9)], seconds, cheap) == [SLOW, SLOW]
     assert gate.admit([(SLOW, 0.9), (BUMP, 0.9)], seconds, cheap) == [SLOW]
-    assert gate.stats == {"admitted": 3, "declined_unmeasured": 1, "declined_cost": 2}
+    # ...and is weighed whole: a fast observation first, then the slow action the agent takes.
+    assert gate.admit([(BUMP, 0.9), (SLOW, 0.9)], seconds, cheap) == [BUMP, SLOW]
+    assert gate.stats == {"admitted": 4, "declined_unmeasured": 1, "declined_cost": 2}
+    assert [d["depth"] for d in gate.take_decisions()] == [1, 0, 0, 2, 1, 2]
 
 
 def test_guesses_that_fail_lower_the_selector_s_word() -> None:

@@ -39,6 +39,10 @@ def phases(r: EpochResult, epoch_seconds: float) -> dict[str, Any]:
         "critical_path": {k: round(last.seconds(k), 3) for k in PHASES},
         "critical_path_calls": {"real": last.count("tool"), "cache_hits": last.count("cache_hit"),
                                 "spec_hits": last.count("spec_hit")},
+        # Who it was and what its path held, event by event (kind, seconds, the call's name).
+        "critical_path_sample": f"{last.task_id}/{last.sample}",
+        "critical_path_events": [(e.kind, round(e.seconds, 3), e.detail.split("(", 1)[0][:40])
+                                 for e in last.events if e.kind != "reason"],
         "all_rollouts": {k: round(sum(t.seconds(k) for t in r.samples), 3) for k in PHASES},
         "after_last_rollout": round(epoch_seconds - r.seconds, 3),
     }

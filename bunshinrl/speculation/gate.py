@@ -2,7 +2,8 @@
 sample's path outweighs what it is expected to cost there, both from measurements.
 
 A speculated call runs while the policy reasons, so a right guess removes at most the reasoning
-step's length of the call from the path: min(call, reasoning). A wrong guess puts the rollback
+step's length of the call from the path: min(call, reasoning). A chain is weighed whole: a fast
+observation the agent makes first may lead to the slow action after it. A wrong guess puts the rollback
 on the path (the pre-speculation state forked back, measured as the task's spec_miss spans,
 or a snapshot's time until one is), and a snapshot that outlasts the reasoning step is waited
 for whatever the guess. The probability is the selector's, scaled by how its launched guesses
@@ -59,50 +60,64 @@ class MeasuredGate:
     def calibrated(self, probability: float) -> float:
         return min(1.0, max(0.0, probability * self.calibration()))
 
-    def expected(self, probability: float, call_seconds: float, costs: GateCosts) -> tuple[float, float]:
-        """(saving, cost) on the path, in seconds, of speculating one call."""
-        p = self.calibrated(probability)
-        reasoning = costs.reasoning if costs.reasoning is not None else call_seconds
-        saving = p * min(call_seconds, max(0.0, reasoning))
-        miss = costs.miss if costs.miss is not None else (costs.snapshot or 0.0)
-        waited = max(0.0, (costs.snapshot or 0.0) - reasoning) if costs.reasoning is not None else 0.0
-        return saving, (1.0 - p) * miss + waited
+    def expected(self, chain: Sequence[tuple[float, float]], costs: GateCosts) -> tuple[float, float]:
+        """(saving, cost) on the path, in seconds, of speculating `chain`: (the selector's
+        probability, the measured seconds) of each call. A call saves its time with the chance
+        that the chain gets to it right, as far as it runs within the reasoning it hides behind
+        (the i-th call of the chain behind i + 1 steps: each adopted call is followed by another
+        step; a checkpoint runs between calls); a wrong guess anywhere in it costs a rollback; a
+        snapshot that outlasts the step is waited for."""
+        snapshot = costs.snapshot or 0.0
+        reasoning = costs.reasoning
+        miss = costs.miss if costs.miss is not None else snapshot
+        saving, reach, elapsed = 0.0, 1.0, snapshot
+        for i, (probability, seconds) in enumerate(chain):
+            reach *= self.calibrated(probability)
+            start = elapsed + (snapshot if i else 0.0)
+            elapsed = start + seconds
+            hidden = seconds if reasoning is None else max(0.0, min(elapsed, (i + 1) * reasoning) - start)
+            saving += reach * hidden
+        waited = max(0.0, snapshot - reasoning) if reasoning is not None else 0.0
+        return saving, (1.0 - reach) * miss + waited
 
     def admit(self, chain: Sequence[tuple[ToolCall, float]], call_seconds: Callable[[ToolCall], float | None],
               costs: GateCosts) -> list[ToolCall]:
-        """The longest prefix of `chain` (calls with the selector's conditional probabilities)
-        worth running: its first call when its expected saving exceeds its expected cost, and each
-        next call when the chance of reaching it, times its time, exceeds the checkpoint taken
-        before it (a snapshot)."""
-        out: list[ToolCall] = []
-        reach = 1.0
-        for i, (call, p) in enumerate(chain):
+        """The prefix of `chain` (calls with the selector's conditional probabilities) whose
+        expected saving beats its expected cost by the most; empty when none does. A fast first
+        call (an observation) may lead to a slow one (the action after it): the chain is weighed
+        whole, not call by call. A call never measured ends the chain (nothing says it saves)."""
+        measured: list[tuple[float, float]] = []
+        for call, p in chain:
             seconds = call_seconds(call)
             if seconds is None:
-                if i == 0:
-                    self._count("declined_unmeasured")
                 break
-            reach *= self.calibrated(p)
-            if i == 0:
-                saving, cost = self.expected(p, seconds, costs)
-                self._note(call, p, seconds, costs, saving, cost)
-                if saving <= cost:
-                    self._count("declined_cost")
-                    break
-            elif reach * seconds <= (costs.snapshot or 0.0):
-                break
-            out.append(call)
-        if out:
-            self._count("admitted")
-        return out
+            measured.append((p, seconds))
+        if not measured:
+            if chain:
+                self._count("declined_unmeasured")
+            return []
+        best, best_net, best_terms = 0, 0.0, (0.0, 0.0)
+        for k in range(1, len(measured) + 1):
+            saving, cost = self.expected(measured[:k], costs)
+            if saving - cost > best_net:
+                best, best_net, best_terms = k, saving - cost, (saving, cost)
+        first = chain[0][0]
+        terms = best_terms if best else self.expected(measured[:1], costs)
+        self._note(first, measured[0][0], measured[0][1], costs, *terms, depth=best)
+        if not best:
+            self._count("declined_cost")
+            return []
+        self._count("admitted")
+        return [c for c, _ in chain[:best]]
 
-    def _note(self, call: ToolCall, p: float, seconds: float, costs: GateCosts, saving: float, cost: float) -> None:
+    def _note(self, call: ToolCall, p: float, seconds: float, costs: GateCosts, saving: float, cost: float,
+              depth: int) -> None:
         calibrated = self.calibrated(p)  # before the lock: it takes it too
         with self._lock:
             self.decisions.append({"tool": call.name, "p": round(p, 3), "p_calibrated": round(calibrated, 3),
                                    "call": round(seconds, 3), "reasoning": _r(costs.reasoning),
                                    "snapshot": _r(costs.snapshot), "miss": _r(costs.miss), "saving": round(saving, 3),
-                                   "cost": round(cost, 3), "admitted": saving > cost})
+                                   "cost": round(cost, 3), "admitted": depth > 0, "depth": depth})
 
     def take_decisions(self) -> list[dict[str, float | str | bool]]:
         """The decisions noted since the last take."""
