@@ -45,6 +45,8 @@ apt_packages=(
   # noVNC live view, and the web shop's database, its driver and a browser
   openbox xterm mousepad chromium xdotool xclip wmctrl imagemagick fonts-dejavu-core
   x11vnc novnc websockify postgresql python3-psycopg2
+  # the office task family (bunshinrl/envs/office.py, the OSWorld stand-in): Calc and Writer
+  libreoffice-calc libreoffice-writer
   # the Wayland desktop template: sway (headless wlroots, pixman renderer), its terminal,
   # screencopy, virtual keyboard and clipboard tools, the VNC live view and Xwayland
   sway foot grim wtype wl-clipboard wayvnc xwayland
