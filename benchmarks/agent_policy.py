@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from bunshinfork.templates import CATALOGUE
 from bunshinrl.calls.policy import Action, FinalAnswer, SampleContext, Step
 from bunshinrl.calls.signature import ToolCall
-from bunshinrl.envs import coding, swe
+from bunshinrl.envs import coding, office, swe
 
 
 @dataclass(frozen=True)
@@ -338,6 +338,86 @@ def gui_candidates(target: str, editor: str = "Mousepad", launch: bool = False,
         if name == "type_text":
             return [C("key", {"combo": "ctrl+s"}), C("list_windows")]
         return [C("list_windows"), C("key", {"combo": "ctrl+s"})]
+
+    return candidates
+
+
+def _entered(history: Sequence[Step], cell: str, note: str) -> bool:
+    """The note was typed into the cell and committed: a goto_cell(cell), then (with no other
+    goto_cell between) type_text(note), then a Return."""
+    at = None  # where the cursor was last sent, and whether the note was typed there since
+    typed = False
+    for h in history:
+        name, args = h.call.name, h.call.args
+        if h.observation.startswith("ERROR"):
+            continue
+        if name == "goto_cell":
+            at, typed = str(args.get("cell", "")).upper(), False
+        elif name == "type_text":
+            typed = at == cell and args.get("text") == note
+        elif name == "key" and typed:
+            if args.get("combo") == "Return":
+                return True
+            typed = False  # Escape (or anything else) leaves the cell as it was
+    return False
+
+
+def office_candidates(cells: Sequence[tuple[str, str]], path: str = office.LEDGER,
+                      window: str = "ledger.ods") -> Callable[[str, Sequence[Step]], Candidates]:
+    """An office user's loop on LibreOffice Calc: start Calc on the spreadsheet (or, now and then,
+    Writer by mistake), look at the windows, for each note go to its cell through the Name Box,
+    type it and press Return, save, read the saved cells back, export the PDF, and finish once
+    the saved file holds every note and the PDF is exported. The alternatives: a typo, Escape
+    instead of Return, a look at the windows, a save or an export too early."""
+    refs = ", ".join(c for c, _ in cells)
+
+    def candidates(_task_id: str, history: Sequence[Step]) -> Candidates:
+        C = ToolCall
+        # The right path is 11 calls; each note typed wrong or cancelled costs 3 more to redo.
+        if len(history) >= 20:
+            return [FinalAnswer("giving up")]
+        open_ = any(h.call.name == "launch_app" and h.call.args.get("path") == path
+                    and not h.observation.startswith("ERROR") for h in history)
+        if not open_:
+            return [C("launch_app", {"app": "calc", "path": path}), C("list_windows"),
+                    C("launch_app", {"app": "writer"})]
+        last = history[-1]
+        name, args = last.call.name, last.call.args
+        pending = [(c, n) for c, n in cells if not _entered(history, c, n)]
+        # Saved and checked count only after the last edit (an earlier save holds less), the
+        # export only after the last save (it converts the file as saved).
+        since_edit = history[max((i for i, h in enumerate(history) if h.call.name in ("type_text", "key")
+                                  and h.call.args.get("combo") != "ctrl+s"), default=-1) + 1:]
+        saves = [i for i, h in enumerate(since_edit) if h.call.name == "save" or h.call.args.get("combo") == "ctrl+s"]
+        saved = bool(saves)
+        checked = any(h.call.name == "read_cells" and all(f"{c} = {n!r}" in h.observation for c, n in cells)
+                      for h in since_edit)
+        exported = saved and any(h.call.name == "export_pdf" and h.observation.startswith("exported")
+                                 for h in since_edit[saves[-1] + 1:] if saves)
+        if last.observation.startswith("ERROR"):
+            return [C("list_windows"), C("key", {"combo": "Escape"})]
+        if name == "launch_app":
+            return [C("list_windows"), C("goto_cell", {"cell": (pending or cells)[0][0]})]
+        if name == "list_windows":
+            lines = last.observation.splitlines()
+            active = next((ln for ln in lines if ln.endswith("[active]")), "")
+            if window not in active:
+                return [C("activate_window", {"title": window}), C("list_windows")]
+        if name == "goto_cell":
+            note = dict(cells).get(str(args.get("cell", "")).upper())
+            if note is not None:
+                return [C("type_text", {"text": note}), C("type_text", {"text": note[:-1]})]
+        if name == "type_text":
+            return [C("key", {"combo": "Return"}), C("key", {"combo": "Escape"})]
+        if pending:
+            return [C("goto_cell", {"cell": pending[0][0]}), C("list_windows"), C("save")]
+        if not saved:
+            return [C("save"), C("export_pdf", {"path": path})]
+        if not checked:
+            return [C("read_cells", {"path": path, "cells": refs}), C("export_pdf", {"path": path})]
+        if not exported:
+            return [C("export_pdf", {"path": path}), FinalAnswer("saved")]
+        return [FinalAnswer("saved and exported"), C("list_windows")]
 
     return candidates
 

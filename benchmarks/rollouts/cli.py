@@ -55,15 +55,16 @@ first candidate calls, each in two forks of the initial state (per seed: check_f
 Hit rates count the agents' tool calls only (the hidden verifier call is none); a call served by
 waiting for a sibling's running call is counted apart (sibling_waits) and is no hit.
 
---settle SECONDS (issue 38): OSWorld's protocol for the gui family. Its DesktopEnv.step(action,
-pause=2) runs an action, waits `pause` seconds (2 by default) for the GUI to settle, then observes;
-here each gui action tool (click, type_text, key, launch_app, open_page, ...; not list_windows,
-screenshot or clipboard_get) waits SECONDS after acting, inside the tool, so every execution pays
+--settle SECONDS (issue 38): OSWorld's protocol for the desktop families, gui and office. Its
+DesktopEnv.step(action, pause=2) runs an action, waits `pause` seconds (2 by default) for the GUI
+to settle, then observes; here each action tool of those families (click, type_text, key,
+launch_app, open_page, goto_cell, save, export_pdf, ...; not list_windows, screenshot,
+clipboard_get or read_cells) waits SECONDS after acting, inside the tool, so every execution pays
 it: the real call, a cache replay behind a hit, a speculative run, an audit re-execution. Default
 2.0, OSWorld's own; the other families never pause. It is recorded (`settle`), it is part of the
-gui task's fingerprint (a cache recorded at one settle is never served at another), and --merge
-refuses runs at different settles (a sweep's points are run apart, as seeds are, and merged per
-settle). --quick runs no gui task, so the pause costs CI nothing.
+gui and office tasks' fingerprints (a cache recorded at one settle is never served at another),
+and --merge refuses runs at different settles (a sweep's points are run apart, as seeds are, and
+merged per settle). --quick runs no gui or office task, so the pause costs CI nothing.
 
 --regime batch (issue 38, docs/rl_rollouts_method.md): a step that starts with k of the
 configuration's N rollouts reasoning is priced with k x 128 / N requests in flight, the paper's
@@ -130,7 +131,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--snapshot-policies", default=DEFAULT_SNAPSHOT_POLICY,
                     help=f"prefix-cache snapshot policies to compare, of {','.join(SNAPSHOT_POLICIES)}: each one "
                          f"but the default ({DEFAULT_SNAPSHOT_POLICY}, Full's) adds a configuration Full@POLICY")
-    ap.add_argument("--families", help="comma-separated: code, shop, gui, swe")
+    ap.add_argument("--families", help="comma-separated: code, shop, gui, swe, office")
     ap.add_argument("--code-tasks", type=int)
     ap.add_argument("--group-size", type=int)
     ap.add_argument("--epochs", type=int)
@@ -156,9 +157,10 @@ def parse() -> argparse.Namespace:
                          "sample running it with this probability per (sample, call), keyed by the seed "
                          "(bunshinrl.envs.faults)")
     ap.add_argument("--settle", type=float, default=2.0, metavar="SECONDS",
-                    help="OSWorld's protocol for the gui family (DesktopEnv.step(action, pause=2)): each gui action "
-                         "tool waits SECONDS after acting for the GUI to settle, paid by every execution (real, "
-                         "replayed, speculative, audited); default 2.0, OSWorld's own; 0 pauses nothing. Other "
+                    help="OSWorld's protocol for the desktop families, gui and office (DesktopEnv.step(action, "
+                         "pause=2)): each of their action tools waits SECONDS after acting for the GUI to settle, "
+                         "paid by every execution (real, replayed, speculative, audited); default 2.0, OSWorld's "
+                         "own; 0 pauses nothing. Other "
                          "families never pause; --merge refuses runs at different settles")
     ap.add_argument("--guard-auto-disable", choices=("on", "off"), default="on",
                     help="off: a tool found non-deterministic stays reusable (its cached subtrees are still "

@@ -64,9 +64,10 @@ def preamble(args: argparse.Namespace, model: LatencyModel, agent_cfg: AgentConf
         f"{args.epochs} epochs, seeds {args.seed_list}; configs {args.configs} (interleaved)"
         + (f"; {', '.join(args.short_configs)} at seeds {args.short_seeds} in epochs 1-{args.short_epochs} only"
            if args.short_configs else ""),
-        (f"settle {args.settle:g} s: OSWorld's protocol (DesktopEnv.step(action, pause=2)), each gui action tool "
-         "waits this long after acting, in every execution (real, replayed, speculative, audited)"
-         if "gui" in args.families else f"settle {args.settle:g} s (the gui family's; no gui task in this run)"),
+        (f"settle {args.settle:g} s: OSWorld's protocol (DesktopEnv.step(action, pause=2)), each gui and office "
+         "action tool waits this long after acting, in every execution (real, replayed, speculative, audited)"
+         if {"gui", "office"} & set(args.families)
+         else f"settle {args.settle:g} s (the gui and office families'; neither in this run)"),
         f"CPU oversubscription: {rollouts} rollouts on {cpus} hardware threads = {rollouts / cpus:.1f} per thread "
         f"(the paper: {PAPER_ROLLOUTS_PER_THREAD} per thread)",
         "targets (printed after the run, never asserted): Full >= 1.2x Base over epochs 2-5 (per seed, summed; the "

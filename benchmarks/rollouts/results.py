@@ -53,8 +53,8 @@ def finish(out: Path, seeds: dict[int, dict[str, Any]], meta: dict[str, Any]) ->
 
 def settle_record(seconds: float) -> dict[str, Any]:
     """The run's settle pause as its JSON records it (--settle)."""
-    return {"seconds": seconds, "families": ["gui"],
-            "protocol": "OSWorld's DesktopEnv.step(action, pause=2): after each gui action tool, a pause of "
+    return {"seconds": seconds, "families": ["gui", "office"],
+            "protocol": "OSWorld's DesktopEnv.step(action, pause=2): after each gui or office action tool, a pause of "
                         "`seconds` for the GUI to settle, paid by every execution (real, replayed, speculative, "
                         "audited)"}
 

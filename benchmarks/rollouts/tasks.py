@@ -7,14 +7,14 @@ import dataclasses
 import time
 from typing import Any
 
-from agent_policy import coding_candidates, gui_candidates, shop_candidates, swe_candidates
+from agent_policy import coding_candidates, gui_candidates, office_candidates, shop_candidates, swe_candidates
 
 from bunshinrl import Task, ToolCall, check_family_async
-from bunshinrl.envs import coding, gui, swe, webshop
+from bunshinrl.envs import coding, gui, office, swe, webshop
 
 SHOP_ORDERS = ({"MUG-BLU": 2, "TEA-GRN": 1}, {"TEA-GRN": 1}, {"MUG-BLU": 1})
 GUI_TARGETS = ("Meeting moved to Friday 10:00", "Ship it on Friday", "Lunch at noon in room 4")
-FAMILIES = ("code", "shop", "gui", "swe")
+FAMILIES = ("code", "shop", "gui", "swe", "office")
 GUI_HELP = "/root/Desktop/help.html"
 GUI_HELP_PAGE = ("<html><head><title>Editor help</title></head><body><h1>Editing notes</h1>"
                  "<p>Start the editor, select all (ctrl+a), type the new text and save with ctrl+s.</p>"
@@ -26,8 +26,9 @@ GUI_HELP_PAGE = ("<html><head><title>Editor help</title></head><body><h1>Editing
 
 def build_tasks(families: list[str], seed: int, code_tasks: int,
                 settle: float = 0.0) -> tuple[list[Task], dict[str, Any]]:
-    """The tasks of `families` at `seed` and their agents' candidates; settle: the gui family's
-    pause after each action, OSWorld's protocol (--settle; gui.make_env)."""
+    """The tasks of `families` at `seed` and their agents' candidates; settle: the desktop
+    families' (gui, office) pause after each action, OSWorld's protocol (--settle; gui.make_env,
+    office.make_env)."""
     tasks: list[Task] = []
     cands: dict[str, Any] = {}
     if "code" in families:
@@ -54,6 +55,12 @@ def build_tasks(families: list[str], seed: int, code_tasks: int,
         t = swe.make_env(seed)
         tasks.append(t)
         cands[t.id] = swe_candidates
+    if "office" in families:
+        # LibreOffice Calc on a large spreadsheet (the OSWorld stand-in): the agent cold-starts
+        # soffice on it, edits two far-apart cells, saves and exports a PDF, real work each.
+        t = dataclasses.replace(office.make_env(seed, settle=settle), id=f"office-{seed}")
+        tasks.append(t)
+        cands[t.id] = office_candidates(office.task_cells(seed))
     unknown = set(families) - set(FAMILIES)
     if unknown:
         raise SystemExit(f"unknown task families {sorted(unknown)}; use {', '.join(FAMILIES)}")
