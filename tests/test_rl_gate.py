@@ -5,12 +5,14 @@ from measured call times and the selector's calibrated probability, exceeds its 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 import pytest
 from rl_support import counter_task, my_snapshots, no_own_leaks  # noqa: F401 (fixture, used by name)
 
 from bunshinfork import Workspace
-from bunshinrl import ToolCall, ToolSelector
+from bunshinrl import EpochResult, FinalAnswer, RolloutEngine, SampleContext, Step, ToolCall, ToolSelector
+from bunshinrl.calls.policy import Action
 from bunshinrl.rollout.reasoning import ReasoningClock
 from bunshinrl.rollout.wiring import CoreConfig, build_core
 from bunshinrl.speculation.gate import GateCosts, MeasuredGate
@@ -125,3 +127,37 @@ def test_a_predicted_chain_carries_its_probabilities() -> None:
     chain = core.speculation_chain("t", 0, [], TOOLS, real_calls=0)
     assert isinstance(chain, Chain) and list(chain) == [SLOW, BUMP]
     assert len(chain.probabilities) == 2 and all(0.5 <= p <= 1.0 for p in chain.probabilities)
+
+
+class _FirstCallSlow:
+    """Each sample thinks 1.5 s, then calls the slow tool (1 s), then answers."""
+
+    async def act(self, ctx: SampleContext, history: Sequence[Step]) -> Action:
+        await asyncio.sleep(1.5 if not history else 0.05)  # the policy's reasoning
+        return SLOW if not history else FinalAnswer("ok")
+
+
+@pytest.mark.usefixtures("no_own_leaks")
+def test_the_first_call_is_speculated_while_the_first_step_is_reasoned() -> None:
+    """Spec (no cache): a group forked while its first step is reasoned starts the predicted first
+    call on each fork at once, so a slow first call (a test suite) leaves every path."""
+    before = set(my_snapshots())
+    core = build_core(CoreConfig(speculation_depth=1, keep_initial=True, overlap_fork=True, memory="ksm"),
+                      reasoning=ReasoningClock(model=lambda: 1.5))
+    engine = RolloutEngine(_FirstCallSlow(), core=core)
+
+    async def main() -> list[EpochResult]:
+        out = []
+        try:
+            for epoch in range(2):
+                out.append(await engine.run_epoch([counter_task()], group_size=2, epoch=epoch))
+                engine.fit_selector()
+        finally:
+            await engine.close()
+        return out
+
+    first, second = asyncio.run(main())
+    assert first.spec_hits == 0 and all(s.count("tool") == 1 for s in first.samples)
+    assert second.spec_hits == 2, [[(e.kind, e.detail) for e in s.events] for s in second.samples]
+    assert all(s.count("tool") == 0 for s in second.samples)
+    assert set(my_snapshots()) == before

@@ -195,9 +195,15 @@ class Rollout(WarmWorkspaces, Rewinding, Captures, SpeculationGlue):
         if self._on_close is not None:
             self._on_close(self)
 
-    async def _forked(self, forking: Awaitable[Workspace]) -> Live:
+    async def _forked(self, forking: Awaitable[Workspace]) -> Live | Speculating:
+        """The sample's first workspace, forked while its first step is reasoned; the first calls
+        the selector predicts start on it at once when the speculator's gate admits them (the
+        first step is as long as any, and a slow first call, a test suite, is on every path)."""
         ws = await forking
         await self.note_fork(ws)
+        chain = self.core.speculation_chain(self.task.id, self.ctx.sample, [], self.tools, real_calls=0)
+        if chain:
+            return await self._post_call(ws, None, chain)
         return Live(ws)
 
     async def note_fork(self, ws: Workspace) -> None:
