@@ -64,7 +64,7 @@ it: the real call, a cache replay behind a hit, a speculative run, an audit re-e
 2.0, OSWorld's own; the other families never pause. It is recorded (`settle`), it is part of the
 gui and office tasks' fingerprints (a cache recorded at one settle is never served at another),
 and --merge refuses runs at different settles (a sweep's points are run apart, as seeds are, and
-merged per settle). --quick runs no gui or office task, so the pause costs CI nothing.
+merged per settle). --quick runs office and swe at G=2 with settle 0.5 s.
 
 --regime batch (issue 38, docs/rl_rollouts_method.md): a step that starts with k of the
 configuration's N rollouts reasoning is priced with k x 128 / N requests in flight, the paper's
@@ -156,11 +156,11 @@ def parse() -> argparse.Namespace:
                     help="fault injection (issue 37's proof): each agent tool observes a token specific to the "
                          "sample running it with this probability per (sample, call), keyed by the seed "
                          "(bunshinrl.envs.faults)")
-    ap.add_argument("--settle", type=float, default=2.0, metavar="SECONDS",
+    ap.add_argument("--settle", type=float, metavar="SECONDS",
                     help="OSWorld's protocol for the desktop families, gui and office (DesktopEnv.step(action, "
                          "pause=2)): each of their action tools waits SECONDS after acting for the GUI to settle, "
                          "paid by every execution (real, replayed, speculative, audited); default 2.0, OSWorld's "
-                         "own; 0 pauses nothing. Other "
+                         "own (--quick: 0.5); 0 pauses nothing. Other "
                          "families never pause; --merge refuses runs at different settles")
     ap.add_argument("--guard-auto-disable", choices=("on", "off"), default="on",
                     help="off: a tool found non-deterministic stays reusable (its cached subtrees are still "

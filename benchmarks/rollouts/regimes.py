@@ -19,8 +19,11 @@ def fixed_in_flight(regime: str) -> int | None:
 # seeds 0-2; Spec and CRIU at seed 0 in epochs 1-2).
 HEADLINE = {"families": "code,shop,gui", "code_tasks": 1, "group_size": 8, "epochs": 5, "seeds": 3, "rollouts": 24,
             "regime": "paper", "exploration": "decaying", "short_configs": "CRIU,Spec", "short_epochs": 2,
-            "short_seeds": "0", "audit": "all"}
-QUICK = {"families": "code,shop", "code_tasks": 1, "group_size": 3, "epochs": 3, "seeds": 1, "regime": "local",
+            "short_seeds": "0", "audit": "all", "settle": 2.0}
+# --quick (CI's): the families whose tools take real time, small (issue 38: office and swe at G=2,
+# settle 0.5 s, the sampled audit).
+QUICK = {"families": "office,swe", "code_tasks": 1, "group_size": 2, "epochs": 3, "seeds": 1, "regime": "local",
+         "settle": 0.5,
          "exploration": "decaying", "short_configs": "CRIU,Spec", "short_epochs": 2, "short_seeds": "0",
          "audit": "sample"}
 PAPER_ROLLOUTS_PER_THREAD = 2  # the paper's host: 128 rollouts on 64 hardware threads
