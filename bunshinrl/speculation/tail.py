@@ -127,9 +127,9 @@ class TailPolicy:
 
 def _upper(times: list[float]) -> float:
     """A task's slow rollouts: the 90th percentile of its recorded times. An epoch ends with its
-    slowest rollout, and a task whose mean is low can still hold it: a desktop task whose mean
-    rollout was shorter than a coding task's had the epoch's last rollout, and a filter on the
-    mean kept speculation off it."""
+    slowest rollout, and a task whose mean is low can still hold it (a group's exploration
+    spreads its rollouts), so a filter on the mean could keep speculation off the sample the
+    epoch waits for."""
     return _quantile(sorted(times), 0.9)
 
 
