@@ -208,7 +208,7 @@ def test_speculation_refuses_networked_workspaces() -> None:
 
 def test_the_tail_is_the_task_that_holds_the_slowest_rollouts() -> None:
     """A desktop task whose mean rollout is short but whose slowest one ends the epoch is the
-    tail, not a coding task slower on average (a filter on the mean kept speculation off it)."""
+    tail, not a coding task slower on average (a filter on the mean would keep speculation off it)."""
     tail = TailPolicy(slow_tool_seconds=0.5, task_quantile=0.5)
     for t in [40.0] * 9 + [110.0]:
         tail.record_rollout("gui", 0, t)
