@@ -21,7 +21,7 @@ from bunshinfork import Workspace
 from bunshinrl import ToolCall, check_family_async
 from bunshinrl.calls.policy import FinalAnswer, Step
 from bunshinrl.calls.task import Task
-from bunshinrl.envs import _ods, office
+from bunshinrl.envs import _ods, _office_desktop, _office_files, office
 
 NEEDED = ("soffice", "Xvfb", "openbox", "xdotool", "wmctrl", "xprop", "xdpyinfo")
 missing = [b for b in NEEDED if shutil.which(b) is None]
@@ -199,7 +199,8 @@ def test_every_action_tool_pays_the_settle_pause_and_no_observation_does(monkeyp
     outs: dict[float, dict[str, str]] = {}
     for env in (plain, settled):
         fake = _Desktop()
-        monkeypatch.setattr(office, "_gui", lambda ws, fake=fake: fake)
+        for where in (office, _office_desktop):  # the tools' desktop and the observation's
+            monkeypatch.setattr(where, "desktop", lambda ws, fake=fake: fake)
         seen = outs.setdefault(SETTLE if env is settled else 0.0, {})
         for name, args in (*ACTION_ARGS.items(), *OBSERVATION_ARGS.items()):
             t = time.monotonic()
@@ -304,4 +305,4 @@ def test_the_reader_follows_repeated_rows_and_cells_and_odf_spaces(tmp_path: Any
     with pytest.raises(ValueError, match="outside the sheet"):
         _ods.parse_cell("AMK1")
     generated = _ods.read_cells(zipfile.ZipFile(io.BytesIO(office.ledger_ods(16))), ["A1", "B17", "D3", "E9"])
-    assert generated == {"A1": "Id", "B17": "item-00016", "D3": office._price(2), "E9": ""}
+    assert generated == {"A1": "Id", "B17": "item-00016", "D3": _office_files._price(2), "E9": ""}

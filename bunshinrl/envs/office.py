@@ -31,10 +31,9 @@ import re
 import shlex
 import time
 import zipfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
-from xml.sax.saxutils import escape
 
 from bunshinfork import BunshinError, Workspace
 from bunshinfork.templates import GuiWorkspace, TemplateError, start_gui
@@ -43,7 +42,17 @@ from ..calls.task import Task
 from ..calls.tools import Tool
 from . import _ods
 from ._common import agent_tool, tools_of
-from ._ods import TABLE_NS, TEXT_NS, parse_cell
+from ._ods import parse_cell
+from ._office_desktop import GUI_ENV, OfficeError, desktop, env_prefix, file_stat, observe, wait_for
+from ._office_files import (  # noqa: F401 (re-exported: the task's files are the office env's)
+    HEADERS,
+    NOTE_COLUMN,
+    PRISTINE_REGISTRY,
+    REGISTRY,
+    ROWS,
+    ledger_ods,
+    registry_xcu,
+)
 
 DOCS = "/root/Documents"
 LEDGER = f"{DOCS}/ledger.ods"
@@ -52,9 +61,6 @@ LEDGER_PDF = f"{DOCS}/ledger.pdf"
 # hand its job to the running instance (LibreOffice's single-instance pipe) instead of doing it.
 PROFILE = "/root/.lo-profile"
 EXPORT_PROFILE = "/root/.lo-export"
-ROWS = 100000  # a cold start of Calc on it: 1.2 s here (0.3 s without it); its save 1.2 s, its PDF 4.8 s
-HEADERS = ("Id", "Item", "Qty", "Price", "Note")
-NOTE_COLUMN = "E"
 APPS = {"calc": ("--calc", "LibreOffice Calc"), "writer": ("--writer", "LibreOffice Writer")}
 # What the task asks to write (seed modulo their number): the first note on one item's row, the
 # second on another's. Capitalised, plain words: Calc's autocorrect leaves them as typed.
@@ -65,149 +71,16 @@ EXPORT_TIMEOUT_S = 240.0
 READ_TIMEOUT_S = 120.0
 # The spreadsheet reader (bunshinrl/envs/_ods.py), copied into the workspace at set-up.
 ODS_READER = "/opt/bunshin/ods_cells.py"
-# LibreOffice in a workspace: HOME fixed (the workspace's commands get none) and a UTF-8 C
-# locale, the same in every workspace. The GUI adds the X11 `gen` plugin (the GTK one would look
-# for a session bus and the accessibility bus) and no Skia (it would probe Vulkan; the raster
-# path draws the same on Xvfb); the headless converter must not have the plugin set, or it
-# opens the display it does not have.
-ENV = {"HOME": "/root", "LANG": "C.UTF-8"}
-GUI_ENV = {**ENV, "SAL_USE_VCLPLUGIN": "gen", "SAL_DISABLESKIA": "1"}
-# The user profile's settings: no tip of the day, no first-run or what's-new infobar, no
-# autosave or recovery data (timers that would write files behind the agent's back), no
-# keep-format question on save, no autocomplete (Calc's AutoInput would complete typed text
-# from the column's other entries).
-REGISTRY = (
-    ("org.openoffice.Office.Common/Misc", "ShowTipOfTheDay", "false"),
-    ("org.openoffice.Office.Common/Misc", "FirstRun", "false"),
-    ("org.openoffice.Office.Common/Misc", "CrashReport", "false"),
-    ("org.openoffice.Office.Common/Misc", "UseOpenCL", "false"),
-    ("org.openoffice.Office.Common/VCL", "UseSkia", "false"),
-    ("org.openoffice.Office.Common/Save/Document", "WarnAlienFormat", "false"),
-    ("org.openoffice.Office.Recovery/AutoSave", "Enabled", "false"),
-    ("org.openoffice.Office.Recovery/RecoveryInfo", "Enabled", "false"),
-    ("org.openoffice.Office.Calc/Input", "AutoInput", "false"),
-    ("org.openoffice.Setup/Product", "ooSetupLastVersion", "7.4"),
-)
-# Debian's LibreOffice reads its configuration from /etc/libreoffice/registry (a symlink from
-# /usr/lib/libreoffice/share/registry), and a workspace's /etc is generated without it: soffice
-# then dies in its first ConfigItem ("RuntimeException", an abort). Debian keeps the pristine
-# copies under /usr (ucf's originals), which every workspace sees.
-PRISTINE_REGISTRY = "/usr/lib/libreoffice/share/.registry"
 
-
-class OfficeError(BunshinError):
-    """A LibreOffice step did not finish within its deadline (no window, no save, no PDF)."""
-
-
-# ---- the spreadsheet, generated deterministically at task creation ----
-
-def _qty(row: int) -> int:
-    return (row * 7919) % 97 + 1
-
-
-def _price(row: int) -> str:
-    return f"{(row * 104729) % 10000 / 100:.2f}"
-
-
-@functools.lru_cache(maxsize=4)  # a second or so for the full ledger; every make_env of a seed wants it
-def ledger_ods(rows: int = ROWS) -> bytes:
-    """A ledger of `rows` items (Id, Item, Qty, Price, an empty Note; headers on row 1) as an
-    .ods: the same bytes every time (fixed zip dates, no meta.xml clock)."""
-    head = "".join(f'<table:table-cell office:value-type="string"><text:p>{h}</text:p></table:table-cell>'
-                   for h in HEADERS)
-    body = [f"<table:table-row>{head}</table:table-row>"]
-    for r in range(1, rows + 1):
-        q, p = _qty(r), _price(r)
-        body.append(
-            "<table:table-row>"
-            f'<table:table-cell office:value-type="float" office:value="{r}"><text:p>{r}</text:p></table:table-cell>'
-            f'<table:table-cell office:value-type="string"><text:p>item-{r:05d}</text:p></table:table-cell>'
-            f'<table:table-cell office:value-type="float" office:value="{q}"><text:p>{q}</text:p></table:table-cell>'
-            f'<table:table-cell office:value-type="float" office:value="{p}"><text:p>{p}</text:p></table:table-cell>'
-            "<table:table-cell/></table:table-row>")
-    content = ('<?xml version="1.0" encoding="UTF-8"?>\n<office:document-content '
-               'xmlns:office="urn:oasis:names:tc:opendocument:xmlns:office:1.0" '
-               f'xmlns:table="{TABLE_NS}" xmlns:text="{TEXT_NS}" office:version="1.2">'
-               '<office:body><office:spreadsheet><table:table table:name="Ledger">'
-               + "".join(body) + "</table:table></office:spreadsheet></office:body></office:document-content>")
-    manifest = ('<?xml version="1.0" encoding="UTF-8"?>\n<manifest:manifest '
-                'xmlns:manifest="urn:oasis:names:tc:opendocument:xmlns:manifest:1.0" manifest:version="1.2">'
-                '<manifest:file-entry manifest:full-path="/" manifest:version="1.2" '
-                'manifest:media-type="application/vnd.oasis.opendocument.spreadsheet"/>'
-                '<manifest:file-entry manifest:full-path="content.xml" manifest:media-type="text/xml"/>'
-                "</manifest:manifest>")
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as z:
-        # ODF: `mimetype` first and stored, so a reader can sniff the type at a fixed offset.
-        for name, data, how in (("mimetype", "application/vnd.oasis.opendocument.spreadsheet", zipfile.ZIP_STORED),
-                                ("content.xml", content, zipfile.ZIP_DEFLATED),
-                                ("META-INF/manifest.xml", manifest, zipfile.ZIP_DEFLATED)):
-            info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
-            info.compress_type = how
-            z.writestr(info, data)
-    return buf.getvalue()
-
-
-def registry_xcu(items: Iterable[tuple[str, str, str]] = REGISTRY) -> str:
-    """registrymodifications.xcu of a user profile holding `items` (path, property, value)."""
-    props = "".join(f'<item oor:path="/{escape(path)}"><prop oor:name="{escape(name)}" oor:op="fuse">'
-                    f"<value>{escape(value)}</value></prop></item>\n" for path, name, value in items)
-    return ('<?xml version="1.0" encoding="UTF-8"?>\n<oor:items xmlns:oor="http://openoffice.org/2001/registry" '
-            'xmlns:xs="http://www.w3.org/2001/XMLSchema" xmlns:xsi="http://www.w3.org/2001/XMLSchema-instance">\n'
-            + props + "</oor:items>\n")
 
 
 # ---- the desktop ----
-
-def _gui(ws: Workspace) -> GuiWorkspace:
-    return GuiWorkspace.attach(ws)
-
-
-def _env_prefix(env: dict[str, str] = ENV) -> str:
-    return "env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-
-
 def _doc_path(path: str) -> str:
     """A document path the agent gave, refused unless it is a file under DOCS."""
     path = str(path)
     if not path.startswith(DOCS + "/") or ".." in path.split("/"):
         raise ValueError(f"documents live under {DOCS}/: {path!r}")
     return path
-
-
-def _stat(ws: Workspace, path: str) -> str:
-    """Inode, size and modification time of a file ('' when it is not there)."""
-    r = ws.commands.run(f"stat -c '%i %s %.9Y' {shlex.quote(path)} 2>/dev/null || true", timeout=30)
-    return r.stdout.strip()  # type: ignore[union-attr]
-
-
-def _wait(probe: Callable[[], Any], what: str, timeout: float) -> Any:
-    """Poll `probe` until it returns something true; OfficeError once `timeout` has passed."""
-    deadline = time.monotonic() + timeout
-    interval = 0.05
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise OfficeError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(interval)  # polling the workspace until the step it waits for is done
-        interval = min(interval * 1.5, 0.5)
-
-
-def _windows_line(g: GuiWorkspace) -> str:
-    """The windows by title, the focused one marked: what each action observes after it acts."""
-    wins = g.windows()
-    if not wins:
-        return "windows: none"
-    return "windows: " + "; ".join(f"{w.title!r}" + (" [active]" if w.focused else "") for w in wins)
-
-
-def _observe(ws: Workspace) -> str:
-    try:
-        return _windows_line(_gui(ws))
-    except BunshinError as e:
-        return f"windows: ERROR: {e}"
 
 
 # ---- the tools ----
@@ -220,7 +93,7 @@ def launch_app(ws: Workspace, app: str, path: str = "") -> str:
     if app not in APPS:
         raise ValueError(f"unknown app {app!r}; use one of {', '.join(APPS)}")
     flag, name = APPS[app]
-    g = _gui(ws)
+    g = desktop(ws)
     before = {w.title for w in g.windows()}
     doc = ""
     if path:
@@ -239,7 +112,7 @@ def launch_app(ws: Workspace, app: str, path: str = "") -> str:
     # (with a document only: without one it would open nothing): no Start Center once the
     # document is closed. A second launch joins the running instance through its
     # single-instance pipe, which opens a window of its own.
-    cmd = (f"{_env_prefix(GUI_ENV)} soffice -env:UserInstallation=file://{PROFILE} --norestore --nologo "
+    cmd = (f"{env_prefix(GUI_ENV)} soffice -env:UserInstallation=file://{PROFILE} --norestore --nologo "
            + (f"--nodefault {flag} {shlex.quote(path)}" if path else flag))
 
     def window() -> bool:
@@ -248,7 +121,7 @@ def launch_app(ws: Workspace, app: str, path: str = "") -> str:
 
     g.launch(command=cmd, wait_title=None)
     try:
-        _wait(window, f"a new {name} window", LAUNCH_TIMEOUT_S)
+        wait_for(window, f"a new {name} window", LAUNCH_TIMEOUT_S)
     except OfficeError as e:
         log = ws.commands.run("tail -c 1500 /tmp/launch.log", timeout=30).stdout  # type: ignore[union-attr]
         raise OfficeError(f"{e}; soffice logged:\n{log}") from None
@@ -259,7 +132,7 @@ def goto_cell(ws: Workspace, cell: str) -> str:
     """In Calc, move the cell cursor to `cell` (like E12) through the Name Box (ctrl+shift+F5,
     the reference, Return)."""
     parse_cell(cell)  # checked only: the Name Box would answer a typo with a dialog
-    g = _gui(ws)
+    g = desktop(ws)
     # The Name Box takes the focus with its text unselected (the gen plugin): typed text would
     # go before the old reference ("E12A1", refused with a dialog), so select it first.
     g.key("ctrl+shift+F5 ctrl+a")
@@ -270,7 +143,7 @@ def goto_cell(ws: Workspace, cell: str) -> str:
 
 def type_text(ws: Workspace, text: str) -> str:
     """Type text into the focused window (newlines press Return)."""
-    _gui(ws).type(str(text))
+    desktop(ws).type(str(text))
     return f"typed {len(text)} characters"
 
 
@@ -281,7 +154,7 @@ def key(ws: Workspace, combo: str) -> str:
     """Press keys, xdotool names: "Return", "ctrl+z", "Down Down", "ctrl+s" (saves, like save)."""
     if _SAVE.search(str(combo)):
         return _save(ws, str(combo))
-    _gui(ws).key(str(combo))
+    desktop(ws).key(str(combo))
     return f"pressed {combo}"
 
 
@@ -302,7 +175,7 @@ def _focused_document(g: GuiWorkspace) -> str | None:
 def _written(ws: Workspace, path: str, before: str) -> bool:
     """The file changed since `before` (its stat) and is whole: LibreOffice writes the new zip in
     place, and a reader between its first and last block would find no central directory."""
-    if _stat(ws, path) == before:
+    if file_stat(ws, path) == before:
         return False
     try:
         with zipfile.ZipFile(io.BytesIO(bytes(ws.files.read(path, format="bytes")))) as z:  # type: ignore[arg-type]
@@ -312,15 +185,15 @@ def _written(ws: Workspace, path: str, before: str) -> bool:
 
 
 def _save(ws: Workspace, combo: str) -> str:
-    g = _gui(ws)
+    g = desktop(ws)
     doc = _focused_document(g)
     if doc is None or not ws.files.exists(doc):
         # A new document: ctrl+s opens the Save As dialog, which the observation shows.
         g.key(combo)
         return f"pressed {combo}"
-    before = _stat(ws, doc)
+    before = file_stat(ws, doc)
     g.key(combo)
-    _wait(lambda: _written(ws, doc, before), f"LibreOffice to save {doc}", SAVE_TIMEOUT_S)
+    wait_for(lambda: _written(ws, doc, before), f"LibreOffice to save {doc}", SAVE_TIMEOUT_S)
     return f"saved {doc}"
 
 
@@ -335,7 +208,7 @@ def export_pdf(ws: Workspace, path: str) -> str:
         raise ValueError(f"no such document: {path}")
     folder, name = path.rsplit("/", 1)
     pdf = f"{folder}/{name.rsplit('.', 1)[0]}.pdf"
-    r = ws.commands.run(f"rm -f {shlex.quote(pdf)} && {_env_prefix()} soffice -env:UserInstallation=file://"
+    r = ws.commands.run(f"rm -f {shlex.quote(pdf)} && {env_prefix()} soffice -env:UserInstallation=file://"
                         f"{EXPORT_PROFILE} --headless --norestore --convert-to pdf --outdir {shlex.quote(folder)} "
                         f"{shlex.quote(path)}", timeout=EXPORT_TIMEOUT_S, cwd="/root")
     if r.exit_code or not ws.files.exists(pdf):  # type: ignore[union-attr]
@@ -347,7 +220,7 @@ def export_pdf(ws: Workspace, path: str) -> str:
 
 def activate_window(ws: Workspace, title: str) -> str:
     """Raise and focus the first window whose title contains `title`."""
-    w = _gui(ws).activate(str(title))
+    w = desktop(ws).activate(str(title))
     return f"activated {w.title!r}"
 
 
@@ -357,7 +230,7 @@ def list_windows(ws: Workspace) -> str:
     # No X window id and no pid: another workspace's replay of the listing would number them
     # otherwise; the agent addresses windows by title.
     return "\n".join(f"window {i} at ({w.x}, {w.y}) size {w.width}x{w.height} {w.title!r}"
-                     + ("  [active]" if w.focused else "") for i, w in enumerate(_gui(ws).windows(), 1)) \
+                     + ("  [active]" if w.focused else "") for i, w in enumerate(desktop(ws).windows(), 1)) \
         or "no windows"
 
 
@@ -408,7 +281,7 @@ def _acting(fn: Callable[..., str], settle: float) -> Callable[..., str]:
             out = f"ERROR: {e}"
         if settle:
             time.sleep(settle)  # OSWorld's settle pause after an action (DesktopEnv.step's pause)
-        return f"{out}\n{_observe(ws)}"
+        return f"{out}\n{observe(ws)}"
 
     return tool
 
@@ -483,7 +356,7 @@ def make_env(seed: int = 0, rows: int = ROWS, width: int = 1280, height: int = 8
         ws.files.write(f"{EXPORT_PROFILE}/user/registrymodifications.xcu", xcu)
         # Both profiles made once here, before any fork: every clone's first start and first
         # export then find a profile as a used desktop has one (and do not each write one).
-        init = " && ".join(f"{_env_prefix()} soffice -env:UserInstallation=file://{p} --headless "
+        init = " && ".join(f"{env_prefix()} soffice -env:UserInstallation=file://{p} --headless "
                            "--terminate_after_init" for p in (PROFILE, EXPORT_PROFILE))
         r = ws.commands.run(f"mkdir -p /etc/libreoffice && ln -sfn {PRISTINE_REGISTRY} /etc/libreoffice/registry "
                             f"&& {init}", timeout=LAUNCH_TIMEOUT_S, cwd="/root")
