@@ -161,3 +161,25 @@ def test_the_first_call_is_speculated_while_the_first_step_is_reasoned() -> None
     assert second.spec_hits == 2, [[(e.kind, e.detail) for e in s.events] for s in second.samples]
     assert all(s.count("tool") == 0 for s in second.samples)
     assert set(my_snapshots()) == before
+
+
+def test_a_slow_call_is_worth_a_long_shot() -> None:
+    """With the gate, a guess below the speculator's min_probability is weighed: a 5 s call the
+    selector gives 0.3-0.4 saves more than its rollback costs (the office export after reading
+    the cells back ran on the path: the selector was unsure between it and the final answer)."""
+    labels = [SLOW.key, SLOW.key, BUMP.key, ToolCall("touch", {"name": "a"}).key, ToolCall("state").key]
+    sel = ToolSelector(n_features=2**8).fit([SelectorContext("t", ())] * len(labels), labels)
+    p = sel.top_k(SelectorContext("t", ()), 1)
+    assert p[0][0] == SLOW.key and 0.1 < p[0][1] < 0.5
+    core = build_core(CoreConfig(speculation_depth=1, min_probability=0.5),
+                      reasoning=ReasoningClock(model=lambda: 10.0))
+    assert core.speculator is not None
+    core.speculator.selector = sel
+    core.tail.record_call(SLOW, 5.0)
+    core.note_snapshot("t", 0.05)
+    assert core.speculation_chain("t", 0, [], TOOLS, real_calls=0) == [SLOW]
+    fixed = build_core(CoreConfig(speculation_depth=1, min_probability=0.5, slow_tool_seconds=1.0))
+    assert fixed.speculator is not None
+    fixed.speculator.selector = sel
+    fixed.tail.record_call(SLOW, 5.0)
+    assert fixed.speculation_chain("t", 0, [], TOOLS, real_calls=0) == []  # the fixed rule's threshold

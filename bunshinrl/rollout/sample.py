@@ -262,9 +262,12 @@ class Rollout(WarmWorkspaces, Rewinding, Captures, SpeculationGlue):
         st = self.state
         if isinstance(st, Speculating):
             t = self.now()
-            ws = self.core.workspaces.add(await st.branch.close())
+            b = st.branch
+            # What the chain had next, beside the call that did not meet it (a profile's question).
+            predicted = b.calls[b.adopted].key if b.adopted < len(b.calls) else "the chain's end"
+            ws = self.core.workspaces.add(await b.close())
             self._enter(Live(ws))
-            self.timeline.add("spec_miss", t, self.now(), detail)
+            self.timeline.add("spec_miss", t, self.now(), f"{detail} (predicted {predicted})")
             self.core.note_spec_miss(self.task.id, self.now() - t)
         elif isinstance(st, Idle):
             await self._materialize(st)

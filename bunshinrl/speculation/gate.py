@@ -35,10 +35,14 @@ class GateCosts:
 
 class MeasuredGate:
     """prior: pseudo-outcomes at the selector's own word, so that a few early misses do not
-    silence it and a few hits do not make it certain."""
+    silence it and a few hits do not make it certain. min_probability: the least likely guess
+    weighed (the Speculator's own min_probability does not apply with a gate: a slow call is
+    worth a long shot)."""
 
-    def __init__(self, prior: float = 4.0) -> None:
+    def __init__(self, prior: float = 4.0, min_probability: float = 0.1) -> None:
         self.prior = prior
+        # The selector's guesses below this are not weighed at all (noise, not a guess).
+        self.min_probability = min_probability
         self._lock = threading.Lock()
         self._hits = 0.0
         self._predicted = 0.0

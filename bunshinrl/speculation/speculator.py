@@ -99,9 +99,11 @@ class Speculator:
         real_calls: how many calls this rollout has executed for real so far."""
         if self.selector is None or not is_fitted(self.selector):
             return Chain()
+        # With a gate, long shots are weighed too (a 20 s export guessed at 0.3 saves more than a
+        # sure 20 ms call): the gate's floor replaces min_probability.
+        floor = self.gate.min_probability if self.gate is not None else self.min_probability
         guesses: list[tuple[ToolCall, float]] = []
-        for c, p in self.selector.predict_chain_proba(SelectorContext(task_id, tuple(calls)), self.depth,
-                                                      self.min_probability):
+        for c, p in self.selector.predict_chain_proba(SelectorContext(task_id, tuple(calls)), self.depth, floor):
             tool = tools.get(c.name)
             if tool is None or not self.guard.reusable(tool):
                 break  # a non-deterministic call's result could never be adopted
