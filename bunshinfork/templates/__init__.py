@@ -6,7 +6,7 @@ fork() clones the whole environment.
 """
 
 from ..workspace import Workspace
-from ._common import TemplateError
+from ._common import TemplateError, wait_until
 from ._desktop import Window
 from .gui import GuiConfig, GuiWorkspace, gui_workspace, start_gui
 from .wayland import WaylandConfig, WaylandWorkspace, start_wayland, wayland_workspace
@@ -33,5 +33,5 @@ def attach_desktop(ws: Workspace) -> GuiWorkspace | WaylandWorkspace:
 __all__ = [
     "CATALOGUE", "Browser", "BrowserError", "GuiConfig", "GuiWorkspace", "TemplateError", "WaylandConfig",
     "WaylandWorkspace", "WebShopWorkspace", "Window", "attach_desktop", "gui_workspace", "start_gui", "start_shop",
-    "start_wayland", "start_webshop", "wayland_workspace", "webshop_workspace",
+    "start_wayland", "start_webshop", "wait_until", "wayland_workspace", "webshop_workspace",
 ]

@@ -46,14 +46,16 @@ def start_daemon(ws: Workspace, cmd: str, log: str, *, env: Mapping[str, str] | 
     run(ws, f"cd {shlex.quote(cwd)} && setsid -f {cmd} > {shlex.quote(log)} 2>&1 < /dev/null", env=env)
 
 
-def wait_until(probe: Callable[[], T], what: str, timeout: float = 30.0, interval: float = 0.05) -> T:
+def wait_until(probe: Callable[[], T], what: str, timeout: float = 30.0, interval: float = 0.05,
+               error: type[Exception] = TemplateError) -> T:
+    """Poll `probe` until it returns something true; `error` once `timeout` has passed."""
     deadline = time.monotonic() + timeout
     while True:
         value = probe()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise TemplateError(f"timed out after {timeout}s waiting for {what}")
+            raise error(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
         interval = min(interval * 1.5, 0.5)
 

@@ -4,12 +4,11 @@ with, waits with deadlines, and the observation each action makes (the windows b
 from __future__ import annotations
 
 import shlex
-import time
 from collections.abc import Callable
 from typing import Any
 
 from bunshinfork import BunshinError, Workspace
-from bunshinfork.templates import GuiWorkspace
+from bunshinfork.templates import GuiWorkspace, wait_until
 
 # LibreOffice in a workspace: HOME fixed (the workspace's commands get none) and a UTF-8 C
 # locale, the same in every workspace. The GUI adds the X11 `gen` plugin (the GTK one would look
@@ -39,17 +38,9 @@ def file_stat(ws: Workspace, path: str) -> str:
 
 
 def wait_for(probe: Callable[[], Any], what: str, timeout: float) -> Any:
-    """Poll `probe` until it returns something true; OfficeError once `timeout` has passed."""
-    deadline = time.monotonic() + timeout
-    interval = 0.05
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise OfficeError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(interval)  # polling the workspace until the step it waits for is done
-        interval = min(interval * 1.5, 0.5)
+    """Poll `probe` until it returns something true (the templates' wait_until); OfficeError once
+    `timeout` has passed."""
+    return wait_until(probe, what, timeout, error=OfficeError)
 
 
 def windows_line(g: GuiWorkspace) -> str:
