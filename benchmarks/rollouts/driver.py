@@ -106,7 +106,7 @@ async def run_epoch(run: ConfigRun, group: int, epoch: int) -> dict[str, Any]:
         "errors": [e for s in r.samples for e in s.errors],
         "wasted_speculation_seconds": round(r.wasted_seconds, 3),
         # The speculator's counts so far (cumulative): launched, hits, mismatches, the gate's.
-        "speculation": run.engine.core.stats()["speculation"],
+        "speculation": r.speculation,
         # What the gate weighed this epoch, per tool (docs/rl_rollouts_method.md, the gate's note).
         "speculation_gate": gate_profile(gate.take_decisions()) if gate is not None else None,
         **r.invariant(),  # divergences, rewound, rerolled and the seconds they cost

@@ -127,7 +127,6 @@ def snapshot_policies(seeds: dict[int, dict[str, Any]], summ: dict[str, Any], ep
     return out
 
 
-
 def gate_profile(decisions: list[dict[str, Any]]) -> dict[str, Any]:
     """The speculation gate's decisions of an epoch, per tool: how many it admitted and declined,
     and the medians of what it weighed (the selector's calibrated probability, the call's measured
