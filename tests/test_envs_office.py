@@ -151,6 +151,10 @@ class _Desktop:
         return b"<</Type/Page/Parent 2 0 R>>" if path.endswith(".pdf") else office.ledger_ods(16)
 
     def _run(self, cmd: str | list[str], **_kw: Any) -> SimpleNamespace:
+        if isinstance(cmd, list) and cmd[3] == "--whole":  # the saved file is whole
+            return SimpleNamespace(stdout="", stderr="", exit_code=0)
+        if isinstance(cmd, list) and cmd[3] == "--pages":  # the PDF's page count
+            return SimpleNamespace(stdout=f"{_ods.pdf_pages(self._read(cmd[4]))}\n", stderr="", exit_code=0)
         if isinstance(cmd, list):  # the spreadsheet reader, run here on what _read returns
             ods = zipfile.ZipFile(io.BytesIO(self._read(cmd[3])))
             return SimpleNamespace(stdout=json.dumps(_ods.read_cells(ods, cmd[4:])), stderr="", exit_code=0)
@@ -215,6 +219,26 @@ def test_every_action_tool_pays_the_settle_pause_and_no_observation_does(monkeyp
     assert outs[0.0]["save"] == f"saved {office.LEDGER}\nwindows: 'ledger.ods - LibreOffice Calc' [active]"
     with pytest.raises(ValueError, match="settle"):
         office.make_env(settle=-1)
+
+
+def test_the_rollout_never_reads_a_saved_document_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workspace can make its saved spreadsheet or its PDF any size: whether a save finished
+    and how many pages the PDF has are found inside the workspace, never by reading the file into
+    the rollout's process (a multi-GB file there would be the host's memory)."""
+    fake = _Desktop()
+
+    def refuse(path: str, format: str = "text") -> bytes:
+        raise AssertionError(f"the rollout's process read {path} whole")
+
+    fake.files = SimpleNamespace(exists=lambda path: True, read=refuse)
+    for where in (office, _office_desktop):
+        monkeypatch.setattr(where, "desktop", lambda ws: fake)
+    env = office.make_env(rows=16)
+    env.call(fake, "launch_app", app="calc", path=office.LEDGER)  # type: ignore[arg-type]
+    assert env.call(fake, "save").startswith(f"saved {office.LEDGER}")  # type: ignore[arg-type]
+    fake.files = SimpleNamespace(exists=lambda path: True, read=refuse)
+    fake._read = lambda path, format="text": b"<</Type/Page/Parent 2 0 R>>"  # what the workspace's reader reads
+    assert "(1 pages)" in env.call(fake, "export_pdf", path=office.LEDGER)  # type: ignore[arg-type]
 
 
 # ---- check_family: two forks of one state observe the same ----

@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import io
 import json
 import re
 import shlex
 import time
-import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -177,11 +175,8 @@ def _written(ws: Workspace, path: str, before: str) -> bool:
     place, and a reader between its first and last block would find no central directory."""
     if file_stat(ws, path) == before:
         return False
-    try:
-        with zipfile.ZipFile(io.BytesIO(bytes(ws.files.read(path, format="bytes")))) as z:  # type: ignore[arg-type]
-            return "content.xml" in z.namelist()
-    except (zipfile.BadZipFile, BunshinError):
-        return False
+    r = ws.commands.run(["python3", "-I", ODS_READER, "--whole", path], timeout=30)
+    return r.exit_code == 0  # type: ignore[union-attr]
 
 
 def _save(ws: Workspace, combo: str) -> str:
@@ -197,9 +192,6 @@ def _save(ws: Workspace, combo: str) -> str:
     return f"saved {doc}"
 
 
-_PAGE = re.compile(rb"/Type\s*/Page(?![a-zA-Z])")
-
-
 def export_pdf(ws: Workspace, path: str) -> str:
     """Export the saved document at `path` to PDF beside it (same name, .pdf): a headless
     LibreOffice converts the file as it is on disk (seconds)."""
@@ -213,8 +205,9 @@ def export_pdf(ws: Workspace, path: str) -> str:
                         f"{shlex.quote(path)}", timeout=EXPORT_TIMEOUT_S, cwd="/root")
     if r.exit_code or not ws.files.exists(pdf):  # type: ignore[union-attr]
         raise OfficeError(f"the PDF export of {path} failed: {(r.stderr or r.stdout)[-500:]}")  # type: ignore[union-attr]
-    # The page count, not the size: the PDF holds its creation time.
-    pages = len(_PAGE.findall(bytes(ws.files.read(pdf, format="bytes"))))  # type: ignore[arg-type]
+    # The page count, not the size: the PDF holds its creation time. Counted in the workspace.
+    pages = ws.commands.run(["python3", "-I", ODS_READER, "--pages", pdf],
+                            timeout=READ_TIMEOUT_S).stdout.strip()  # type: ignore[union-attr]
     return f"exported {pdf} ({pages} pages)"
 
 
