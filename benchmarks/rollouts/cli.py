@@ -39,6 +39,8 @@ the order rotating per epoch), each with its own engine kept across epochs:
   Full@S  with --snapshot-policies: Full whose cache captures states by policy S (depth: every
         other depth and every slow call; cost: when the replay a capture saves takes as long as
         a capture, measured); "Full" uses cost
+  Full@eager  Full with a warm workspace kept behind every cache hit (the skipped call replayed
+        in the background); "Full" keeps one only where the next call is predicted to miss
 Parity: every configuration keeps its initialized task snapshots across epochs (Full in its
 cache's root, the others through keep_initial) and forks while the first step is reasoned
 (overlap_fork; Full's prefetch of its root). epoch_seconds ends when the last rollout finishes
@@ -100,7 +102,7 @@ from agent_policy import DEFAULT_LATENCY, EXPLORATION, EXPLORATION_SOURCE, PAPER
 from bunshinrl.rollout.audit import AUDIT_MODES
 from bunshinrl.speculation.speculator import PLACEMENTS
 
-from .configs import CONFIGS, DEFAULT_PLACEMENT, DEFAULT_SNAPSHOT_POLICY, SNAPSHOT_POLICIES
+from .configs import CONFIGS, DEFAULT_PLACEMENT, DEFAULT_SNAPSHOT_POLICY, EAGER, SNAPSHOT_POLICIES
 from .driver import run_seed
 from .regimes import HEADLINE, QUICK, REGIMES, fixed_in_flight, preamble
 from .results import finish, merge, settle_record
@@ -187,7 +189,7 @@ def parse() -> argparse.Namespace:
         ap.error(f"unknown snapshot policies {sorted(set(pols) - set(SNAPSHOT_POLICIES))}; use "
                  f"{', '.join(SNAPSHOT_POLICIES)}")
     a.configs += [f"Full@{p}" for p in pols if p != DEFAULT_SNAPSHOT_POLICY and f"Full@{p}" not in a.configs]
-    known = {*CONFIGS, *(f"Spec@{p}" for p in PLACEMENTS), *(f"Full@{p}" for p in SNAPSHOT_POLICIES)}
+    known = {*CONFIGS, *(f"Spec@{p}" for p in PLACEMENTS), *(f"Full@{p}" for p in (*SNAPSHOT_POLICIES, EAGER))}
     if bad := [c for c in a.configs if c not in known]:
         ap.error(f"unknown configurations {bad}")
     if not a.settle >= 0:  # NaN too

@@ -20,6 +20,9 @@ from bunshinrl.rollout.wiring import CoreConfig, build_core
 DEFAULT_PLACEMENT = Speculator().placement
 SNAPSHOT_POLICIES = ("depth", "cost")
 DEFAULT_SNAPSHOT_POLICY = "cost"
+# Full@eager: a warm workspace behind every hit (the core's warm="always"), beside Full's
+# "predicted" (one only where the next call is predicted to miss; bunshinrl.rollout.warm_policy).
+EAGER = "eager"
 
 MiB = 1 << 20
 CONFIGS = ("CRIU", *ENGINE_CONFIGS)  # CRIU: Base with its processes out of KSM (restored copies private)
@@ -41,7 +44,7 @@ def make_config(name: str, tasks: list[Task], cands: dict[str, Any], agent_cfg: 
                 store: Path, cache_mib: int, spec_depth: int, slow_seconds: float | str, share: str = "ksm",
                 regime: str = "local", rollouts: int = 1, audit: str = "off", seed: int = 0, faults: bool = False,
                 auto_disable: bool = True) -> ConfigRun:
-    """name: one of CONFIGS, or Spec@PLACEMENT, Full@POLICY. The core is built by build_core, as
+    """name: one of CONFIGS, or Spec@PLACEMENT, Full@POLICY, Full@eager. The core is built by build_core, as
     every driver's is; its reasoning prediction is the latency model's step at the server's load.
     faults: the tasks' tools are faulty (--inject-faults): the agent's decisions and the audit run
     as their sample, which keys the faults; auto_disable False: the guard's is off (FaultGuard).
@@ -49,6 +52,9 @@ def make_config(name: str, tasks: list[Task], cands: dict[str, Any], agent_cfg: 
     rollouts per epoch (the batch regime's N)."""
     kind, _, variant = name.partition("@")
     config = "Base" if kind == "CRIU" else check_config(kind)  # CRIU's parts are Base's
+    eager = kind == "Full" and variant == EAGER
+    if eager:
+        variant = ""
     server: Server = make_server(model, regime, rollouts)
     cfg = CoreConfig(
         # Full: the cache captures by cost (a state when the replay it saves takes as long as a
@@ -60,7 +66,8 @@ def make_config(name: str, tasks: list[Task], cands: dict[str, Any], agent_cfg: 
         speculation_depth=spec_depth if speculates(config) else 0, slow_tool_seconds=slow_seconds,
         task_quantile=0.5, online_real_calls=2 if caches(config) else None, min_probability=0.5,
         placement=variant if kind == "Spec" and variant else DEFAULT_PLACEMENT,  # type: ignore[arg-type]
-        memory="copy" if name == "CRIU" else share, keep_initial=True, overlap_fork=True)
+        memory="copy" if name == "CRIU" else share, keep_initial=True, overlap_fork=True,
+        warm="always" if eager else "predicted")
     core = build_core(cfg, reasoning=ReasoningClock(model=lambda: server.predicted_step(agent_cfg.output_median)),
                       guard=None if auto_disable else FaultGuard())
     agent: Any = StochasticAgent(agent_cfg, server, cands)

@@ -111,7 +111,8 @@ def _paired_to_default(seeds: dict[int, dict[str, Any]], out: dict[str, Any], de
 
 def snapshot_policies(seeds: dict[int, dict[str, Any]], summ: dict[str, Any], epochs: int) -> dict[str, Any]:
     """Epoch time, peak memory and captures per prefix-cache snapshot policy ("Full" is the
-    default's), and each other policy's ratios to the default's, paired within every seed."""
+    default's; Full@eager, the warm workspace behind every hit, is one more), and each other's
+    ratios to the default's, paired within every seed."""
     out: dict[str, Any] = {}
     for n, v in summ.items():
         kind, _, p = n.partition("@")
@@ -121,7 +122,9 @@ def snapshot_policies(seeds: dict[int, dict[str, Any]], summ: dict[str, Any], ep
                 "config": n, "epoch_seconds": v["epoch_seconds"], "peak_memory_mib": v["peak_memory_mib"],
                 "hit_rate_epoch3": v["hit_rate_epoch3"],
                 # states captured, replayed calls and states persisted, over all epochs and seeds
-                "cache": {k: sum(c.get(k, 0) for c in caches) for k in ("captured", "replayed_calls", "persisted")}}
+                "cache": {k: sum(c.get(k, 0) for c in caches) for k in ("captured", "replayed_calls", "persisted")},
+                # hits behind which a warm workspace was kept or not, per seed
+                "warm": [c.get("warm") for c in caches]}
     if _paired_to_default(seeds, out, DEFAULT_SNAPSHOT_POLICY, epochs):
         out["default"] = DEFAULT_SNAPSHOT_POLICY
     return out

@@ -22,11 +22,14 @@ workspace), or run for real from the state of the last call served (a miss: the 
 back, or the cached state is materialised by a fork, a disk load or a replay).
 
 The critical path (paper Fig. 3, adapted to engines whose capture is not free):
-- A sample served from the cache keeps a warm workspace behind it: the workspace it held is
-  brought to the new state in the background while the policy reasons (the skipped call
-  replayed on it, or a fork of the state when that is cheaper), so a later miss adopts it
-  without a fork on its path. Every sample's root state is prefetched the same way, as Base
-  overlaps its group's fork with the first reasoning step.
+- A sample served from the cache keeps a warm workspace behind it where its next call is
+  predicted to miss (the tree's frontier, or the selector's or the node's odds; warm="always":
+  behind every hit; bunshinrl.rollout.warm_policy): the workspace it held is brought to the new
+  state in the background while the policy reasons (the skipped call replayed on it, or a fork
+  of the state when that is cheaper), so a later miss adopts it without a fork on its path.
+  Behind a hit predicted to be followed by another, nothing runs: a miss the prediction did not
+  see coming rebuilds the state on the path (materialize). Every sample's root state is
+  prefetched, as Base overlaps its group's fork with the first reasoning step.
 - A state is captured after its call only when the reasoning step that follows is predicted to
   outlast the capture (RolloutCore.reasoning, ToolPrefixCache.capture_seconds) and another
   sample is expected to come by (an off-tree straggler's states are not captured unless the
@@ -40,7 +43,8 @@ replay diverged is destroyed (Diverged), never adopted nor speculated on; the ne
 the state from the deepest captured state on the sample's path, replaying and comparing every
 served observation, and a step that does not reproduce rewinds the sample to it (Rewound).
 finish() is such a call too: before the verifier scores (its own call may be a hit), the replays
-behind the hits the sample was served are awaited, so caching never changes a reward.
+behind the hits the sample was served are awaited, or, where no warm workspace was kept, the
+state is rebuilt and verified then, so caching never changes a reward.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ from .reasoning import ReasoningClock
 from .sample import Rollout
 from .sample_state import Closed, Diverged, Idle, Live, Rewound, Settling, Speculating, State
 from .starts import Starts
+from .warm_policy import WarmPolicy
 
 
 class RolloutCore(Starts):
@@ -69,7 +74,8 @@ class RolloutCore(Starts):
     background work, and every finished trajectory (the selector's training data).
 
     cache=None and speculator=None is plain memory sharing (Base). prefetch: warm workspaces
-    behind cache hits and the root prefetched (see the module doc); reasoning: what predicts the
+    behind cache hits and the root prefetched (see the module doc); warm: behind which hits
+    ("always", or "predicted": where the next call is predicted to miss; warm_policy); reasoning: what predicts the
     next reasoning step (default: the steps seen); verify_seconds: how long a finishing sample
     waits for the replay behind its last cache hit before its state is rebuilt and verified from
     the cache instead (None: no limit). Build one with bunshinrl.rollout.wiring.build_core.
@@ -79,10 +85,10 @@ class RolloutCore(Starts):
                  guard: DeterminismGuard | None = None, tail: TailPolicy | None = None, memory: str = "auto",
                  prefetch: bool = True, keep_initial: bool = False, overlap_fork: bool = False,
                  reasoning: ReasoningClock | None = None, critical_path_captures: bool = True,
-                 verify_seconds: float | None = 300.0) -> None:
+                 verify_seconds: float | None = 300.0, warm: WarmPolicy = "predicted") -> None:
         super().__init__(cache=cache, speculator=speculator, guard=guard, tail=tail, memory=memory, prefetch=prefetch,
                          keep_initial=keep_initial, overlap_fork=overlap_fork, reasoning=reasoning,
-                         critical_path_captures=critical_path_captures, verify_seconds=verify_seconds)
+                         critical_path_captures=critical_path_captures, verify_seconds=verify_seconds, warm=warm)
 
     # ---- what every rollout reports back ----
 
@@ -97,7 +103,10 @@ class RolloutCore(Starts):
         return report
 
     def stats(self) -> dict[str, Any]:
-        return {"cache": self.cache.stats() if self.cache is not None else None,
+        cache = self.cache.stats() if self.cache is not None else None
+        if cache is not None:
+            cache["warm"] = dict(self.warm_stats)  # hits behind which a warm workspace was kept or not
+        return {"cache": cache,
                 "speculation": self.speculator.report() if self.speculator is not None else None,
                 "guard": self.guard.report()}
 

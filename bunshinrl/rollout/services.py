@@ -15,11 +15,13 @@ from ..calls.guard import DeterminismGuard
 from ..calls.signature import ToolCall
 from ..calls.tools import Tool
 from ..prefix.cache import ToolPrefixCache
+from ..prefix.tree import Node
 from ..speculation.gate import GateCosts
 from ..speculation.speculator import Speculator
 from ..speculation.tail import TailPolicy
 from ..states.metrics import WorkspaceRegistry
 from .reasoning import ReasoningClock
+from .warm_policy import WarmPolicy, check_warm_policy, keep_warm
 
 
 class SampleServices:
@@ -29,8 +31,12 @@ class SampleServices:
                  guard: DeterminismGuard | None = None, tail: TailPolicy | None = None, memory: str = "auto",
                  prefetch: bool = True, keep_initial: bool = False, overlap_fork: bool = False,
                  reasoning: ReasoningClock | None = None, critical_path_captures: bool = True,
-                 verify_seconds: float | None = 300.0) -> None:
+                 verify_seconds: float | None = 300.0, warm: WarmPolicy = "predicted") -> None:
         self.cache = cache
+        # Behind which hits a warm workspace is kept (bunshinrl.rollout.warm_policy), and how often
+        # it was and was not (warm_stats: kept, skipped).
+        self.warm = check_warm_policy(warm)
+        self.warm_stats = {"kept": 0, "skipped": 0}
         # How long a finishing sample waits for the replay behind its last cache hit (None: no
         # limit) before its state is rebuilt and verified from the cache instead.
         self.verify_seconds = verify_seconds
@@ -110,6 +116,14 @@ class SampleServices:
         if chain and spec.gate is None and not self.worth_a_snapshot(task_id):
             return []
         return chain
+
+    def keep_warm(self, node: Node, task_id: str, calls: Sequence[ToolCall]) -> bool:
+        """Whether the sample a hit moved to `node` keeps a warm workspace (warm_policy)."""
+        selector = self.speculator.selector if self.speculator is not None else None
+        keep = keep_warm(self.warm, node, task_id, calls, selector)
+        with self._lock:
+            self.warm_stats["kept" if keep else "skipped"] += 1
+        return keep
 
     # ---- background work ----
 

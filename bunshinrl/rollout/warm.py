@@ -22,20 +22,24 @@ class WarmWorkspaces:
     """The warm workspace kept behind a sample served from the cache (a Rollout mixin)."""
 
     def _move_to(self, call: ToolCall, child: Node) -> None:
-        """The sample moves to a cached state. Without prefetch its workspace goes; with it, the
-        workspace is kept warm: brought to the child's state in the background (a replay of the
-        skipped call, or a fork of the child's state when that is cheaper), and at the tree's
+        """The sample moves to a cached state. Without prefetch, or where the core's warm policy
+        predicts the next call hits too (bunshinrl.rollout.warm_policy), its workspace goes;
+        otherwise it is kept warm: brought to the child's state in the background (a replay of
+        the skipped call, or a fork of the child's state when that is cheaper), and at the tree's
         frontier a predicted chain is speculated on it."""
         st, self.node = self.state, child
         cache = self.core.cache
         assert cache is not None
-        if not self.core.prefetch:
+        calls = [h.call for h in self.history] + [call]
+        if not self.core.prefetch or not self.core.keep_warm(child, self.task.id, calls):
+            # No warm workspace: a later miss rebuilds the state from the cache, verified there.
             if isinstance(st, Speculating):
                 self.core.background(self._close_and_destroy(st.branch))
             elif isinstance(st, Live):
                 self.core.background(self.core.destroy(st.ws))
             elif isinstance(st, Idle):
                 self._discard_shadow(st.shadow)
+            self._shadow_replays = 0
             self._enter(Idle())
             return
         prev: asyncio.Future[Workspace] | None = None
@@ -57,8 +61,8 @@ class WarmWorkspaces:
             self._shadow_replays = 0
         self._enter(Idle(warm))
         if self.core.speculator is not None and not child.children:
-            chain = self.core.speculation_chain(self.task.id, self.ctx.sample, [h.call for h in self.history] + [call],
-                                                self.tools, real_calls=self.timeline.count("tool"))
+            chain = self.core.speculation_chain(self.task.id, self.ctx.sample, calls, self.tools,
+                                                real_calls=self.timeline.count("tool"))
             if chain:
                 replays = self._shadow_replays or self._rebuild_replays(child)
                 self._enter(Settling(None, asyncio.ensure_future(self._speculate_on(warm, chain, replays)),
@@ -107,8 +111,14 @@ class WarmWorkspaces:
         before anything is scored. A warm workspace not ready within the core's verify_seconds
         is left to be destroyed when it is, and the state rebuilt and verified from the cache."""
         st = self.state
-        if not isinstance(st, Idle) or st.shadow is None or self.core.cache is None or self.node is None:
-            return  # nothing pending: a workspace of its own, or no replay behind the hits (no prefetch)
+        if not isinstance(st, Idle) or self.core.cache is None or self.node is None:
+            return  # nothing pending: a workspace of its own
+        if st.shadow is None:
+            if self.core.prefetch:
+                # Served without a warm workspace (the warm policy predicted another hit): the
+                # state is rebuilt and verified now, on the path.
+                await self._materialize(st)
+            return  # without prefetch: no replay behind the hits
         shadow = st.shadow
         if not shadow.done():
             done, _ = await asyncio.wait({shadow}, timeout=self.core.verify_seconds)

@@ -19,6 +19,7 @@ from ..speculation.tail import TailPolicy
 from ..states.backend import SnapshotBackend
 from .core import RolloutCore
 from .reasoning import ReasoningClock
+from .warm_policy import WarmPolicy
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,9 @@ class CoreConfig:
     "measured" (the speculator's MeasuredGate weighs each chain from measured call, snapshot and
     rollback times and the selector's calibrated probabilities) or the TailPolicy's fixed rule
     (seconds; None: its tool quantile); task_quantile, online_real_calls: the TailPolicy's;
-    prefetch: warm workspaces behind hits and the root prefetched; keep_initial, overlap_fork:
+    prefetch: warm workspaces behind hits and the root prefetched; warm: behind which hits ("always",
+    or "predicted": where the next call is predicted to miss; bunshinrl.rollout.warm_policy);
+    keep_initial, overlap_fork:
     Base's parity with the cache's root;
     critical_path_captures: captures weigh the next reasoning step and expected revisits;
     verify_seconds: RolloutCore's (a finishing sample's wait for the replay behind its last hit)."""
@@ -53,6 +56,7 @@ class CoreConfig:
     overlap_fork: bool = False
     critical_path_captures: bool = True
     verify_seconds: float | None = 300.0
+    warm: WarmPolicy = "predicted"
 
 
 def build_core(config: CoreConfig, *, guard: DeterminismGuard | None = None, reasoning: ReasoningClock | None = None,
@@ -78,7 +82,7 @@ def build_core(config: CoreConfig, *, guard: DeterminismGuard | None = None, rea
     return RolloutCore(cache=cache, speculator=speculator, guard=guard, tail=tail, memory=config.memory,
                        prefetch=config.prefetch, keep_initial=config.keep_initial, overlap_fork=config.overlap_fork,
                        reasoning=reasoning, critical_path_captures=config.critical_path_captures,
-                       verify_seconds=config.verify_seconds)
+                       verify_seconds=config.verify_seconds, warm=config.warm)
 
 
 __all__ = ["CoreConfig", "build_core"]
