@@ -31,6 +31,7 @@ coding_candidates = agent_policy.coding_candidates
 gui_candidates = agent_policy.gui_candidates
 shop_candidates = agent_policy.shop_candidates
 oracle = load_by_path("rollouts_oracle", "benchmarks/rollouts/oracle.py")
+contention = load_by_path("rollouts_contention", "benchmarks/rollouts/contention.py")
 # tpot(n) = n ms from 1 to 128 in flight, nothing else priced: hand-computable steps.
 LINEAR = LatencyModel(tpot_table=((1, 1e-3), (128, 128e-3)), first_token_s=0.0, prefill_s_per_token=0.0)
 
@@ -226,14 +227,26 @@ def test_one_real_epoch_of_base_on_the_coding_task() -> None:
 
     async def go() -> list:
         try:
+            pressure = contention.CpuPressure()
+            pressure.start()
             r = await engine.run_epoch([task], 2, 0)
             assert len(engine.core.kept_snapshots()) == 1  # kept for the next epoch
             r2 = await engine.run_epoch([task], 2, 1)
-            return [r, r2]
+            share = pressure.share()
+            alone = await contention.calibrate([task], r2)  # a fresh workspace, destroyed after
+            return [r, r2, share, alone]
         finally:
             await engine.close()
 
-    r, r2 = asyncio.run(go())
+    r, r2, share, alone = asyncio.run(go())
+    # Contention: the calibration ran one sample's calls alone (make and gcc included), and each
+    # real call of the epoch is set against its time there.
+    assert share is not None and share >= 0
+    assert alone and set(alone) <= {st.call.key for s in r2.samples for st in s.steps}
+    f = contention.factor(r2, alone)
+    assert f["calls"] > 0 and f["factor"] > 0 and f["straggler"] is not None
+    assert 0 < contention.reasoning_busy_share(r) <= 1
+    assert 0 < contention.distinct_prefixes(r)[task.id] <= 1
     assert not [e for s in r.samples + r2.samples for e in s.errors]
     # The oracle replays each sample's recorded steps (one per decision) with every tool at 0 s:
     # this real epoch, gcc and make included, ends after it.

@@ -19,6 +19,7 @@ from bunshinrl.rollout.configs import CONFIGS as ENGINE_CONFIGS
 from bunshinrl.rollout.timeline import DIVERGENCE_KINDS, DIVERGENCE_OUTCOMES
 
 from .configs import ConfigRun, MiB, make_config
+from .contention import CpuPressure, calibrate, distinct_prefixes, factor, reasoning_busy_share
 from .oracle import replay
 from .sampler import HostSampler
 from .stats import gate_profile
@@ -57,11 +58,14 @@ def phases(r: EpochResult, epoch_seconds: float) -> dict[str, Any]:
 async def run_epoch(run: ConfigRun, group: int, epoch: int) -> dict[str, Any]:
     sampler = HostSampler(run.engine)
     sampler.start()
+    pressure = CpuPressure()
+    pressure.start()
     t0 = time.monotonic()
     try:
         r = await run.engine.run_epoch(run.tasks, group, epoch)
     finally:
         memory = sampler.stop()
+    cpu_pressure = pressure.share()
     wall = time.monotonic() - t0
     # The gap between epochs (the trainer's update phase): the cache's persistence runs there,
     # and is done before the next epoch starts.
@@ -112,6 +116,12 @@ async def run_epoch(run: ConfigRun, group: int, epoch: int) -> dict[str, Any]:
         **r.invariant(),  # divergences, rewound, rerolled and the seconds they cost
         "phases": phases(r, r.seconds + r.teardown_seconds),
         "audit": audit,
+        # Contention (benchmarks/rollouts/contention.py); the factor against calls alone is added
+        # once the seed's calibration has run (contention).
+        "cpu_pressure": cpu_pressure,
+        "reasoning_busy_share": reasoning_busy_share(r),
+        "distinct_prefixes": distinct_prefixes(r),
+        "contention": None,
     }
     run.epochs.append(row)
     print(f"  {run.name:4s} epoch {epoch}: {r.seconds:6.1f} s (oracle {row['oracle_seconds']:5.1f} s, median "
@@ -120,7 +130,8 @@ async def run_epoch(run: ConfigRun, group: int, epoch: int) -> dict[str, Any]:
           f"{row['peak_memory_bytes'] / MiB:7.1f} MiB  reward {row['reward']}  errors {len(row['errors'])}",
           flush=True)
     print(f"        beside it: teardown {r.teardown_seconds:.1f} s, persistence {persist:.1f} s (done before the "
-          f"next epoch: yes)", flush=True)
+          f"next epoch: yes); cpu pressure {cpu_pressure}, reasoning busy {row['reasoning_busy_share']:.1%}",
+          flush=True)
     for tool, g in (row["speculation_gate"] or {}).items():
         print(f"        gate {tool}: admitted {g['admitted']}, declined {g['declined']} (medians: p "
               f"{g['median_p_calibrated']}, call {g['median_call']} s, reasoning {g['median_reasoning']} s, "
@@ -173,12 +184,34 @@ def summarize(run: ConfigRun) -> dict[str, Any]:
                                                    "divergences_unaccounted", "sibling_checks",
                                                    "speculation_checks")} for e in ep],
         "phases_per_epoch": [e["phases"] for e in ep],
+        "cpu_pressure_per_epoch": [e["cpu_pressure"] for e in ep],
+        "reasoning_busy_share_per_epoch": [e["reasoning_busy_share"] for e in ep],
+        "distinct_prefixes_per_epoch": [e["distinct_prefixes"] for e in ep],
+        "contention_per_epoch": [e["contention"] for e in ep],
         # The trajectory audit per epoch (Full's; None where it did not run).
         "audit_per_epoch": [e["audit"] for e in ep],
         "cache": run.results[-1].cache if run.results else None,
         "speculation": run.results[-1].speculation if run.results else None,
     }
 
+
+
+async def add_contention(runs: dict[str, ConfigRun]) -> None:
+    """Each epoch's calls against their times alone, calibrated on Base's last epoch (or the
+    first configuration's), after every epoch has run (contention.calibrate)."""
+    ref = runs.get("Base") or next(iter(runs.values()), None)
+    if ref is None or not ref.results:
+        return
+    t = time.monotonic()
+    alone = await calibrate(ref.tasks, ref.results[-1])
+    print(f"  contention, calibrated on {ref.name}'s last epoch ({len(alone)} calls alone in "
+          f"{time.monotonic() - t:.1f} s): each epoch's real calls over their times alone", flush=True)
+    for n, run in runs.items():
+        for row, r in zip(run.epochs, run.results, strict=True):
+            row["contention"] = factor(r, alone)
+        print(f"    {n:10s} " + "  ".join(f"epoch {i}: {row['contention']['factor']} (straggler "
+                                          f"{row['contention']['straggler']})" for i, row in enumerate(run.epochs)),
+              flush=True)
 
 
 async def run_seed(seed: int, args: argparse.Namespace, agent_cfg: AgentConfig, model: LatencyModel,
@@ -211,6 +244,7 @@ async def run_seed(seed: int, args: argparse.Namespace, agent_cfg: AgentConfig, 
             await r.engine.close()
             if r.cache is not None:
                 await asyncio.to_thread(r.cache.close)
+    await add_contention(runs)
     out = {n: summarize(r) for n, r in runs.items()}
     trio = [n for n in runs if n.partition("@")[0] in ENGINE_CONFIGS]
     out["rewards_identical"] = all(runs[trio[0]].epochs[e]["rewards"] == runs[n].epochs[e]["rewards"]

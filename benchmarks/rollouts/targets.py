@@ -67,6 +67,14 @@ def targets(seeds: dict[int, dict[str, Any]], epochs: int, share: str = "ksm") -
             "met": _met(ratio["max"], 0.6, True) if "max" in ratio else None,
             **({"note": "the target is for cow in a guest; ksm merges the clones only as ksmd scans, "
                         "after the fork"} if share == "ksm" else {})}
+    base = [s for s in seeds.values() if "Base" in s and s["Base"].get("contention_per_epoch")]
+    factors = [c["factor"] for s in base for e, c in enumerate(s["Base"]["contention_per_epoch"])
+               if e in later and c and c.get("factor") is not None]
+    if factors:
+        # Base's real calls over their times alone in the compared epochs (contention.py): above
+        # 1.5, oversubscribing the host's cores inflated the ceiling (issue 38).
+        cf = spread(factors)
+        out["contention_factor"] = {**cf, "target_at_most": 1.5, "met": _met(cf["max"], 1.5, True)}
     if seeds_with(seeds, "Base", "Spec"):
         out["spec_speedup_vs_base"] = spread([1 / x for x in epoch_ratios(seeds, "Spec", "Base", later)])
     out["rewards_identical"] = {"value": all(s["rewards_identical"] for s in seeds.values()),
