@@ -99,6 +99,7 @@ from typing import Any
 
 from agent_policy import DEFAULT_LATENCY, EXPLORATION, EXPLORATION_SOURCE, PAPER_IN_FLIGHT, AgentConfig
 
+from bunshinrl.calls import cpu_slots
 from bunshinrl.rollout.audit import AUDIT_MODES
 from bunshinrl.speculation.speculator import PLACEMENTS
 
@@ -164,6 +165,11 @@ def parse() -> argparse.Namespace:
                          "paid by every execution (real, replayed, speculative, audited); default 2.0, OSWorld's "
                          "own (--quick: 0.5); 0 pauses nothing. Other "
                          "families never pause; --merge refuses runs at different settles")
+    ap.add_argument("--cpu-slots", default="cores", metavar="N|cores|off",
+                    help="CPU-heavy tool executions at once (a test suite, a compiler, an office program starting, "
+                         "saving or exporting: bunshinrl.calls.cpu_slots); the others wait for a slot, inside the "
+                         "call, and the waits are counted per epoch (cpu_slots). cores (default): the host's "
+                         "hardware threads; off: no limit (the runs before issue 38's contention note)")
     ap.add_argument("--guard-auto-disable", choices=("on", "off"), default="on",
                     help="off: a tool found non-deterministic stays reusable (its cached subtrees are still "
                          "dropped at each mismatch), so injected faults keep meeting the cache")
@@ -192,6 +198,17 @@ def parse() -> argparse.Namespace:
     known = {*CONFIGS, *(f"Spec@{p}" for p in PLACEMENTS), *(f"Full@{p}" for p in (*SNAPSHOT_POLICIES, EAGER))}
     if bad := [c for c in a.configs if c not in known]:
         ap.error(f"unknown configurations {bad}")
+    if a.cpu_slots == "cores":
+        a.cpu_slots = os.cpu_count() or 1
+    elif a.cpu_slots == "off":
+        a.cpu_slots = None
+    else:
+        try:
+            a.cpu_slots = int(a.cpu_slots)
+        except ValueError:
+            ap.error(f"--cpu-slots is a number, cores or off, not {a.cpu_slots!r}")
+        if a.cpu_slots < 1:
+            ap.error("--cpu-slots must be at least 1")
     if not a.settle >= 0:  # NaN too
         ap.error(f"--settle is a pause in seconds >= 0, not {a.settle}")
     a.seed_list = [a.seed] if a.seed is not None else list(range(a.seeds))
@@ -207,6 +224,7 @@ async def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     store = args.out / "prefix-store"
     shutil.rmtree(store, ignore_errors=True)
+    cpu_slots.configure(args.cpu_slots)
     for line in preamble(args, model, agent_cfg):
         print(line, flush=True)
     t0 = time.monotonic()
@@ -228,6 +246,7 @@ async def main() -> int:
         "share_engine": args.share_engine,
         "speculation_gate": args.slow_seconds if isinstance(args.slow_seconds, str) else f"fixed {args.slow_seconds} s",
         "settle": settle_record(args.settle),
+        "cpu_slots": args.cpu_slots,
         "size": {"seeds": args.seed_list, "families": args.families, "code_tasks": args.code_tasks,
                  "group_size": args.group_size, "epochs": args.epochs, "quick": args.quick,
                  "configs": args.configs, "short_configs": args.short_configs, "short_epochs": args.short_epochs,

@@ -14,6 +14,7 @@ from typing import Any
 from agent_policy import AgentConfig, LatencyModel
 
 from bunshinrl import EpochResult
+from bunshinrl.calls import cpu_slots
 from bunshinrl.envs.faults import inject_faults
 from bunshinrl.rollout.configs import CONFIGS as ENGINE_CONFIGS
 from bunshinrl.rollout.timeline import DIVERGENCE_KINDS, DIVERGENCE_OUTCOMES
@@ -60,12 +61,16 @@ async def run_epoch(run: ConfigRun, group: int, epoch: int) -> dict[str, Any]:
     sampler.start()
     pressure = CpuPressure()
     pressure.start()
+    slots0 = cpu_slots.current().stats()
     t0 = time.monotonic()
     try:
         r = await run.engine.run_epoch(run.tasks, group, epoch)
     finally:
         memory = sampler.stop()
     cpu_pressure = pressure.share()
+    slots1 = cpu_slots.current().stats()
+    slots = {"slots": slots1["slots"], **{k: round(slots1[k] - slots0[k], 3)
+                                          for k in ("held", "waited", "wait_seconds", "held_seconds")}}
     wall = time.monotonic() - t0
     # The gap between epochs (the trainer's update phase): the cache's persistence runs there,
     # and is done before the next epoch starts.
@@ -119,6 +124,9 @@ async def run_epoch(run: ConfigRun, group: int, epoch: int) -> dict[str, Any]:
         # Contention (benchmarks/rollouts/contention.py); the factor against calls alone is added
         # once the seed's calibration has run (contention).
         "cpu_pressure": cpu_pressure,
+        # CPU-heavy executions during the epoch that held a CPU slot, how many waited and how long
+        # in all (bunshinrl.calls.cpu_slots; slots None: no limit).
+        "cpu_slots": slots,
         "reasoning_busy_share": reasoning_busy_share(r),
         "distinct_prefixes": distinct_prefixes(r),
         "contention": None,
@@ -130,8 +138,8 @@ async def run_epoch(run: ConfigRun, group: int, epoch: int) -> dict[str, Any]:
           f"{row['peak_memory_bytes'] / MiB:7.1f} MiB  reward {row['reward']}  errors {len(row['errors'])}",
           flush=True)
     print(f"        beside it: teardown {r.teardown_seconds:.1f} s, persistence {persist:.1f} s (done before the "
-          f"next epoch: yes); cpu pressure {cpu_pressure}, reasoning busy {row['reasoning_busy_share']:.1%}",
-          flush=True)
+          f"next epoch: yes); cpu pressure {cpu_pressure}, reasoning busy {row['reasoning_busy_share']:.1%}, "
+          f"cpu slots: {slots['held']} held, {slots['waited']} waited {slots['wait_seconds']:.1f} s", flush=True)
     for tool, g in (row["speculation_gate"] or {}).items():
         print(f"        gate {tool}: admitted {g['admitted']}, declined {g['declined']} (medians: p "
               f"{g['median_p_calibrated']}, call {g['median_call']} s, reasoning {g['median_reasoning']} s, "
@@ -185,6 +193,7 @@ def summarize(run: ConfigRun) -> dict[str, Any]:
                                                    "speculation_checks")} for e in ep],
         "phases_per_epoch": [e["phases"] for e in ep],
         "cpu_pressure_per_epoch": [e["cpu_pressure"] for e in ep],
+        "cpu_slots_per_epoch": [e["cpu_slots"] for e in ep],
         "reasoning_busy_share_per_epoch": [e["reasoning_busy_share"] for e in ep],
         "distinct_prefixes_per_epoch": [e["distinct_prefixes"] for e in ep],
         "contention_per_epoch": [e["contention"] for e in ep],

@@ -72,7 +72,10 @@ def preamble(args: argparse.Namespace, model: LatencyModel, agent_cfg: AgentConf
          if {"gui", "office"} & set(args.families)
          else f"settle {args.settle:g} s (the gui and office families'; neither in this run)"),
         f"CPU oversubscription: {rollouts} rollouts on {cpus} hardware threads = {rollouts / cpus:.1f} per thread "
-        f"(the paper: {PAPER_ROLLOUTS_PER_THREAD} per thread)",
+        f"(the paper: {PAPER_ROLLOUTS_PER_THREAD} per thread); "
+        + (f"CPU-heavy tool executions queue for {args.cpu_slots} CPU slots (the wait is the call's time, counted "
+           "per epoch: cpu_slots)" if getattr(args, "cpu_slots", None) else "no CPU slots: CPU-heavy tools share "
+           "the cores"),
         "targets (printed after the run, never asserted): Full >= 1.2x Base over epochs 2-5 (per seed, summed; the "
         "mean over seeds, no seed below 1.1x); Full within 1.25x of the oracle; removable share >= 50%; hit rate "
         ">= 65% by epoch 3 and >= 60% through epoch 5; Full's peak memory <= 1.1x Base's; Base's <= 0.6x CRIU's "

@@ -23,6 +23,7 @@ from typing import Any
 
 from bunshinfork import Workspace
 
+from ..calls.cpu_slots import cpu_slot
 from ..calls.task import Task
 from ..calls.tools import Tool
 from ._common import agent_tool, tools_of
@@ -145,13 +146,15 @@ def grep(ws: Workspace, pattern: str) -> str:
 @agent_tool
 def build(ws: Workspace) -> str:
     """Compile the library (make; slow: seconds per changed source)."""
-    return sh(ws, "make -s all 2>&1")
+    with cpu_slot():  # gcc is CPU-bound (bunshinrl.calls.cpu_slots)
+        return sh(ws, "make -s all 2>&1")
 
 
 @agent_tool
 def run_tests(ws: Workspace) -> str:
     """Build what changed, then run the test binary (make test; slow)."""
-    return sh(ws, "make -s test 2>&1")
+    with cpu_slot():
+        return sh(ws, "make -s test 2>&1")
 
 
 @agent_tool

@@ -23,6 +23,7 @@ read_cells do not pause. Observations hold nothing that differs between two fork
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -36,6 +37,7 @@ from typing import Any
 from bunshinfork import BunshinError, Workspace
 from bunshinfork.templates import GuiWorkspace, TemplateError, start_gui
 
+from ..calls.cpu_slots import cpu_slot
 from ..calls.task import Task
 from ..calls.tools import Tool
 from . import _ods
@@ -257,6 +259,10 @@ _ACTION_FNS: tuple[Callable[..., str], ...] = (launch_app, goto_cell, type_text,
                                                activate_window)
 # The tools that change the desktop or the documents (OSWorld's actions); the rest only observe.
 ACTIONS = frozenset(f.__name__ for f in _ACTION_FNS)
+# The actions whose work is an office program's CPU time (a cold start, a save of the large
+# ledger, a PDF export): they hold a CPU slot while they act (bunshinrl.calls.cpu_slots), not
+# while the GUI settles.
+CPU_HEAVY = frozenset({"launch_app", "save", "export_pdf"})
 _OBSERVATIONS: tuple[Callable[..., str], ...] = (list_windows, read_cells)
 
 
@@ -269,7 +275,8 @@ def _acting(fn: Callable[..., str], settle: float) -> Callable[..., str]:
     @functools.wraps(fn)  # the same schema and docstring: the model sees the same tool
     def tool(ws: Workspace, **args: Any) -> str:
         try:
-            out = fn(ws, **args)
+            with cpu_slot() if fn.__name__ in CPU_HEAVY else contextlib.nullcontext():
+                out = fn(ws, **args)
         except (BunshinError, ValueError, TypeError) as e:
             out = f"ERROR: {e}"
         if settle:

@@ -35,6 +35,7 @@ from typing import Any
 
 from bunshinfork import Workspace
 
+from ..calls.cpu_slots import cpu_slot
 from ..calls.task import Task
 from ..calls.tools import Tool
 from ._common import agent_tool, tools_of
@@ -127,8 +128,9 @@ def run_tests(ws: Workspace, path: str = "") -> str:
     mpmath/tests)."""
     target = f"{TESTS}/{rel(path)}" if path else " ".join(f"{TESTS}/{f}" for f in SUBSET)
     env = f"PYTHONPATH={VENDOR} PYTHONHASHSEED=0 PYTHONDONTWRITEBYTECODE=1"
-    out = sh(ws, f"{env} python3 -m pytest -q -p no:cacheprovider -o console_output_style=classic "
-                  f"{shlex.quote(target) if path else target} 2>&1 | tail -n 40", timeout=300)
+    with cpu_slot():  # the suite is CPU-bound (bunshinrl.calls.cpu_slots)
+        out = sh(ws, f"{env} python3 -m pytest -q -p no:cacheprovider -o console_output_style=classic "
+                      f"{shlex.quote(target) if path else target} 2>&1 | tail -n 40", timeout=300)
     out = normalise(out)
     if not path:  # the reward reads the last run of the subset
         ws.files.write(LOG, out)
