@@ -9,14 +9,26 @@ import os
 import shlex
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from bunshinfork import Workspace
-from bunshinrl import RolloutCore, RolloutEngine, SnapshotBackend, Task, Tool, ToolPrefixCache
+from bunshinrl import (
+    FinalAnswer,
+    RolloutCore,
+    RolloutEngine,
+    SampleContext,
+    SnapshotBackend,
+    Step,
+    Task,
+    Tool,
+    ToolCall,
+    ToolPrefixCache,
+)
+from bunshinrl.calls.policy import Action
 from bunshinrl.calls.tools import command_observation
 
 SERVER = textwrap.dedent('''
@@ -158,6 +170,25 @@ def serve_vllm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, max_nu
         yield srv
     # The engine core runs as a child process: nothing of the server may outlive it.
     assert srv.proc is None and not srv.running()
+
+
+class PlanPolicy:
+    """Sample s of epoch e follows plans(e, s), one call per decision keyed by the step (as the
+    benchmark's agent draws by step: a rewound sample decides again what it decided before),
+    then answers. think: seconds each decision takes; asked: (epoch, history length) per
+    decision."""
+
+    def __init__(self, plans: Callable[[int, int], Sequence[ToolCall]], think: float = 0.0) -> None:
+        self.plans = plans
+        self.think = think
+        self.asked: list[tuple[int, int]] = []
+
+    async def act(self, ctx: SampleContext, history: Sequence[Step]) -> Action:
+        self.asked.append((ctx.epoch, len(history)))
+        if self.think:
+            await asyncio.sleep(self.think)
+        calls = self.plans(ctx.epoch, ctx.sample)
+        return calls[len(history)] if len(history) < len(calls) else FinalAnswer("done")
 
 
 def root_only_cache() -> ToolPrefixCache:

@@ -7,14 +7,12 @@ auto-disable off keeps the faulty tool cached."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from rl_support import counter_task, no_own_leaks  # noqa: F401 (fixture, used by name)
+from rl_support import PlanPolicy, counter_task, no_own_leaks  # noqa: F401 (fixture, used by name)
 
-from bunshinrl import FinalAnswer, RolloutEngine, SampleContext, Step, Task, ToolCall
-from bunshinrl.calls.policy import Action
+from bunshinrl import RolloutEngine, Task, ToolCall
 from bunshinrl.calls.tools import Tool
 from bunshinrl.envs.faults import (
     MARK,
@@ -74,13 +72,6 @@ def plan(epoch: int) -> list[ToolCall]:
             C("touch", {"name": f"e{epoch}"}), C("state")]
 
 
-class PlanPolicy:
-    async def act(self, ctx: SampleContext, history: Sequence[Step]) -> Action:
-        await asyncio.sleep(0.05)
-        calls = plan(ctx.epoch)
-        return calls[len(history)] if len(history) < len(calls) else FinalAnswer("done")
-
-
 @pytest.mark.usefixtures("no_own_leaks")
 def test_injected_faults_are_caught_and_every_trajectory_passes_the_audit() -> None:
     """The samples of a group follow one plan at once and epoch 1's are served epoch 0's
@@ -92,7 +83,7 @@ def test_injected_faults_are_caught_and_every_trajectory_passes_the_audit() -> N
     # Only the root is captured: every state below it is rebuilt by replaying, and compared.
     core = build_core(CoreConfig(cache_bytes=1 << 30, snapshot_every=100, persist_between_epochs=False,
                                  critical_path_captures=False), guard=FaultGuard())
-    engine = RolloutEngine(KeyedPolicy(PlanPolicy()), core=core)
+    engine = RolloutEngine(KeyedPolicy(PlanPolicy(lambda epoch, _sample: plan(epoch), think=0.05)), core=core)
     auditor = FaultAuditor([task], mode="all", root=cache_roots(core))
 
     async def main() -> list[Any]:

@@ -12,23 +12,19 @@ the background, and counted on a trajectory already scored."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from rl_support import bump, liar, no_own_leaks, root_only_cache, setup, state, two_epochs  # noqa: F401 (no_own_leaks: a fixture, used by name)
+from rl_support import PlanPolicy, bump, liar, no_own_leaks, root_only_cache, setup, state, two_epochs  # noqa: F401 (no_own_leaks: a fixture, used by name)
 
 from bunshinrl import (
-    FinalAnswer,
     RolloutCore,
     SampleContext,
-    Step,
     Task,
     Tool,
     ToolCall,
 )
 from bunshinrl.adapters import Runtime, RuntimeConfig
-from bunshinrl.calls.policy import Action
 from bunshinrl.rollout.core import Rewound
 
 pytestmark = pytest.mark.usefixtures("no_own_leaks")
@@ -48,22 +44,11 @@ def scored_task() -> Task:
 
 
 
-class PlanPolicy:
-    """PLAN, one call per decision keyed by the step, then the answer."""
-
-    def __init__(self) -> None:
-        self.asked: list[tuple[int, int]] = []
-
-    async def act(self, ctx: SampleContext, history: Sequence[Step]) -> Action:
-        self.asked.append((ctx.epoch, len(history)))
-        return PLAN[len(history)] if len(history) < len(PLAN) else FinalAnswer("done")
-
-
 def test_the_own_loop_rewinds_a_sample_whose_last_hit_does_not_reproduce() -> None:
     """Epoch 1 is served bump, liar and the verifier from epoch 0's recording. The replay behind
     liar's hit diverges: the sample is rewound to liar (its fresh observation) before it is
     scored, the policy answers again, and the reward is its own workspace's verifier."""
-    policy = PlanPolicy()
+    policy = PlanPolicy(lambda _epoch, _sample: PLAN)
     first, second = two_epochs(policy, scored_task(), prefetch=True)
     recorded, served = first.samples[0], second.samples[0]
     assert recorded.reward == 1.0 and recorded.divergences == 0

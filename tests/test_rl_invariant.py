@@ -13,10 +13,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from rl_support import counter_task, no_own_leaks, root_only_cache, two_epochs  # noqa: F401 (fixture, used by name)
+from rl_support import PlanPolicy, counter_task, no_own_leaks, root_only_cache, two_epochs  # noqa: F401 (fixture, used by name)
 
 from bunshinrl import (
-    FinalAnswer,
     RolloutCore,
     SampleContext,
     SnapshotBackend,
@@ -25,7 +24,6 @@ from bunshinrl import (
     ToolCall,
     ToolPrefixCache,
 )
-from bunshinrl.calls.policy import Action
 from bunshinrl.rollout.timeline import EpochResult, SampleTimeline
 
 pytestmark = pytest.mark.usefixtures("no_own_leaks")
@@ -37,20 +35,6 @@ def plan(epoch: int) -> list[ToolCall]:
     """Bumps around liar, then a call new in each epoch (a miss), then the state."""
     return [C("bump", {"n": 1}), C("liar"), C("bump", {"n": 2}), C("bump", {"n": 3}),
             C("touch", {"name": f"e{epoch}"}), C("state")]
-
-
-class PlanPolicy:
-    """Every sample follows plan(epoch), one call per decision, keyed by the step (as the
-    benchmark's agent draws by step): a rewound sample re-decides what it decided before."""
-
-    def __init__(self) -> None:
-        self.asked: list[tuple[int, int]] = []  # (epoch, history length) per decision
-
-    async def act(self, ctx: SampleContext, history: Sequence[Step]) -> Action:
-        self.asked.append((ctx.epoch, len(history)))
-        await asyncio.sleep(0.05)
-        calls = plan(ctx.epoch)
-        return calls[len(history)] if len(history) < len(calls) else FinalAnswer("done")
 
 
 def _assert_state_is_the_history(steps: Sequence[Step]) -> None:
@@ -73,7 +57,7 @@ def test_a_replay_diverging_mid_plan_rewinds_the_sample(prefetch: bool) -> None:
     divergence and the sample went on in a state without the two later bumps, as gui-2/1 did.)
     warm-shadow: the divergence is found in the background, on the warm workspace kept behind
     the hits, and every later hit's replay passed it on."""
-    policy = PlanPolicy()
+    policy = PlanPolicy(lambda epoch, _sample: plan(epoch), think=0.05)
     first, second = two_epochs(policy, counter_task(), prefetch=prefetch)
     recorded, served = first.samples[0], second.samples[0]
     _assert_state_is_the_history(served.steps)
@@ -377,7 +361,7 @@ def test_the_cluster_driver_acts_again_on_a_rewound_history() -> None:
         def actor(self, name: str) -> Actor:
             return Actor(host)
 
-    policy = PlanPolicy()
+    policy = PlanPolicy(lambda epoch, _sample: plan(epoch), think=0.05)
     engine = ClusterEngine(policy, Pool(), max_steps=16)  # type: ignore[arg-type]
     engine._load["a"] = 1
     timeline = asyncio.run(engine._run_sample(counter_task(), SampleContext("task", 0, 1), "a", "r0"))

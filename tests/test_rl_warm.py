@@ -9,26 +9,21 @@ follows a plan again with one sample."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from rl_support import no_own_leaks, root_only_cache, setup, tools  # noqa: F401 (fixture, used by name)
+from rl_support import PlanPolicy, no_own_leaks, root_only_cache, setup, tools  # noqa: F401 (fixture, used by name)
 
 from bunshinfork import Workspace
 from bunshinrl import (
-    FinalAnswer,
     RolloutCore,
     RolloutEngine,
-    SampleContext,
     SnapshotBackend,
-    Step,
     Task,
     Tool,
     ToolCall,
 )
 from bunshinrl import ToolPrefixCache as Cache
-from bunshinrl.calls.policy import Action
 from bunshinrl.prefix.tree import Node
 from bunshinrl.rollout.warm_policy import check_warm_policy, hit_probability
 from bunshinrl.speculation.selector import Trajectory, train_selector
@@ -53,24 +48,11 @@ def flaky_task() -> Task:
     return Task("task", "Bump the counter.", [*tools(), Tool("flaky", flaky)], setup, fingerprint="rl-test-warm-v1")
 
 
-class Plans:
-    """Sample s of epoch e follows plans(e, s), one call per decision, keyed by the step (a
-    rewound sample decides again what it decided before)."""
-
-    def __init__(self, plans: Any) -> None:
-        self.plans = plans
-
-    async def act(self, ctx: SampleContext, history: Sequence[Step]) -> Action:
-        await asyncio.sleep(0.05)
-        calls = self.plans(ctx.epoch, ctx.sample)
-        return calls[len(history)] if len(history) < len(calls) else FinalAnswer("done")
-
-
 def run(plans: Any, warm: str, cache: Cache) -> tuple[list[Any], RolloutCore, dict[str, int]]:
     """Epoch 0 at G=3, epoch 1 at G=1 (`flaky` flipped between them); the core, and the cache's
     forks and replays in epoch 1."""
     core = RolloutCore(cache=cache, warm=check_warm_policy(warm), critical_path_captures=False)
-    engine = RolloutEngine(Plans(plans), core=core)
+    engine = RolloutEngine(PlanPolicy(plans, think=0.05), core=core)
 
     async def main() -> tuple[list[Any], dict[str, int]]:
         try:
