@@ -5,14 +5,16 @@ from measured call times and the selector's calibrated probability, exceeds its 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
 from rl_support import counter_task, my_snapshots, no_own_leaks  # noqa: F401 (fixture, used by name)
 
 from bunshinfork import Workspace
 from bunshinrl import EpochResult, FinalAnswer, RolloutEngine, SampleContext, Step, ToolCall, ToolSelector
+from bunshinrl.calls import cpu_slots
 from bunshinrl.calls.policy import Action
+from bunshinrl.calls.tools import Tool
 from bunshinrl.rollout.reasoning import ReasoningClock
 from bunshinrl.rollout.wiring import CoreConfig, build_core
 from bunshinrl.speculation.gate import GateCosts, MeasuredGate
@@ -21,6 +23,12 @@ from bunshinrl.speculation.speculator import Chain, Speculator
 
 TOOLS = counter_task().tools
 SLOW, BUMP = ToolCall("slow", {"s": 1}), ToolCall("bump", {"n": 1})
+
+
+@pytest.fixture
+def unlimited_slots() -> Iterator[None]:
+    yield
+    cpu_slots.configure(None)
 
 
 def test_the_gate_weighs_saving_against_cost() -> None:
@@ -44,8 +52,54 @@ def test_the_gate_weighs_saving_against_cost() -> None:
     assert gate.admit([(SLOW, 0.9), (BUMP, 0.9)], seconds, cheap) == [SLOW]
     # ...and is weighed whole: a fast observation first, then the slow action the agent takes.
     assert gate.admit([(BUMP, 0.9), (SLOW, 0.9)], seconds, cheap) == [BUMP, SLOW]
-    assert gate.stats == {"admitted": 4, "declined_unmeasured": 1, "declined_cost": 2}
+    assert gate.stats == {"admitted": 4, "declined_unmeasured": 1, "declined_cost": 2, "declined_slots": 0}
     assert [d["depth"] for d in gate.take_decisions()] == [1, 0, 0, 2, 1, 2]
+
+
+def test_a_wrong_guess_s_cpu_slot_is_weighed_at_the_slots_load() -> None:
+    """A long-shot 20 s test suite hidden behind a long step: worth it on an idle host, not when
+    every CPU slot is taken (a wrong guess then holds one a real call waits for)."""
+    gate = MeasuredGate()
+
+    def seconds(c: ToolCall) -> float | None:
+        return 20.0 if c == SLOW else 0.02
+
+    def slot_seconds(c: ToolCall) -> float:
+        return 20.0 if c == SLOW else 0.0
+    at = lambda load: GateCosts(reasoning=30.0, snapshot=0.1, miss=0.2, slot_load=load)  # noqa: E731
+    assert gate.admit([(SLOW, 0.3)], seconds, at(0.0), slot_seconds) == [SLOW]
+    assert gate.admit([(SLOW, 0.3)], seconds, at(0.25), slot_seconds) == [SLOW]
+    assert gate.admit([(SLOW, 0.3)], seconds, at(1.0), slot_seconds) == []
+    assert gate.admit([(SLOW, 0.3)], seconds, at(None)) == [SLOW]  # no slots: nothing weighed
+    # A call that holds no slot costs none, whatever the load.
+    assert gate.admit([(BUMP, 0.9), (SLOW, 0.3)], seconds, at(1.0), lambda c: 0.0) == [BUMP, SLOW]
+    assert gate.stats["declined_slots"] == 1 and gate.stats["declined_cost"] == 0
+    slot_costs = [d["slot_cost"] for d in gate.take_decisions()]
+    assert slot_costs[0] == 0 and slot_costs[1] == pytest.approx(0.7 * 20 * 0.25, abs=1e-3)
+
+
+def test_the_core_weighs_the_slots_it_measures(unlimited_slots: None) -> None:
+    """A tool's seconds in a CPU slot are measured as it runs (its execution in the rollouts'
+    thread pool), and the gate weighs a guess at the slots' load when the chain is weighed."""
+    slots = cpu_slots.configure(1)
+
+    def suite(_ws: Workspace, _args: dict[str, object]) -> str:
+        with cpu_slots.cpu_slot():
+            sum(range(10_000_000))  # the suite's CPU work, in the slot
+        return "passed"
+    asyncio.run(Tool("slow", suite).run(None, {}))  # type: ignore[arg-type]
+    assert slots.tool_seconds("slow") > 0 and slots.tool_seconds("bump") == 0
+    core = build_core(CoreConfig(speculation_depth=1), reasoning=ReasoningClock(model=lambda: 3.0))
+    assert core.speculator is not None and core.speculator.gate is not None
+    core.speculator.selector = _selector()
+    core.tail.record_call(SLOW, 2.0)
+    core.note_snapshot("t", 0.05)
+    core.speculation_chain("t", 0, [], TOOLS, real_calls=0)
+    with slots.hold():  # another sample's suite holds the only slot
+        core.speculation_chain("t", 0, [], TOOLS, real_calls=0)
+    idle, busy = core.speculator.gate.take_decisions()
+    assert idle["slot_load"] == 0 and idle["slot_cost"] == 0
+    assert busy["slot_load"] == 1 and 0 < busy["slot_cost"] <= slots.tool_seconds("slow"), busy
 
 
 def test_guesses_that_fail_lower_the_selector_s_word() -> None:

@@ -20,6 +20,7 @@ from typing import Any
 from bunshinfork import AsyncWorkspace, Workspace
 
 from .._async import call_sync_or_async
+from .cpu_slots import running_tool
 
 Execute = Callable[[Workspace, dict[str, Any]], "str | Awaitable[str]"]
 
@@ -107,7 +108,8 @@ class Tool:
         return None
 
     async def run(self, ws: Workspace, args: Mapping[str, Any]) -> str:
-        out = await call_sync_or_async(self.execute, ws, dict(args))
+        with running_tool(self.name):  # CPU slots it holds are counted as its own
+            out = await call_sync_or_async(self.execute, ws, dict(args))
         if not isinstance(out, str):
             raise TypeError(f"tool {self.name!r} returned {type(out).__name__}, not an observation string")
         return out

@@ -19,11 +19,13 @@ Two placements of the chain (Speculator(placement=...)):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from bunshinfork import Workspace
 
+from ..calls import cpu_slots
 from ..calls.guard import DeterminismGuard
 from ..calls.signature import ToolCall
 from ..calls.tools import Tool
@@ -112,7 +114,10 @@ class Speculator:
             if self.tail is not None and not self.tail.in_tail(task_id, sample, real_calls):
                 return Chain()
             measured = self.tail.call_seconds if self.tail is not None else (lambda _c: None)
-            keep = self.gate.admit(guesses, measured, costs or GateCosts())
+            # A wrong guess's CPU-slot time is weighed at the slots' load now (the gate's docstring).
+            slots = cpu_slots.current()
+            costs = dataclasses.replace(costs or GateCosts(), slot_load=slots.load())
+            keep = self.gate.admit(guesses, measured, costs, lambda c: slots.tool_seconds(c.name))
             return Chain(keep, [p for _, p in guesses[:len(keep)]])
         keep: list[ToolCall] = []
         for c, _ in guesses:
