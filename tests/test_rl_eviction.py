@@ -8,11 +8,13 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from bunshinrl import DeterminismGuard, Tool, ToolCall, ToolPrefixCache
 from bunshinrl.prefix.tree import Node
+from bunshinrl.rollout.core import RolloutCore
 from bunshinrl.states.backend import Persisted
 
 
@@ -86,6 +88,7 @@ ops = st.lists(
                   st.integers(10, 120), st.sampled_from([0.0, 0.01, 0.5, 2.0]), st.booleans()),
         st.tuples(st.just("touch"), st.integers(0, 10**6)),
         st.tuples(st.just("materialize"), st.integers(0, 10**6)),
+        st.tuples(st.just("budget"), st.integers(0, 250)),  # set_capacity (a budget relative to a peak)
     ),
     min_size=1, max_size=60,
 )
@@ -127,6 +130,9 @@ def test_resident_set_stays_ancestor_closed(ops: list[tuple], capacity: int, per
                 assert cache.lookup(node.parent, node.call, TOOLS[node.call.name]) is node
                 # Touching refreshes the node and all its ancestors.
                 assert all(a.last_used == node.last_used for a in node.ancestors())
+        elif op[0] == "budget":
+            assert cache.set_capacity(op[1]) == cache.lru.resident_bytes
+            assert cache.lru.capacity == op[1]
         else:
             node = nodes[op[1] % len(nodes)]
             plan = cache.plan(node)
@@ -247,5 +253,36 @@ def test_persistence_waits_for_the_gap_between_epochs_unless_over_budget() -> No
     captured(cache, backend, root, "c", 50)  # 120 > 100: eviction needs copies on disk, now
     cache.drain()
     assert cache.counters["persisted"] == 4 and cache.lru.resident_bytes <= 100
+    cache.close()
+    assert backend.live == set()
+
+
+def test_a_budget_relative_to_the_workspaces_peak_applies_in_the_gap() -> None:
+    """RolloutCore(cache_share=): after an epoch whose workspaces peaked at P bytes, the cache's
+    resident budget becomes min(its own, share x P), once the deferred persists are done (so
+    that what no longer fits has a copy on disk and goes at once)."""
+    backend = FakeBackend(persists=True)
+    cache = ToolPrefixCache(backend, 1000, persist_between_epochs=True)
+    root = cache.add_root("t", "d", backend.new((), 10))
+    a = captured(cache, backend, root, "a", 300)
+    captured(cache, backend, a, "b", 300)
+    core = RolloutCore(cache=cache, cache_share=0.5)
+    fut = core.start_persistence(workspace_peak=800)
+    assert fut is not None
+    fut.result(timeout=30)
+    assert cache.lru.capacity == 400 and cache.lru.resident_bytes <= 400
+    assert cache.counters["evicted"] >= 1 and core.stats()["cache"]["workspace_peak_bytes"] == 800
+    fut = core.start_persistence(workspace_peak=100)  # the highest peak seen holds
+    assert fut is not None
+    fut.result(timeout=30)
+    assert cache.lru.capacity == 400
+    core.start_persistence(workspace_peak=10_000).result(timeout=30)  # type: ignore[union-attr]
+    assert cache.lru.capacity == 1000  # never above the budget it was made with
+    plain = RolloutCore(cache=ToolPrefixCache(FakeBackend(), 1000))
+    plain.start_persistence(workspace_peak=800).result(timeout=30)  # type: ignore[union-attr]
+    assert plain.cache is not None and plain.cache.lru.capacity == 1000
+    plain.cache.close()
+    with pytest.raises(ValueError):
+        RolloutCore(cache_share=-1.0)
     cache.close()
     assert backend.live == set()

@@ -347,6 +347,19 @@ class ToolPrefixCache(Reconstruction, Persistence):
             victims = self._sweep_removed_locked()
         self._release(victims)
 
+    def set_capacity(self, capacity_bytes: int) -> int:
+        """A new resident budget, evicting at once what no longer fits (states with a copy on
+        disk, or rebuildable from a retained ancestor); what cannot go yet goes at the next
+        capture. Returns the resident bytes after."""
+        if capacity_bytes < 0:
+            raise ValueError("capacity_bytes must be >= 0")
+        with self._lock:
+            self.lru.capacity = capacity_bytes
+            victims = self._evict_locked()
+        self._release(victims)
+        with self._lock:
+            return self.lru.resident_bytes
+
     def close(self) -> None:
         """Release every resident state (states on disk stay in the store)."""
         self.drain()

@@ -90,7 +90,7 @@ class RolloutEngine:
             await self.core.drain_rollouts()
             teardown = time.monotonic() - t_last
             memory = await sampler.stop()
-            self._persisting = self.core.start_persistence()
+            self._persisting = self.core.start_persistence(max((ws for _, ws, _ in memory), default=0))
         samples = [r for g in groups for r in g]
         for r in samples:
             r.timeline.wasted_seconds = r.wasted_seconds

@@ -36,7 +36,9 @@ class CoreConfig:
     keep_initial, overlap_fork:
     Base's parity with the cache's root;
     critical_path_captures: captures weigh the next reasoning step and expected revisits;
-    verify_seconds: RolloutCore's (a finishing sample's wait for the replay behind its last hit)."""
+    verify_seconds: RolloutCore's (a finishing sample's wait for the replay behind its last hit);
+    cache_share: the resident budget at most this share of the rollouts' measured workspace peak,
+    from the gap after the first epoch on (None: cache_bytes throughout)."""
 
     cache_bytes: int = 0
     store: Path | None = None
@@ -57,6 +59,7 @@ class CoreConfig:
     critical_path_captures: bool = True
     verify_seconds: float | None = 300.0
     warm: WarmPolicy = "predicted"
+    cache_share: float | None = None
 
 
 def build_core(config: CoreConfig, *, guard: DeterminismGuard | None = None, reasoning: ReasoningClock | None = None,
@@ -82,7 +85,8 @@ def build_core(config: CoreConfig, *, guard: DeterminismGuard | None = None, rea
     return RolloutCore(cache=cache, speculator=speculator, guard=guard, tail=tail, memory=config.memory,
                        prefetch=config.prefetch, keep_initial=config.keep_initial, overlap_fork=config.overlap_fork,
                        reasoning=reasoning, critical_path_captures=config.critical_path_captures,
-                       verify_seconds=config.verify_seconds, warm=config.warm)
+                       verify_seconds=config.verify_seconds, warm=config.warm,
+                       cache_share=config.cache_share)
 
 
 __all__ = ["CoreConfig", "build_core"]
