@@ -138,8 +138,12 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--code-tasks", type=int)
     ap.add_argument("--group-size", type=int)
     ap.add_argument("--epochs", type=int)
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", help=f"default: the headline's (--quick: {','.join(CONFIGS)})")
     ap.add_argument("--cache-mib", type=int, default=1024, help="resident budget of Full's prefix cache")
+    ap.add_argument("--cache-share", metavar="SHARE|off",
+                    help="from the second epoch on, Full's resident budget is at most this share of its rollouts' "
+                         "measured workspace peak (the highest epoch's; never above --cache-mib); off: --cache-mib "
+                         "throughout (default: the headline's 1.0; --quick: off)")
     ap.add_argument("--spec-depth", type=int, default=2)
     ap.add_argument("--share-engine", default="ksm", help="fork engine of Base, Spec and Full (cow in a guest)")
     ap.add_argument("--slow-seconds", default="measured",
@@ -185,7 +189,14 @@ def parse() -> argparse.Namespace:
     a.families = [f for f in a.families.split(",") if f]
     a.short_configs = [c for c in a.short_configs.split(",") if c]
     a.short_seeds = [int(x) for x in a.short_seeds.split(",") if x]
-    a.configs = [c for c in a.configs.split(",") if c]
+    a.configs = [c for c in (a.configs or ",".join(CONFIGS)).split(",") if c]
+    if a.cache_share in (None, "off"):
+        a.cache_share = None
+    else:
+        try:
+            a.cache_share = float(a.cache_share)
+        except ValueError:
+            ap.error(f"--cache-share is a share or off, not {a.cache_share!r}")
     extra = [p for p in a.placements.split(",") if p]
     if set(extra) - set(PLACEMENTS):
         ap.error(f"unknown placements {sorted(set(extra) - set(PLACEMENTS))}; use {', '.join(PLACEMENTS)}")
@@ -247,6 +258,7 @@ async def main() -> int:
         "speculation_gate": args.slow_seconds if isinstance(args.slow_seconds, str) else f"fixed {args.slow_seconds} s",
         "settle": settle_record(args.settle),
         "cpu_slots": args.cpu_slots,
+        "cache": {"mib": args.cache_mib, "share": args.cache_share},
         "size": {"seeds": args.seed_list, "families": args.families, "code_tasks": args.code_tasks,
                  "group_size": args.group_size, "epochs": args.epochs, "quick": args.quick,
                  "configs": args.configs, "short_configs": args.short_configs, "short_epochs": args.short_epochs,

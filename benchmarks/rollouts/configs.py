@@ -43,13 +43,14 @@ class ConfigRun:
 def make_config(name: str, tasks: list[Task], cands: dict[str, Any], agent_cfg: AgentConfig, model: LatencyModel,
                 store: Path, cache_mib: int, spec_depth: int, slow_seconds: float | str, share: str = "ksm",
                 regime: str = "local", rollouts: int = 1, audit: str = "off", seed: int = 0, faults: bool = False,
-                auto_disable: bool = True) -> ConfigRun:
+                auto_disable: bool = True, cache_share: float | None = None) -> ConfigRun:
     """name: one of CONFIGS, or Spec@PLACEMENT, Full@POLICY, Full@eager. The core is built by build_core, as
     every driver's is; its reasoning prediction is the latency model's step at the server's load.
     faults: the tasks' tools are faulty (--inject-faults): the agent's decisions and the audit run
     as their sample, which keys the faults; auto_disable False: the guard's is off (FaultGuard).
     regime: how the server prices a step (paper, local, batch); rollouts: the configuration's
-    rollouts per epoch (the batch regime's N)."""
+    rollouts per epoch (the batch regime's N); cache_share: the cache's resident budget relative to
+    the rollouts' measured workspace peak (CoreConfig's; --cache-share)."""
     kind, _, variant = name.partition("@")
     config = "Base" if kind == "CRIU" else check_config(kind)  # CRIU's parts are Base's
     eager = kind == "Full" and variant == EAGER
@@ -67,7 +68,7 @@ def make_config(name: str, tasks: list[Task], cands: dict[str, Any], agent_cfg: 
         task_quantile=0.5, online_real_calls=2 if caches(config) else None, min_probability=0.5,
         placement=variant if kind == "Spec" and variant else DEFAULT_PLACEMENT,  # type: ignore[arg-type]
         memory="copy" if name == "CRIU" else share, keep_initial=True, overlap_fork=True,
-        warm="always" if eager else "predicted")
+        warm="always" if eager else "predicted", cache_share=cache_share if caches(config) else None)
     core = build_core(cfg, reasoning=ReasoningClock(model=lambda: server.predicted_step(agent_cfg.output_median)),
                       guard=None if auto_disable else FaultGuard())
     agent: Any = StochasticAgent(agent_cfg, server, cands)

@@ -140,10 +140,16 @@ async def run_epoch(run: ConfigRun, group: int, epoch: int) -> dict[str, Any]:
     print(f"        beside it: teardown {r.teardown_seconds:.1f} s, persistence {persist:.1f} s (done before the "
           f"next epoch: yes); cpu pressure {cpu_pressure}, reasoning busy {row['reasoning_busy_share']:.1%}, "
           f"cpu slots: {slots['held']} held, {slots['waited']} waited {slots['wait_seconds']:.1f} s", flush=True)
+    if r.cache is not None:  # the state at the epoch's end; the budget follows in the gap (--cache-share)
+        c = r.cache
+        print(f"        cache: {c['resident_bytes'] / MiB:.0f} MiB resident of {c['capacity_bytes'] / MiB:.0f} MiB "
+              f"(workspace peak so far {c['workspace_peak_bytes'] / MiB:.0f} MiB), loads {c['loads']}, evicted "
+              f"{c['evicted']}, forks {c['forks']}", flush=True)
     for tool, g in (row["speculation_gate"] or {}).items():
         print(f"        gate {tool}: admitted {g['admitted']}, declined {g['declined']} (medians: p "
               f"{g['median_p_calibrated']}, call {g['median_call']} s, reasoning {g['median_reasoning']} s, "
-              f"snapshot {g['median_snapshot']} s, rollback {g['median_miss']} s)", flush=True)
+              f"snapshot {g['median_snapshot']} s, rollback {g['median_miss']} s, slot load {g['median_slot_load']}, "
+              f"slot cost {g['median_slot_cost']} s)", flush=True)
     if row["oracle_exceeds_epoch"]:
         print(f"        the epoch ended {oracle - r.seconds:.1f} s before its oracle (a replay, not a bound here: "
               f"steps met smaller batches than with free tools); its own reasoning {row['reasoning_bound_seconds']:.1f}"
@@ -237,7 +243,7 @@ async def run_seed(seed: int, args: argparse.Namespace, agent_cfg: AgentConfig, 
     runs = {n: make_config(n, tasks, cands, dataclasses.replace(agent_cfg, seed=seed), model, store,
                            args.cache_mib, args.spec_depth, args.slow_seconds, args.share_engine,
                            args.regime, len(tasks) * args.group_size, args.audit, seed, args.inject_faults > 0,
-                           args.guard_auto_disable == "on")
+                           args.guard_auto_disable == "on", args.cache_share)
             for n in names}
     try:
         for e in range(args.epochs):

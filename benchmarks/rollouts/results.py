@@ -14,7 +14,7 @@ from .targets import explain_misses, headline_estimate, targets
 def finish(out: Path, seeds: dict[int, dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
     """Targets, summary, figures and the JSON of `seeds` (each with its "_series")."""
     epochs = meta["size"]["epochs"]
-    tg = targets(seeds, epochs, meta["share_engine"])
+    tg = targets(seeds, epochs, meta["share_engine"], meta["size"].get("families"))
     summ = summary(seeds, epochs)
     figures = plots(out, seeds, epochs, meta["share_engine"])
     result = {
@@ -44,10 +44,8 @@ def finish(out: Path, seeds: dict[int, dict[str, Any]], meta: dict[str, Any]) ->
     result["headline_estimate"] = est
     (out / "agent_rollouts.json").write_text(json.dumps(result, indent=1))
     if est:
-        print(f"headline wall time, estimated from this run ({est['from']}): {est['epoch_seconds_estimate']} s per "
-              f"epoch ({est['epoch_seconds_pessimistic']} s if tool time grows with the rollouts per CPU), "
-              f"{est['epochs']} paper-regime epochs: {est['total_seconds']} s ({est['total_seconds_pessimistic']} s); "
-              f"within 2 hours: {est['fits_2_hours']} ({est['fits_2_hours_pessimistic']})")
+        print(f"one headline seed's wall time, estimated from this run ({est['from']}): {est['seed_seconds_estimate']} "
+              f"s; within 90 minutes: {est['fits_90_minutes']}")
     return result
 
 

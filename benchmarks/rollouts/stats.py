@@ -133,7 +133,8 @@ def snapshot_policies(seeds: dict[int, dict[str, Any]], summ: dict[str, Any], ep
 def gate_profile(decisions: list[dict[str, Any]]) -> dict[str, Any]:
     """The speculation gate's decisions of an epoch, per tool: how many it admitted and declined,
     and the medians of what it weighed (the selector's calibrated probability, the call's measured
-    seconds, the predicted reasoning, snapshot and rollback)."""
+    seconds, the predicted reasoning, snapshot and rollback, the CPU slots' load and what a wrong
+    guess's slot time was weighed at)."""
     out: dict[str, Any] = {}
     for tool in sorted({str(d["tool"]) for d in decisions}):
         rows = [d for d in decisions if d["tool"] == tool]
@@ -145,5 +146,5 @@ def gate_profile(decisions: list[dict[str, Any]]) -> dict[str, Any]:
         out[tool] = {"admitted": sum(bool(r["admitted"]) for r in rows),
                      "declined": sum(not r["admitted"] for r in rows),
                      **{f"median_{k}": med(k) for k in ("p_calibrated", "call", "reasoning", "snapshot", "miss",
-                                                        "saving", "cost")}}
+                                                        "saving", "cost", "slot_load", "slot_cost")}}
     return out

@@ -15,11 +15,14 @@ def _met(value: float, target: float, at_most: bool = False) -> bool:
     return value <= target if at_most else value >= target
 
 
-def targets(seeds: dict[int, dict[str, Any]], epochs: int, share: str = "ksm") -> dict[str, Any]:
-    """The issue's targets with what was reached (printed, never asserted in a test). Speedups
-    are per seed: summed epoch times over epochs 2-5, Base's over Full's; the oracle is the
-    replay of each epoch's decisions with every tool at 0 s (rollouts/oracle.py), formerly the
-    longest rollout's reasoning alone (the same decisions in every configuration)."""
+def targets(seeds: dict[int, dict[str, Any]], epochs: int, share: str = "ksm",
+            families: list[str] | None = None) -> dict[str, Any]:
+    """Issue 38's targets with what was reached (printed, never asserted in a test). Per seed,
+    summed over the compared epochs (all but the first): the ceiling C = Base / oracle, the
+    speedup S = Base / Full, the removed share R = (Base - Full) / (Base - oracle); the oracle is
+    the replay of each epoch's decisions with every tool at 0 s (rollouts/oracle.py). Where the
+    workload's ceiling is below what a target presumes (R: C >= 1.10; S >= 1.2: C >= 1.35), the
+    target does not apply (met None) and S is reported against C with the breakdown."""
     later = later_epochs(epochs)
     out: dict[str, Any] = {}
     bf = seeds_with(seeds, "Base", "Full")
@@ -27,32 +30,39 @@ def targets(seeds: dict[int, dict[str, Any]], epochs: int, share: str = "ksm") -
         def tot(s: dict[str, Any], n: str, key: str) -> float:
             return sum(s[n][key][e] for e in common_epochs(s, later, "Base", "Full"))
 
+        def path(s: dict[str, Any], n: str, phases: tuple[str, ...]) -> float:
+            return sum(s[n]["phases_per_epoch"][e]["critical_path"].get(p, 0.0) for p in phases
+                       for e in common_epochs(s, later, "Base", "Full") if s[n]["phases_per_epoch"][e])
+
+        removable_s = [max(tot(s, "Base", "epoch_seconds") - tot(s, "Base", "oracle_seconds"), 1e-9) for s in bf]
         speed = [tot(s, "Base", "epoch_seconds") / tot(s, "Full", "epoch_seconds") for s in bf]
         ceiling = [tot(s, "Base", "epoch_seconds") / tot(s, "Base", "oracle_seconds") for s in bf]
-        over_oracle = [tot(s, "Full", "epoch_seconds") / tot(s, "Full", "oracle_seconds") for s in bf]
-        removable = [(tot(s, "Base", "epoch_seconds") - tot(s, "Full", "epoch_seconds"))
-                     / max(tot(s, "Base", "epoch_seconds") - tot(s, "Base", "oracle_seconds"), 1e-9) for s in bf]
+        removable = [(tot(s, "Base", "epoch_seconds") - tot(s, "Full", "epoch_seconds")) / r
+                     for s, r in zip(bf, removable_s, strict=True)]
+        own = [path(s, "Full", ("post_wait", "materialize", "spec_miss")) / r
+               for s, r in zip(bf, removable_s, strict=True)]
         median = [tot(s, "Base", "median_rollout_seconds") / tot(s, "Full", "median_rollout_seconds") for s in bf]
         per_epoch = [[round(s["Base"]["epoch_seconds"][e] / s["Full"]["epoch_seconds"][e], 3)
                       for e in common_epochs(s, later, "Base", "Full")] for s in bf]
-        sp = spread(speed)
-        out["full_speedup_vs_base"] = {**sp, "target_mean": 1.2, "target_min_seed": 1.1, "paper": 1.22,
-                                       "met": sp["mean"] >= 1.2 and sp["min"] >= 1.1,
+        sp, c = spread(speed), spread(ceiling)
+        big = c["mean"] >= 1.35
+        out["full_speedup_vs_base"] = {**sp, "ceiling_base_over_oracle": c, "applies_where_ceiling_at_least": 1.35,
+                                       "target_mean": 1.2, "target_min_seed": 1.1, "paper": 1.22,
+                                       "met": (sp["mean"] >= 1.2 and sp["min"] >= 1.1) if big else None,
+                                       **({} if big else {"note": "C < 1.35: S is reported against C, with the "
+                                                                  "breakdown (targets missed, below)"}),
                                        "epochs": [e + 1 for e in later], "per_epoch_per_seed": per_epoch,
-                                       "ceiling_base_over_oracle": spread(ceiling),
-                                       "removable_share_removed": spread(removable),
-                                       "median_rollout_speedup": spread(median),
-                                       **oracle_checks(bf, later)}
-        fo = spread(over_oracle)
-        out["full_vs_oracle"] = {**fo, "target_at_most": 1.25, "met": _met(fo["mean"], 1.25, True)}
+                                       "median_rollout_speedup": spread(median), **oracle_checks(bf, later)}
         rs = spread(removable)
-        out["removable_share"] = {**rs, "target": 0.5, "met": _met(rs["mean"], 0.5)}
+        out["removed_share"] = {**rs, "target": 0.6, "applies_where_ceiling_at_least": 1.10,
+                                "met": _met(rs["min"], 0.6) if c["mean"] >= 1.10 else None}
+        ow = spread(own)
+        out["full_own_path_cost"] = {**ow, "of": "post_wait + materialize + spec_miss on Full's straggler path over "
+                                                "Base - oracle", "target_at_most": 0.10,
+                                     "met": _met(ow["max"], 0.10, True)}
         e3 = min(2, epochs - 1)
         h3 = spread([s["Full"]["hit_rate_per_epoch"]["total"][e3] for s in bf])
-        through = spread([min(s["Full"]["hit_rate_per_epoch"]["total"][e3:]) for s in bf])
         out["full_hit_rate_epoch3"] = {**h3, "target": 0.65, "epoch": e3 + 1, "met": _met(h3["min"], 0.65)}
-        out["full_hit_rate_through_epoch5"] = {**through, "target": 0.60, "epochs": [e3 + 1, epochs],
-                                               "met": _met(through["min"], 0.60)}
         pm = spread(peak_ratios(seeds, "Full", "Base"))
         out["full_peak_memory_vs_base"] = {**pm, "target_at_most": 1.1, "paper": 1.014,
                                            "met": _met(pm["max"], 1.1, True)}
@@ -60,23 +70,35 @@ def targets(seeds: dict[int, dict[str, Any]], epochs: int, share: str = "ksm") -
     if bc:
         per_epoch = [[s["Base"]["peak_memory_bytes_per_epoch"][e] / max(s["CRIU"]["peak_memory_bytes_per_epoch"][e], 1)
                       for s in bc if e < len(s["CRIU"]["epoch_seconds"])] for e in range(epochs)]
-        ratio = spread(peak_ratios(seeds, "Base", "CRIU"))
+        per = [spread(r) for r in per_epoch if r]
         out["base_peak_memory_vs_criu"] = {
-            **ratio, "target_at_most": 0.6, "engine": share,
-            "per_epoch": [spread(r) for r in per_epoch if r],
-            "met": _met(ratio["max"], 0.6, True) if "max" in ratio else None,
-            **({"note": "the target is for cow in a guest; ksm merges the clones only as ksmd scans, "
-                        "after the fork"} if share == "ksm" else {})}
+            "per_epoch": per, "target_at_most": 0.7, "engine": share,
+            "met": all(p["max"] <= 0.7 for p in per) if share == "cow" else None,
+            **({"note": "the target is for cow in a guest (make bench-guest); ksm merges the clones only as ksmd "
+                        "scans, after the fork"} if share != "cow" else {})}
     base = [s for s in seeds.values() if "Base" in s and s["Base"].get("contention_per_epoch")]
     factors = [c["factor"] for s in base for e, c in enumerate(s["Base"]["contention_per_epoch"])
                if e in later and c and c.get("factor") is not None]
     if factors:
-        # Base's real calls over their times alone in the compared epochs (contention.py): above
-        # 1.5, oversubscribing the host's cores inflated the ceiling (issue 38).
+        # Base's real calls over their times alone in the compared epochs (contention.py), the CPU
+        # slots' waits included (an upper bound on the factor without them): above 1.5,
+        # oversubscribing the host's cores inflated the ceiling (issue 38).
         cf = spread(factors)
         out["contention_factor"] = {**cf, "target_at_most": 1.5, "met": _met(cf["max"], 1.5, True)}
-    if seeds_with(seeds, "Base", "Spec"):
-        out["spec_speedup_vs_base"] = spread([1 / x for x in epoch_ratios(seeds, "Spec", "Base", later)])
+    bs = seeds_with(seeds, "Base", "Spec")
+    if bs:
+        served = []
+        for s in bs:
+            for e in common_epochs(s, later, "Base", "Spec"):
+                ph = s["Spec"]["phases_per_epoch"][e]
+                if ph:
+                    calls = ph["critical_path_calls"]
+                    served.append(calls["spec_hits"] / max(calls["real"] + calls["spec_hits"], 1))
+        office = families is not None and "office" in families
+        ss, sv = spread([1 / x for x in epoch_ratios(seeds, "Spec", "Base", later)]), spread(served)
+        out["spec_speedup_vs_base"] = {**ss, "target": 1.05, "straggler_calls_served_by_speculation": sv,
+                                       "target_served": 0.30, "applies": "runs with office",
+                                       "met": (ss["min"] >= 1.05 and sv["min"] >= 0.30) if office else None}
     out["rewards_identical"] = {"value": all(s["rewards_identical"] for s in seeds.values()),
                                 "met": all(s["rewards_identical"] for s in seeds.values())}
     audits = [s["audit"] for s in seeds.values() if s.get("audit") and s["audit"]["audited"]]
@@ -135,41 +157,20 @@ def explain_misses(seeds: dict[int, dict[str, Any]], tg: dict[str, Any], epochs:
 
 
 def headline_estimate(seeds: dict[int, dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
-    """The headline's wall time, estimated from this run: per rollout step, the reasoning the
-    paper's regime prices plus the tool and wait time this run measured on the critical path,
-    scaled to the headline's size; compared with the 2-hour budget."""
-    size = meta["size"]
-    step_paper = meta["latency_model"].get("paper_step_seconds")
-    if step_paper is None or not any("Base" in s for s in seeds.values()):
+    """One headline seed's wall time, estimated from this run: its wall seconds per seed and
+    epoch (every configuration it ran, the audit and calibration included), times the headline's
+    epochs, scaled by the headline's rollouts over this run's where it has more; compared with
+    the issue's 90 minutes per seed."""
+    size, wall = meta["size"], meta.get("wall_seconds")
+    if not wall or not seeds:
         return {}
-    nonreason, steps = [], []
-    for s in seeds.values():
-        for n in ("Base", "Full"):
-            for ph in s.get(n, {}).get("phases_per_epoch", []):
-                if not ph:
-                    continue
-                cp = ph["critical_path"]
-                calls = sum(ph["critical_path_calls"].values())
-                steps.append(calls + 1)
-                nonreason.append(sum(v for p, v in cp.items() if p != "reason"))
-    if not steps:
+    sizes = [len(s["Base"]["rewards_per_sample_per_epoch"][0]) for s in seeds.values() if "Base" in s]
+    if not sizes:
         return {}
-    # Tool time on the path grows with the rollouts sharing the CPUs: the pessimistic bound
-    # scales it by the headline's rollouts per epoch over this run's.
-    measured = statistics.mean(len(s["Base"]["rewards_per_sample_per_epoch"][0]) for s in seeds.values() if "Base" in s)
+    measured = statistics.mean(sizes)
+    per_epoch = wall / (len(seeds) * size["epochs"])
     scale = max(1.0, HEADLINE["rollouts"] / measured)
-    per_epoch = statistics.mean(steps) * step_paper + statistics.mean(nonreason)
-    worst_epoch = statistics.mean(steps) * step_paper + statistics.mean(nonreason) * scale
-    # Base and Full: 3 seeds x 5 epochs; Spec and CRIU: seed 0, 2 epochs; the constant
-    # exploration (Base, Full) at seed 0; the local regime (Base, Full) at seed 0, ~0.9 s steps.
-    local_epoch = statistics.mean(steps) * 0.9 + statistics.mean(nonreason)
-    epochs = 3 * 5 * 2 + 2 * 2 + 5 * 2
-    setup = 60.0 * (3 + 1 + 1)  # initialized workspaces per seed run (measured order: a minute)
-    total = epochs * per_epoch + 5 * 2 * local_epoch + setup
-    worst = epochs * worst_epoch + 5 * 2 * local_epoch * scale + setup
-    return {"epoch_seconds_estimate": round(per_epoch, 1), "epoch_seconds_pessimistic": round(worst_epoch, 1),
-            "epochs": epochs, "total_seconds": round(total), "total_seconds_pessimistic": round(worst),
-            "fits_2_hours": total <= 7200, "fits_2_hours_pessimistic": worst <= 7200,
-            "from": {"steps_per_rollout": round(statistics.mean(steps), 1),
-                     "non_reasoning_seconds_on_path": round(statistics.mean(nonreason), 1), "measured_size": size}}
-
+    per_seed = per_epoch * HEADLINE["epochs"] * scale
+    return {"seed_seconds_estimate": round(per_seed), "fits_90_minutes": per_seed <= 5400,
+            "from": {"wall_seconds": wall, "seeds": len(seeds), "epochs": size["epochs"], "rollouts": measured,
+                     "configs": size.get("configs")}}
