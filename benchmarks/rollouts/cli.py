@@ -223,6 +223,8 @@ def parse() -> argparse.Namespace:
     if not a.settle >= 0:  # NaN too
         ap.error(f"--settle is a pause in seconds >= 0, not {a.settle}")
     a.seed_list = [a.seed] if a.seed is not None else list(range(a.seeds))
+    if not a.seed_list:
+        ap.error(f"--seeds {a.seeds} runs no seed (it counts them: --seeds 1 runs seed 0; --seed N runs seed N)")
     return a
 
 

@@ -31,8 +31,9 @@ def targets(seeds: dict[int, dict[str, Any]], epochs: int, share: str = "ksm",
             return sum(s[n][key][e] for e in common_epochs(s, later, "Base", "Full"))
 
         def path(s: dict[str, Any], n: str, phases: tuple[str, ...]) -> float:
-            return sum(s[n]["phases_per_epoch"][e]["critical_path"].get(p, 0.0) for p in phases
-                       for e in common_epochs(s, later, "Base", "Full") if s[n]["phases_per_epoch"][e])
+            per = s[n].get("phases_per_epoch") or []  # merged runs from before the phases have none
+            return sum(per[e]["critical_path"].get(p, 0.0) for p in phases
+                       for e in common_epochs(s, later, "Base", "Full") if e < len(per) and per[e])
 
         removable_s = [max(tot(s, "Base", "epoch_seconds") - tot(s, "Base", "oracle_seconds"), 1e-9) for s in bf]
         speed = [tot(s, "Base", "epoch_seconds") / tot(s, "Full", "epoch_seconds") for s in bf]
@@ -89,8 +90,9 @@ def targets(seeds: dict[int, dict[str, Any]], epochs: int, share: str = "ksm",
     if bs:
         served = []
         for s in bs:
+            phases = s["Spec"].get("phases_per_epoch") or []  # merged runs from before the phases have none
             for e in common_epochs(s, later, "Base", "Spec"):
-                ph = s["Spec"]["phases_per_epoch"][e]
+                ph = phases[e] if e < len(phases) else None
                 if ph:
                     calls = ph["critical_path_calls"]
                     served.append(calls["spec_hits"] / max(calls["real"] + calls["spec_hits"], 1))
@@ -164,7 +166,8 @@ def headline_estimate(seeds: dict[int, dict[str, Any]], meta: dict[str, Any]) ->
     size, wall = meta["size"], meta.get("wall_seconds")
     if not wall or not seeds:
         return {}
-    sizes = [len(s["Base"]["rewards_per_sample_per_epoch"][0]) for s in seeds.values() if "Base" in s]
+    sizes = [len(s["Base"]["rewards_per_sample_per_epoch"][0]) for s in seeds.values()
+             if s.get("Base", {}).get("rewards_per_sample_per_epoch")]
     if not sizes:
         return {}
     measured = statistics.mean(sizes)
