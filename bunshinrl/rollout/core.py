@@ -142,9 +142,7 @@ class RolloutCore(Starts):
         def work() -> None:
             t = time.monotonic()
             try:
-                cache.drain()
-                if budget is not None:
-                    cache.set_capacity(budget)
+                cache.drain(budget)
             finally:
                 fut.set_result(time.monotonic() - t)
 
