@@ -109,6 +109,21 @@ from .regimes import HEADLINE, QUICK, REGIMES, fixed_in_flight, preamble
 from .results import finish, merge, settle_record
 
 
+def _number_or_off(ap: argparse.ArgumentParser, flag: str, value: str | float | None, cast: type[int] | type[float],
+                   minimum: float, what: str) -> Any:
+    """A flag that takes a number of at least `minimum` or off (None: not given, as off); bad
+    input is a usage error, not a crash later in the run (NaN too)."""
+    if value is None or value == "off":
+        return None
+    try:
+        x = cast(value)
+    except ValueError:
+        ap.error(f"{flag} is {what} or off, not {value!r}")
+    if not x >= minimum:
+        ap.error(f"{flag} must be at least {minimum:g}, not {value}")
+    return x
+
+
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
@@ -190,13 +205,7 @@ def parse() -> argparse.Namespace:
     a.short_configs = [c for c in a.short_configs.split(",") if c]
     a.short_seeds = [int(x) for x in a.short_seeds.split(",") if x]
     a.configs = [c for c in (a.configs or ",".join(CONFIGS)).split(",") if c]
-    if a.cache_share in (None, "off"):
-        a.cache_share = None
-    else:
-        try:
-            a.cache_share = float(a.cache_share)
-        except ValueError:
-            ap.error(f"--cache-share is a share or off, not {a.cache_share!r}")
+    a.cache_share = _number_or_off(ap, "--cache-share", a.cache_share, float, 0.0, "a share")
     extra = [p for p in a.placements.split(",") if p]
     if set(extra) - set(PLACEMENTS):
         ap.error(f"unknown placements {sorted(set(extra) - set(PLACEMENTS))}; use {', '.join(PLACEMENTS)}")
@@ -209,17 +218,8 @@ def parse() -> argparse.Namespace:
     known = {*CONFIGS, *(f"Spec@{p}" for p in PLACEMENTS), *(f"Full@{p}" for p in (*SNAPSHOT_POLICIES, EAGER))}
     if bad := [c for c in a.configs if c not in known]:
         ap.error(f"unknown configurations {bad}")
-    if a.cpu_slots == "cores":
-        a.cpu_slots = os.cpu_count() or 1
-    elif a.cpu_slots == "off":
-        a.cpu_slots = None
-    else:
-        try:
-            a.cpu_slots = int(a.cpu_slots)
-        except ValueError:
-            ap.error(f"--cpu-slots is a number, cores or off, not {a.cpu_slots!r}")
-        if a.cpu_slots < 1:
-            ap.error("--cpu-slots must be at least 1")
+    a.cpu_slots = (os.cpu_count() or 1) if a.cpu_slots == "cores" else \
+        _number_or_off(ap, "--cpu-slots", a.cpu_slots, int, 1, "a number, cores")
     if not a.settle >= 0:  # NaN too
         ap.error(f"--settle is a pause in seconds >= 0, not {a.settle}")
     a.seed_list = [a.seed] if a.seed is not None else list(range(a.seeds))

@@ -77,18 +77,19 @@ class CpuSlots:
             yield
         finally:
             self._sem.release()
+            took = time.monotonic() - held
             with self._lock:
                 self._in_use -= 1
                 tool = _tool.get()
                 if tool is not None:
                     self._by_tool[tool][0] += 1
-                    self._by_tool[tool][1] += time.monotonic() - held
+                    self._by_tool[tool][1] += took
                 s = self._stats
                 s["held"] += 1
                 s["waited"] += waited > 0.001
                 s["wait_seconds"] += waited
                 s["max_wait_seconds"] = max(s["max_wait_seconds"], waited)
-                s["held_seconds"] += time.monotonic() - held
+                s["held_seconds"] += took
 
     def load(self) -> float | None:
         """The share of the slots in use or waited for now, at most 1 (None: no slots)."""
