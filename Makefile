@@ -40,7 +40,7 @@ clean:
 # The fork benchmark with the cow engine: in a guest kernel, since this host cannot load
 # modules. Debian's 6.12 line, where ksm (PR_SET_MEMORY_MERGE, Linux 6.4) runs beside cow and
 # copy, the snapshot-cost benchmark there with soft-dirty tracking, and the rollout benchmark
-# reduced (the coding task) with cow sharing, after fork_latency reduced (10 runs, 3 of fork(16), no
+# reduced (bench-guest-rollouts, below) with cow sharing, after fork_latency reduced (10 runs, 3 of fork(16), no
 # serve) for cow beside ksm and copy. Results land in results/guest/{fork_latency.json,engines,
 # sizes,snapshots,rollouts}.
 BENCH_GUEST_KERNEL ?= 6.12
@@ -62,9 +62,21 @@ bench-guest: setup
 		--out $$BUNSHIN_GUEST_OUT/sizes && \
 	$(CURDIR)/$(PY) benchmarks/snapshot_cost.py --engines copy,ksm,cow --size-mib 1024 --dirty-mib 10 \
 		--snapshots 10 --seeds 2 --forks 1,4 --out $$BUNSHIN_GUEST_OUT/snapshots && \
-	$(CURDIR)/$(PY) benchmarks/agent_rollouts.py --quick --families shop --group-size 8 --epochs 2 --regime paper \
-		--configs CRIU,Base,Full --share-engine cow \
-		--out $$BUNSHIN_GUEST_OUT/rollouts'
+	$(BENCH_GUEST_ROLLOUTS)'
+
+# The rollout line alone (issue 38's guest line: CRIU, Base and Full with cow, one seed, 2 epochs, on
+# the office family, whose long-lived LibreOffice is what a fork engine can share): well under an
+# hour under TCG, where the whole of bench-guest takes hours. Results in results/guest/rollouts.
+# PYTHONPATH: a worktree runs its own code, not the checkout the editable install points at.
+BENCH_GUEST_FAMILIES ?= office
+BENCH_GUEST_ROLLOUTS = PYTHONPATH=$(CURDIR) $(CURDIR)/$(PY) benchmarks/agent_rollouts.py --quick --families $(BENCH_GUEST_FAMILIES) \
+		--group-size 2 --epochs 2 --configs CRIU,Base,Full --share-engine cow --out $$BUNSHIN_GUEST_OUT/rollouts
+.PHONY: bench-guest-rollouts
+bench-guest-rollouts: setup
+	BUNSHIN_GUEST_LINE=$(BENCH_GUEST_KERNEL) bash kernel/setup-guest.sh
+	mkdir -p results/guest
+	$(PY) kernel/guest.py --kernel $(BENCH_GUEST_KERNEL) --tcg-thread $(BENCH_TCG_THREAD) --mem 16384 --timeout 5400 \
+		--out $(CURDIR)/results/guest -- 'insmod $$BUNSHIN_GUEST_MODULE || exit 1; $(BENCH_GUEST_ROLLOUTS)'
 
 # Compiles the module against bookworm's newest 6.12 headers with warnings as errors.
 .PHONY: kernel-check
