@@ -260,16 +260,18 @@ def test_one_real_epoch_of_base_on_the_coding_task() -> None:
     assert engine.core.kept_snapshots() == []
 
 
-def _seed_result(seed: int, spec_s: float, fork_s: float) -> dict:
-    """What one --seed run writes: three configurations over two epochs."""
+def _seed_result(seed: int, spec_s: float, fork_s: float, base_s: float = 20.0, full_s: float | None = None) -> dict:
+    """What one --seed run writes: three configurations (four with full_s) over two epochs."""
     def config(seconds: float, peak: int) -> dict:
         return {"epoch_seconds": [seconds + 5, seconds], "oracle_seconds": [3.0, 3.0],
                 "median_rollout_seconds": [seconds, seconds - 1], "peak_memory_bytes_per_epoch": [peak, peak],
                 "hit_rate_per_epoch": {"cache": [0, 0], "speculation": [0, 0.5], "total": [0, 0.5]},
                 "peak_memory_bytes": peak, "reward_per_epoch": [1.0, 0.5], "errors": []}
     series = {"memory": [[[0.0, 1 << 20]], [[0.0, 2 << 20]]], "running": [[[0.0, 2], [1.0, 0]]] * 2}
-    seeds = {"Base": config(20.0, 40 << 20), "Spec": config(spec_s, 41 << 20),
+    seeds = {"Base": config(base_s, 40 << 20), "Spec": config(spec_s, 41 << 20),
              "Spec@fork_first": config(fork_s, 43 << 20)}
+    if full_s is not None:
+        seeds["Full"] = config(full_s, 42 << 20)
     return {"latency_model": {"formula": "f"}, "agent": {"seed": 0}, "share_engine": "ksm",
             "size": {"seeds": [seed], "families": ["code"], "epochs": 2, "quick": True},
             "seeds": {str(seed): {**seeds, "rewards_identical": True}},
@@ -324,9 +326,10 @@ def test_settle_reaches_the_gui_task_only_and_changes_its_fingerprint() -> None:
     assert at[2.0]["gui-0"].fingerprint == want.fingerprint
 
 
-def test_settle_is_recorded_and_merge_refuses_runs_at_different_settles(tmp_path: Path) -> None:
-    """A real one-rollout run records its --settle; --merge keeps a settle shared by its runs
-    and refuses runs at different settles (a sweep's points merge apart, as seeds of one point)."""
+def test_settle_is_recorded_and_runs_at_different_settles_merge_as_a_sweep(tmp_path: Path) -> None:
+    """A real one-rollout run records its --settle; --merge keeps a settle shared by its runs,
+    and runs at different settles make a sweep: each settle's runs merged apart (as seeds of one
+    point), the points side by side with the settle's share of Base - oracle paired by seed."""
     import json
     import subprocess
 
@@ -341,22 +344,35 @@ def test_settle_is_recorded_and_merge_refuses_runs_at_different_settles(tmp_path
     assert "settle 0.5 s" in done.stdout
     assert json.loads((run / "agent_rollouts.json").read_text())["settle"]["seconds"] == 0.5
 
-    dirs = {}
-    for seed, settle in ((0, 2.0), (1, 2.0), (2, 0.0)):
-        d = tmp_path / f"seed{seed}"
+    dirs = []
+    for seed, settle, base in ((0, 2.0, 20.0), (1, 2.0, 20.0), (0, 0.0, 10.0)):
+        d = tmp_path / f"seed{seed}-settle{settle:g}"
         d.mkdir()
-        (d / "agent_rollouts.json").write_text(json.dumps({**_seed_result(seed, 10.0, 12.0),
+        (d / "agent_rollouts.json").write_text(json.dumps({**_seed_result(seed, 10.0, 12.0, base, base * 0.75),
                                                            "settle": {"seconds": settle}}))
-        dirs[seed] = str(d)
+        dirs.append(str(d))
     out = tmp_path / "merged"
-    refused = subprocess.run([sys.executable, str(BENCH), "--merge", dirs[0], dirs[2], "--out", str(out)],
-                             capture_output=True, text=True, timeout=120)
-    assert refused.returncode != 0 and "differ in settle" in refused.stderr, refused.stderr
-    assert not (out / "agent_rollouts.json").exists()
     subprocess.run([sys.executable, str(BENCH), "--merge", dirs[0], dirs[1], "--out", str(out)], check=True,
                    capture_output=True, timeout=120)
     merged = json.loads((out / "agent_rollouts.json").read_text())
     assert merged["settle"]["seconds"] == 2.0 and merged["size"]["seeds"] == [0, 1]
+    sweep_out = tmp_path / "sweep"
+    done = subprocess.run([sys.executable, str(BENCH), "--merge", dirs[0], dirs[1], dirs[2], "--out",
+                           str(sweep_out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not (sweep_out / "agent_rollouts.json").exists()  # never one result across settles
+    points = {p["settle_seconds"]: p for p in json.loads((sweep_out / "sweep.json").read_text())["points"]}
+    assert sorted(points) == [0.0, 2.0] and points[2.0]["seeds"] == [0, 1] and points[0.0]["seeds"] == [0]
+    # Epoch 2 compared: Base 20 s against an oracle of 3 s at settle 2, 10 s against 3 s at settle 0.
+    assert points[2.0]["ceiling"]["mean"] == pytest.approx(20 / 3, abs=1e-3)
+    assert points[2.0]["full_speedup"]["mean"] == pytest.approx(1 / 0.75, abs=1e-3)
+    assert points[2.0]["settle_share_of_removable"] == {"mean": pytest.approx((17 - 7) / 17, abs=1e-3), "seeds": [0]}
+    assert points[2.0]["full_speedup_at_settle_0"]["mean"] == pytest.approx(1 / 0.75, abs=1e-3)
+    assert points[0.0]["settle_share_of_removable"] is None
+    assert (sweep_out / "speedup_vs_ceiling.png").exists()
+    for settle, seeds in ((2.0, [0, 1]), (0.0, [0])):
+        point = json.loads((sweep_out / f"settle-{settle:g}" / "agent_rollouts.json").read_text())
+        assert point["settle"]["seconds"] == settle and point["size"]["seeds"] == seeds
 
 
 def test_swe_candidates_follow_the_test_output() -> None:

@@ -4,7 +4,8 @@ python benchmarks/agent_rollouts.py [--quick] --out DIR [--seeds 3 | --seed S] [
                                     [--regime paper|local|batch] [--exploration decaying|constant]
                                     [--placements live,fork_first] [--snapshot-policies cost,depth]
                                     [--audit all|sample|off] [--check-families] [--settle SECONDS]
-python benchmarks/agent_rollouts.py --merge DIR0 DIR1 DIR2 --out DIR   (per-seed runs -> one result)
+python benchmarks/agent_rollouts.py --merge DIR0 DIR1 DIR2 --out DIR   (per-seed runs -> one result;
+                                                                       runs at several settles -> a sweep)
 
 The headline (docs/rl_rollouts_method.md), fixed before any run: --regime paper (every step
 priced with the paper's 128 requests in flight on one H100: the model's table stops at 64, so
@@ -65,8 +66,10 @@ clipboard_get or read_cells) waits SECONDS after acting, inside the tool, so eve
 it: the real call, a cache replay behind a hit, a speculative run, an audit re-execution. Default
 2.0, OSWorld's own; the other families never pause. It is recorded (`settle`), it is part of the
 gui and office tasks' fingerprints (a cache recorded at one settle is never served at another),
-and --merge refuses runs at different settles (a sweep's points are run apart, as seeds are, and
-merged per settle). --quick runs office and swe at G=2 with settle 0.5 s.
+and --merge of runs at different settles makes a sweep: each settle's runs (its seeds) merge apart
+under OUT/settle-S/, and OUT/sweep.json with OUT/speedup_vs_ceiling.png sets the points side by
+side (C, S of Full and Spec, R, the settle's share of Base - oracle beside settle 0). --quick runs
+office and swe at G=2 with settle 0.5 s.
 
 --regime batch (issue 38, docs/rl_rollouts_method.md): a step that starts with k of the
 configuration's N rollouts reasoning is priced with k x 128 / N requests in flight, the paper's
@@ -183,7 +186,7 @@ def parse() -> argparse.Namespace:
                          "pause=2)): each of their action tools waits SECONDS after acting for the GUI to settle, "
                          "paid by every execution (real, replayed, speculative, audited); default 2.0, OSWorld's "
                          "own (--quick: 0.5); 0 pauses nothing. Other "
-                         "families never pause; --merge refuses runs at different settles")
+                         "families never pause; --merge of runs at different settles makes a settle sweep")
     ap.add_argument("--cpu-slots", default="cores", metavar="N|cores|off",
                     help="CPU-heavy tool executions at once (a test suite, a compiler, an office program starting, "
                          "saving or exporting: bunshinrl.calls.cpu_slots); the others wait for a slot, inside the "

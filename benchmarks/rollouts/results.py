@@ -1,4 +1,5 @@
-"""The JSON of a run (targets, summary, figures) and --merge of per-seed runs into one result."""
+"""The JSON of a run (targets, summary, figures) and --merge of per-seed runs into one result (runs
+at different settles: a sweep, rollouts/sweep.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 from .figures import plots
 from .stats import placements, snapshot_policies, summary
+from .sweep import sweep
 from .targets import explain_misses, headline_estimate, targets
 
 
@@ -63,13 +65,20 @@ def _settle_seconds(part: dict[str, Any]) -> float:
 
 
 def merge(dirs: list[Path], out: Path) -> int:
-    """One result from per-seed runs of one size (each dir holds an agent_rollouts.json) and one
-    protocol: runs at different settles (--settle) are points of a sweep, merged apart."""
+    """One result from per-seed runs of one size (each dir holds an agent_rollouts.json). Runs at
+    different settles (--settle) are points of a sweep: each point's runs merge apart, under
+    out/settle-S/, and out/sweep.json sets the points side by side (rollouts/sweep.py)."""
+    groups: dict[float, list[Path]] = {}
+    for d in dirs:
+        groups.setdefault(_settle_seconds(json.loads((d / "agent_rollouts.json").read_text())), []).append(d)
+    if len(groups) > 1:
+        return sweep(groups, out, _merge_point)
+    _merge_point(dirs, out)
+    return 0
+
+
+def _merge_point(dirs: list[Path], out: Path) -> dict[str, Any]:
     parts = [json.loads((d / "agent_rollouts.json").read_text()) for d in dirs]
-    settles = sorted({_settle_seconds(p) for p in parts})
-    if len(settles) > 1:
-        raise SystemExit(f"--merge: the runs differ in settle ({', '.join(f'{s:g}' for s in settles)} s): "
-                         "merge the runs of each settle apart")
     keys = ("latency_model", "agent", "share_engine")
     size = {k: v for k, v in parts[0]["size"].items() if k != "seeds"}
     for p in parts[1:]:
@@ -83,10 +92,10 @@ def merge(dirs: list[Path], out: Path) -> int:
                 raise SystemExit(f"--merge: seed {k} appears twice")
             seeds[int(k)] = {**s, "_series": p["series"][k]}
     out.mkdir(parents=True, exist_ok=True)
-    meta = {**{k: parts[0][k] for k in keys}, "settle": settle_record(settles[0]),
+    meta = {**{k: parts[0][k] for k in keys}, "settle": settle_record(_settle_seconds(parts[0])),
             "size": {**size, "seeds": sorted(seeds)},
             "runs": [{"dir": str(d), "host": p["host"], "wall_seconds": p["wall_seconds"]}
                      for d, p in zip(dirs, parts, strict=True)]}
-    finish(out, seeds, meta)
+    result = finish(out, seeds, meta)
     print(f"merged {len(parts)} runs into {out / 'agent_rollouts.json'}")
-    return 0
+    return result

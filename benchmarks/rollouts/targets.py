@@ -142,8 +142,9 @@ def explain_misses(seeds: dict[int, dict[str, Any]], tg: dict[str, Any], epochs:
         if "Base" not in s or "Full" not in s:
             continue
         for e in common_epochs(s, later_epochs(epochs), "Base", "Full"):
-            b, f = s["Base"]["phases_per_epoch"][e], s["Full"]["phases_per_epoch"][e]
-            if not b or not f:
+            per_b, per_f = s["Base"].get("phases_per_epoch") or [], s["Full"].get("phases_per_epoch") or []
+            b, f = (per_b[e], per_f[e]) if e < min(len(per_b), len(per_f)) else ({}, {})
+            if not b or not f:  # merged runs from before the phases have none
                 continue
             cp = "  ".join(f"{p} {b['critical_path'][p]:.1f}|{f['critical_path'][p]:.1f}" for p in PHASES
                            if b["critical_path"].get(p) or f["critical_path"].get(p))
