@@ -257,32 +257,54 @@ def test_persistence_waits_for_the_gap_between_epochs_unless_over_budget() -> No
     assert backend.live == set()
 
 
-def test_a_budget_relative_to_the_workspaces_peak_applies_in_the_gap() -> None:
-    """RolloutCore(cache_share=): after an epoch whose workspaces peaked at P bytes, the cache's
-    resident budget becomes min(its own, share x P), once the deferred persists are done (so
-    that what no longer fits has a copy on disk and goes at once)."""
+def test_the_budget_follows_the_workspaces_level_under_share_x_their_peak() -> None:
+    """RolloutCore(cache_share=): at each memory sample the cache may hold what the workspaces
+    leave under share x their highest level (never above its own budget); what has a copy on
+    disk goes at once. Little while they peak, more as they shrink, the ceiling in the gap."""
     backend = FakeBackend(persists=True)
     cache = ToolPrefixCache(backend, 1000, persist_between_epochs=True)
     root = cache.add_root("t", "d", backend.new((), 10))
     a = captured(cache, backend, root, "a", 300)
     captured(cache, backend, a, "b", 300)
-    core = RolloutCore(cache=cache, cache_share=0.5)
-    fut = core.start_persistence(workspace_peak=800)
-    assert fut is not None
-    fut.result(timeout=30)
-    assert cache.lru.capacity == 400 and cache.lru.resident_bytes <= 400
-    assert cache.counters["evicted"] >= 1 and core.stats()["cache"]["workspace_peak_bytes"] == 800
-    fut = core.start_persistence(workspace_peak=100)  # the highest peak seen holds
-    assert fut is not None
-    fut.result(timeout=30)
-    assert cache.lru.capacity == 400
-    core.start_persistence(workspace_peak=10_000).result(timeout=30)  # type: ignore[union-attr]
+    cache.drain()  # the gap's persists: both have a copy on disk
+    core = RolloutCore(cache=cache, cache_share=1.05)
+    budget = core.budget
+    assert budget is not None
+    budget.observe(800)  # the workspaces at their highest: 1.05 x 800 - 800
+    assert cache.lru.capacity == 40 and cache.lru.resident_bytes <= 40 and cache.counters["evicted"] >= 2
+    budget.observe(810)  # a change under 1/64 of the ceiling is noise, not applied
+    assert cache.lru.capacity == 40
+    budget.observe(300)  # they shrank: the cache may grow into what they left
+    assert cache.lru.capacity == int(1.05 * 810) - 300
+    budget.observe(0)  # the gap: they are gone
+    assert cache.lru.capacity == int(1.05 * 810)
+    budget.observe(5000)
+    assert cache.lru.capacity == 250
+    budget.observe(0)
     assert cache.lru.capacity == 1000  # never above the budget it was made with
+    stats = core.stats()["cache"]["budget"]
+    assert stats == {"share": 1.05, "workspace_peak_bytes": 5000, "budget_bytes": 1000, "lowest_budget_bytes": 40}
     plain = RolloutCore(cache=ToolPrefixCache(FakeBackend(), 1000))
-    plain.start_persistence(workspace_peak=800).result(timeout=30)  # type: ignore[union-attr]
-    assert plain.cache is not None and plain.cache.lru.capacity == 1000
-    plain.cache.close()
+    assert plain.budget is None and "budget" not in plain.stats()["cache"]
+    plain.cache.close()  # type: ignore[union-attr]
     with pytest.raises(ValueError):
         RolloutCore(cache_share=-1.0)
     cache.close()
     assert backend.live == set()
+
+
+def test_the_engines_memory_sampler_tells_the_budget_each_sample() -> None:
+    """The engine's MemorySampler hands each sample's workspace bytes to `observe` (the core's
+    ResidentBudget), so the budget follows the epoch as it runs, not only between epochs."""
+    from bunshinrl.states.metrics import MemorySampler
+
+    seen: list[int] = []
+
+    async def run() -> list[tuple[float, int, int]]:
+        sampler = MemorySampler(lambda: [], interval=0.01, observe=seen.append)
+        sampler.start(0.0)
+        await asyncio.sleep(0.1)
+        return await sampler.stop()
+
+    samples = asyncio.run(run())
+    assert len(seen) == len(samples) >= 2 and set(seen) == {0}

@@ -159,9 +159,10 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--configs", help=f"default: the headline's (--quick: {','.join(CONFIGS)})")
     ap.add_argument("--cache-mib", type=int, default=1024, help="resident budget of Full's prefix cache")
     ap.add_argument("--cache-share", metavar="SHARE|off",
-                    help="from the second epoch on, Full's resident budget is at most this share of its rollouts' "
-                         "measured workspace peak (the highest epoch's; never above --cache-mib); off: --cache-mib "
-                         "throughout (default: the headline's 1.0; --quick: off)")
+                    help="Full's resident budget follows its rollouts' own workspaces: at every memory sample, what "
+                         "they leave under SHARE x their highest level so far (PSS; never above --cache-mib), so "
+                         "that the host's peak stays within SHARE of the workspaces' own; off: --cache-mib "
+                         "throughout (default: the headline's 1.05; --quick: off)")
     ap.add_argument("--spec-depth", type=int, default=2)
     ap.add_argument("--share-engine", default="ksm", help="fork engine of Base, Spec and Full (cow in a guest)")
     ap.add_argument("--slow-seconds", default="measured",

@@ -65,7 +65,10 @@ def make_config(name: str, tasks: list[Task], cands: dict[str, Any], agent_cfg: 
         snapshot_policy=(variant or DEFAULT_SNAPSHOT_POLICY) if caches(config) else DEFAULT_SNAPSHOT_POLICY,  # type: ignore[arg-type]
         snapshot_every=2, snapshot_slower_than=1.0 if isinstance(slow_seconds, str) else slow_seconds,
         speculation_depth=spec_depth if speculates(config) else 0, slow_tool_seconds=slow_seconds,
-        task_quantile=0.5, online_real_calls=2 if caches(config) else None, min_probability=0.5,
+        # Full speculates for every rollout (its siblings' real calls price the straggler's steps
+        # in the batch regime; method note 2026-12-05 (2)); Spec for the slower half of the tasks.
+        task_quantile=0.0 if caches(config) else 0.5, online_real_calls=2 if caches(config) else None,
+        min_probability=0.5,
         placement=variant if kind == "Spec" and variant else DEFAULT_PLACEMENT,  # type: ignore[arg-type]
         memory="copy" if name == "CRIU" else share, keep_initial=True, overlap_fork=True,
         warm="always" if eager else "predicted", cache_share=cache_share if caches(config) else None)

@@ -140,11 +140,12 @@ async def run_epoch(run: ConfigRun, group: int, epoch: int) -> dict[str, Any]:
     print(f"        beside it: teardown {r.teardown_seconds:.1f} s, persistence {persist:.1f} s (done before the "
           f"next epoch: yes); cpu pressure {cpu_pressure}, reasoning busy {row['reasoning_busy_share']:.1%}, "
           f"cpu slots: {slots['held']} held, {slots['waited']} waited {slots['wait_seconds']:.1f} s", flush=True)
-    if r.cache is not None:  # the state at the epoch's end; the budget follows in the gap (--cache-share)
-        c = r.cache
-        print(f"        cache: {c['resident_bytes'] / MiB:.0f} MiB resident of {c['capacity_bytes'] / MiB:.0f} MiB "
-              f"(workspace peak so far {c['workspace_peak_bytes'] / MiB:.0f} MiB), loads {c['loads']}, evicted "
-              f"{c['evicted']}, forks {c['forks']}", flush=True)
+    if r.cache is not None:  # the state at the epoch's end, its budget following the workspaces (--cache-share)
+        c, b = r.cache, r.cache.get("budget")
+        budget = (f" (budget {b['share']:g} x the workspaces' peak so far, {b['workspace_peak_bytes'] / MiB:.0f} "
+                  f"MiB, less what they hold; lowest {b['lowest_budget_bytes'] / MiB:.0f} MiB)" if b else "")
+        print(f"        cache: {c['resident_bytes'] / MiB:.0f} MiB resident of {c['capacity_bytes'] / MiB:.0f} MiB"
+              f"{budget}, loads {c['loads']}, evicted {c['evicted']}, forks {c['forks']}", flush=True)
     for tool, g in (row["speculation_gate"] or {}).items():
         print(f"        gate {tool}: admitted {g['admitted']}, declined {g['declined']} (medians: p "
               f"{g['median_p_calibrated']}, call {g['median_call']} s, reasoning {g['median_reasoning']} s, "

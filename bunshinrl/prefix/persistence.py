@@ -75,17 +75,9 @@ class Persistence:
         with self._lock:
             self._jobs.discard(fut)
 
-    def drain(self, capacity: int | None = None) -> None:
-        """Start the deferred persists and wait for them and every queued release. capacity: then
-        the resident budget becomes this (set_capacity), once what no longer fits has its copy
-        on disk."""
+    def drain(self) -> None:
+        """Start the deferred persists and wait for them and every queued release."""
         self.flush_persistence()
-        self._wait_jobs()
-        if capacity is not None:
-            self.set_capacity(capacity)  # type: ignore[attr-defined]  (ToolPrefixCache's)
-            self._wait_jobs()
-
-    def _wait_jobs(self) -> None:
         while True:
             with self._lock:
                 jobs = list(self._jobs)

@@ -57,6 +57,7 @@ from typing import Any
 
 from .._async import run_blocking
 from ..calls.guard import DeterminismGuard
+from ..prefix.budget import ResidentBudget
 from ..prefix.cache import ToolPrefixCache
 from ..speculation.selector import SelectorReport, train_selector
 from ..speculation.speculator import Speculator
@@ -90,14 +91,12 @@ class RolloutCore(Starts):
         super().__init__(cache=cache, speculator=speculator, guard=guard, tail=tail, memory=memory, prefetch=prefetch,
                          keep_initial=keep_initial, overlap_fork=overlap_fork, reasoning=reasoning,
                          critical_path_captures=critical_path_captures, verify_seconds=verify_seconds, warm=warm)
+        # The resident budget follows the rollouts' own workspaces (issue 38: Full's peak within
+        # 1.1x Base's): the cache holds what they leave under cache_share x their highest level.
+        # None: the cache's budget as given.
         if cache_share is not None and cache_share < 0:
             raise ValueError(f"cache_share must be >= 0 or None, not {cache_share}")
-        # The resident budget relative to the measured peak of the rollouts' own workspaces
-        # (issue 38: Full's peak within 1.1x Base's): at most cache_share of that peak, never
-        # above the budget the cache was made with. None: the cache's budget as given.
-        self.cache_share = cache_share
-        self._cache_ceiling = cache.lru.capacity if cache is not None else 0
-        self.workspace_peak = 0
+        self.budget = ResidentBudget(cache, cache_share) if cache is not None and cache_share is not None else None
 
     # ---- what every rollout reports back ----
 
@@ -115,7 +114,8 @@ class RolloutCore(Starts):
         cache = self.cache.stats() if self.cache is not None else None
         if cache is not None:
             cache["warm"] = dict(self.warm_stats)  # hits behind which a warm workspace was kept or not
-            cache["workspace_peak_bytes"] = self.workspace_peak  # what cache_share is relative to
+            if self.budget is not None:
+                cache["budget"] = self.budget.stats()  # the budget that followed the workspaces
         return {"cache": cache,
                 "speculation": self.speculator.report() if self.speculator is not None else None,
                 "guard": self.guard.report()}
@@ -126,23 +126,18 @@ class RolloutCore(Starts):
         if self.cache is not None:
             await run_blocking(self.cache.drain)
 
-    def start_persistence(self, workspace_peak: int = 0) -> Future[float] | None:
+    def start_persistence(self) -> Future[float] | None:
         """Start the cache's deferred persists (the gap between epochs); a future of the seconds
-        they took, None without a cache. workspace_peak: the epoch's peak bytes of the rollouts'
-        workspaces; with cache_share, the resident budget follows the highest seen, applied once
-        the persists are done (eviction needs copies on disk)."""
+        they took, None without a cache."""
         if self.cache is None:
             return None
         cache = self.cache
-        self.workspace_peak = max(self.workspace_peak, workspace_peak)
-        budget = (min(self._cache_ceiling, int(self.cache_share * self.workspace_peak))
-                  if self.cache_share is not None and self.workspace_peak else None)
         fut: Future[float] = Future()
 
         def work() -> None:
             t = time.monotonic()
             try:
-                cache.drain(budget)
+                cache.drain()
             finally:
                 fut.set_result(time.monotonic() - t)
 

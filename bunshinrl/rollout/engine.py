@@ -81,7 +81,9 @@ class RolloutEngine:
         t0 = time.monotonic()
         cache = self.core.cache
         extra = (lambda: cache.lru.resident_bytes) if cache is not None else (lambda: 0)
-        sampler = MemorySampler(self.core.all_workspaces, extra, self.memory_interval)
+        budget = self.core.budget
+        sampler = MemorySampler(self.core.all_workspaces, extra, self.memory_interval,
+                                observe=budget.observe if budget is not None else None)
         sampler.start(t0)
         try:
             groups = await asyncio.gather(*(self._run_group(t, group_size, epoch, t0) for t in tasks))
@@ -90,7 +92,7 @@ class RolloutEngine:
             await self.core.drain_rollouts()
             teardown = time.monotonic() - t_last
             memory = await sampler.stop()
-            self._persisting = self.core.start_persistence(max((ws for _, ws, _ in memory), default=0))
+            self._persisting = self.core.start_persistence()
         samples = [r for g in groups for r in g]
         for r in samples:
             r.timeline.wasted_seconds = r.wasted_seconds

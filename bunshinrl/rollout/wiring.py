@@ -37,8 +37,9 @@ class CoreConfig:
     Base's parity with the cache's root;
     critical_path_captures: captures weigh the next reasoning step and expected revisits;
     verify_seconds: RolloutCore's (a finishing sample's wait for the replay behind its last hit);
-    cache_share: the resident budget at most this share of the rollouts' measured workspace peak,
-    from the gap after the first epoch on (None: cache_bytes throughout)."""
+    cache_share: the resident budget follows the rollouts' own workspaces, at every memory sample
+    what they leave under this share of their highest level (bunshinrl.prefix.budget; None:
+    cache_bytes throughout)."""
 
     cache_bytes: int = 0
     store: Path | None = None

@@ -49,9 +49,10 @@ class MemorySampler:
     prefix cache's resident snapshots)."""
 
     def __init__(self, sources: Callable[[], Iterable[Workspace]], extra: Callable[[], int] = lambda: 0,
-                 interval: float = 0.25) -> None:
+                 interval: float = 0.25, observe: Callable[[int], None] | None = None) -> None:
         self._sources = sources
         self._extra = extra
+        self._observe = observe  # told each sample's workspace bytes (the cache's ResidentBudget)
         self.interval = interval
         self.samples: list[tuple[float, int, int]] = []
         self._task: asyncio.Task[None] | None = None
@@ -64,6 +65,8 @@ class MemorySampler:
 
     async def sample(self) -> None:
         ws_bytes = await run_blocking(workspace_bytes, list(self._sources()))
+        if self._observe is not None:
+            await run_blocking(self._observe, ws_bytes)
         self.samples.append((time.monotonic() - self._t0, ws_bytes, self._extra()))
 
     def start(self, t0: float) -> None:
