@@ -270,26 +270,37 @@ def test_the_budget_follows_the_workspaces_level_under_share_x_their_peak() -> N
     core = RolloutCore(cache=cache, cache_share=1.05)
     budget = core.budget
     assert budget is not None
-    budget.observe(800)  # the workspaces at their highest: 1.05 x 800 - 800
-    assert cache.lru.capacity == 40 and cache.lru.resident_bytes <= 40 and cache.counters["evicted"] >= 2
+    budget.observe(800)  # the workspaces at their highest: the root (10) and 1.05 x 800 - 800
+    assert cache.lru.capacity == 50 and cache.lru.resident_bytes <= 50 and cache.counters["evicted"] >= 2
+    assert root.resident  # roots go last
     budget.observe(810)  # a change under 1/64 of the ceiling is noise, not applied
-    assert cache.lru.capacity == 40
+    assert cache.lru.capacity == 50
     budget.observe(300)  # they shrank: the cache may grow into what they left
-    assert cache.lru.capacity == int(1.05 * 810) - 300
+    assert cache.lru.capacity == 10 + int(1.05 * 810) - 300
     budget.observe(0)  # the gap: they are gone
-    assert cache.lru.capacity == int(1.05 * 810)
+    assert cache.lru.capacity == 10 + int(1.05 * 810)
     budget.observe(5000)
-    assert cache.lru.capacity == 250
+    assert cache.lru.capacity == 260
     budget.observe(0)
     assert cache.lru.capacity == 1000  # never above the budget it was made with
     stats = core.stats()["cache"]["budget"]
-    assert stats == {"share": 1.05, "workspace_peak_bytes": 5000, "budget_bytes": 1000, "lowest_budget_bytes": 40}
+    assert stats == {"share": 1.05, "workspace_peak_bytes": 5000, "budget_bytes": 1000, "lowest_budget_bytes": 50}
     plain = RolloutCore(cache=ToolPrefixCache(FakeBackend(), 1000))
     assert plain.budget is None and "budget" not in plain.stats()["cache"]
     plain.cache.close()  # type: ignore[union-attr]
     with pytest.raises(ValueError):
         RolloutCore(cache_share=-1.0)
     cache.close()
+    assert backend.live == set()
+    # A root over the budget is held until its copy is on disk, then may go: every sample of its
+    # task starts from it (kept on disk only with its persist deferred to the gap, it was
+    # unavailable for the whole epoch).
+    small = ToolPrefixCache(backend, 5, persist_between_epochs=True)
+    first = small.add_root("t", "d", backend.new((), 10))
+    assert small.root("t", "d") is first and small.lru.root_bytes in (0, 10)
+    small.drain()
+    assert small.root("t", "d") is first and (first.resident or first.disk_ref is not None)
+    small.close()
     assert backend.live == set()
 
 

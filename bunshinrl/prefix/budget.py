@@ -18,7 +18,8 @@ from typing import Any
 
 class ResidentBudget:
     """observe(workspace_bytes) at every memory sample of an epoch (the engine's sampler) sets the
-    cache's budget to min(ceiling, share x peak - workspace_bytes), peak the highest level seen,
+    cache's budget to min(ceiling, roots + share x peak - workspace_bytes), peak the highest
+    level seen, roots the tasks' initialized states (held whatever the budget),
     and evicts at once what no longer fits and has a copy on disk; what has none goes at the next
     capture, the cache's deferred persists flushed for it (ToolPrefixCache.attach). A change
     smaller than `step` x ceiling is not applied, so that a sample's noise does not resize the
@@ -36,9 +37,11 @@ class ResidentBudget:
         self._lock = threading.Lock()
 
     def budget(self, workspace_bytes: int) -> int:
-        """The budget at this level of the workspaces (the peak updated first)."""
+        """The budget at this level of the workspaces (the peak updated first), above the tasks'
+        roots: every sample starts from its task's root, and Base keeps those states too."""
         self.peak = max(self.peak, workspace_bytes)
-        return max(0, min(self.ceiling, int(self.share * self.peak) - workspace_bytes))
+        headroom = max(0, int(self.share * self.peak) - workspace_bytes)
+        return min(self.ceiling, self.cache.lru.root_bytes + headroom)
 
     def observe(self, workspace_bytes: int) -> None:
         with self._lock:  # samples of overlapping epochs' samplers apply in order

@@ -267,7 +267,8 @@ class ToolPrefixCache(Reconstruction, Persistence):
                 node.sparse = node.sparse or payload is None
             elif node.resident:
                 victims.append((node, payload))  # a second capture of a known state: keep the first
-            elif self.lru.may_hold(node) and size <= self.lru.capacity:
+            elif self.lru.may_hold(node) and (size <= self.lru.capacity or node.parent is None):
+                # A root is held over budget (until on disk): on disk only it waits for the gap.
                 self.lru.add(node, payload, size)
                 if self.backend.persists and node.disk_ref is None:
                     node.pins += 1

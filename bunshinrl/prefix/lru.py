@@ -22,6 +22,7 @@ class AncestorLRU:
         self.capacity = capacity_bytes
         self.resident: set[Node] = set()
         self.resident_bytes = 0
+        self.root_bytes = 0  # of resident roots (the tasks' initialized states), within resident_bytes
         self._clock = 0
 
     def touch(self, node: Node) -> None:
@@ -42,6 +43,7 @@ class AncestorLRU:
         node.payload, node.payload_bytes = payload, size
         self.resident.add(node)
         self.resident_bytes += size
+        self.root_bytes += size if node.parent is None else 0
         for a in node.ancestors():
             a.resident_below += 1
         self.touch(node)
@@ -51,6 +53,7 @@ class AncestorLRU:
         if not node.resident:
             raise ValueError(f"{node} is not resident")
         self.resident_bytes += size - node.payload_bytes
+        self.root_bytes += size - node.payload_bytes if node.parent is None else 0
         node.payload_bytes = size
 
     def drop(self, node: Node) -> Any:
@@ -61,6 +64,7 @@ class AncestorLRU:
         node.payload = None
         self.resident.discard(node)
         self.resident_bytes -= node.payload_bytes
+        self.root_bytes -= node.payload_bytes if node.parent is None else 0
         node.payload_bytes = 0
         for a in node.ancestors():
             a.resident_below -= 1
@@ -77,7 +81,8 @@ class AncestorLRU:
             leaves = [n for n in self.resident if n.resident_below == 0 and n.pins == 0 and can_drop(n)]
             if not leaves:
                 break
-            victim = min(leaves, key=lambda n: (n.last_used, -n.depth))
+            # Roots go last: every sample of a task starts from its root.
+            victim = min(leaves, key=lambda n: (n.parent is None, n.last_used, -n.depth))
             out.append((victim, self.drop(victim)))
         return out
 
@@ -96,4 +101,6 @@ class AncestorLRU:
                 bad.append(f"{n} counts {n.resident_below} resident descendants, has {below}")
         if sum(n.payload_bytes for n in self.resident) != self.resident_bytes:
             bad.append("resident_bytes does not match the resident payloads")
+        if sum(n.payload_bytes for n in self.resident if n.parent is None) != self.root_bytes:
+            bad.append("root_bytes does not match the resident roots' payloads")
         return bad
