@@ -13,19 +13,22 @@ workspaces peak, and a later epoch's workspaces are not the last one's.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .cache import ToolPrefixCache
 
 
 class ResidentBudget:
     """observe(workspace_bytes) at every memory sample of an epoch (the engine's sampler) sets the
     cache's budget to min(ceiling, roots + share x peak - workspace_bytes), peak the highest
-    level seen, roots the tasks' initialized states (held whatever the budget),
-    and evicts at once what no longer fits and has a copy on disk; what has none goes at the next
-    capture, the cache's deferred persists flushed for it (ToolPrefixCache.attach). A change
-    smaller than `step` x ceiling is not applied, so that a sample's noise does not resize the
-    cache at every sample."""
+    level seen, roots the tasks' initialized states (held over budget until on disk, evicted
+    last), and evicts at once what no longer fits and has a copy on disk; what has none goes at
+    the next capture, the cache's deferred persists flushed for it (ToolPrefixCache.attach). A
+    change smaller than `step` x ceiling is not applied, so that a sample's noise does not resize
+    the cache at every sample."""
 
-    def __init__(self, cache: Any, share: float, step: float = 1 / 64) -> None:
+    def __init__(self, cache: ToolPrefixCache, share: float, step: float = 1 / 64) -> None:
         if share < 0:
             raise ValueError(f"share must be >= 0, not {share}")
         self.cache = cache
