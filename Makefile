@@ -65,8 +65,8 @@ bench-guest: setup
 	$(BENCH_GUEST_ROLLOUTS)'
 
 # The rollout line alone (issue 38's guest line: CRIU, Base and Full with cow, one seed, 2 epochs, on
-# the office family, whose long-lived LibreOffice is what a fork engine can share): well under an
-# hour under TCG, where the whole of bench-guest takes hours. Results in results/guest/rollouts.
+# the office family): 25 minutes under TCG (1480 s on 2026-12-05), where the whole of bench-guest
+# takes hours. Results in results/guest/rollouts.
 # PYTHONPATH: a worktree runs its own code, not the checkout the editable install points at.
 BENCH_GUEST_FAMILIES ?= office
 BENCH_GUEST_ROLLOUTS = PYTHONPATH=$(CURDIR) $(CURDIR)/$(PY) benchmarks/agent_rollouts.py --quick --families $(BENCH_GUEST_FAMILIES) \
