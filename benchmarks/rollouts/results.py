@@ -68,17 +68,18 @@ def merge(dirs: list[Path], out: Path) -> int:
     """One result from per-seed runs of one size (each dir holds an agent_rollouts.json). Runs at
     different settles (--settle) are points of a sweep: each point's runs merge apart, under
     out/settle-S/, and out/sweep.json sets the points side by side (rollouts/sweep.py)."""
-    groups: dict[float, list[Path]] = {}
+    groups: dict[float, list[tuple[Path, dict[str, Any]]]] = {}
     for d in dirs:
-        groups.setdefault(_settle_seconds(json.loads((d / "agent_rollouts.json").read_text())), []).append(d)
+        part = json.loads((d / "agent_rollouts.json").read_text())
+        groups.setdefault(_settle_seconds(part), []).append((d, part))
     if len(groups) > 1:
         return sweep(groups, out, _merge_point)
-    _merge_point(dirs, out)
+    _merge_point(next(iter(groups.values())), out)
     return 0
 
 
-def _merge_point(dirs: list[Path], out: Path) -> dict[str, Any]:
-    parts = [json.loads((d / "agent_rollouts.json").read_text()) for d in dirs]
+def _merge_point(runs: list[tuple[Path, dict[str, Any]]], out: Path) -> dict[str, Any]:
+    dirs, parts = [d for d, _ in runs], [p for _, p in runs]
     keys = ("latency_model", "agent", "share_engine")
     size = {k: v for k, v in parts[0]["size"].items() if k != "seeds"}
     for p in parts[1:]:

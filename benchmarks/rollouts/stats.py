@@ -32,6 +32,11 @@ def common_epochs(s: dict[str, Any], later: list[int], *names: str) -> list[int]
         list(range(min(len(s[n]["epoch_seconds"]) for n in names)))
 
 
+def compared_sum(s: dict[str, Any], name: str, key: str, later: list[int]) -> float:
+    """A configuration's `key` summed over the compared epochs that Base and Full both ran."""
+    return sum(s[name][key][e] for e in common_epochs(s, later, "Base", "Full"))
+
+
 def epoch_ratios(seeds: dict[int, dict[str, Any]], a: str, b: str, later: list[int]) -> list[float]:
     """Per seed, configuration a's summed epoch time over `later` over b's: paired within the seed."""
     out = []

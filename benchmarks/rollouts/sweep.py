@@ -12,18 +12,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .stats import common_epochs, later_epochs
+from .stats import compared_sum, later_epochs
 
 
 def removable_seconds(result: dict[str, Any]) -> dict[str, float]:
     """Per seed, Base - oracle summed over the compared epochs that Base and Full both ran."""
     later = later_epochs(result["size"]["epochs"])
-    out = {}
-    for k, s in result["seeds"].items():
-        if "Base" in s and "Full" in s:
-            es = common_epochs(s, later, "Base", "Full")
-            out[k] = sum(s["Base"]["epoch_seconds"][e] - s["Base"]["oracle_seconds"][e] for e in es)
-    return out
+    return {k: compared_sum(s, "Base", "epoch_seconds", later) - compared_sum(s, "Base", "oracle_seconds", later)
+            for k, s in result["seeds"].items() if "Base" in s and "Full" in s}
 
 
 def point(settle: float, result: dict[str, Any]) -> dict[str, Any]:
@@ -98,11 +94,11 @@ def figure(out: Path, points: list[dict[str, Any]]) -> str | None:
     return name
 
 
-def sweep(groups: dict[float, list[Path]], out: Path,
-          merge_one: Callable[[list[Path], Path], dict[str, Any]]) -> int:
+def sweep(groups: dict[float, list[tuple[Path, dict[str, Any]]]], out: Path,
+          merge_one: Callable[[list[tuple[Path, dict[str, Any]]], Path], dict[str, Any]]) -> int:
     """Merge each settle's runs into out/settle-S/, then write out/sweep.json and the figure."""
     out.mkdir(parents=True, exist_ok=True)
-    points = [point(s, merge_one(dirs, out / f"settle-{s:g}")) for s, dirs in sorted(groups.items())]
+    points = [point(s, merge_one(runs, out / f"settle-{s:g}")) for s, runs in sorted(groups.items())]
     settle_shares(points)
     fig = figure(out, points)
     (out / "sweep.json").write_text(json.dumps({"points": points, "figure": fig}, indent=1))

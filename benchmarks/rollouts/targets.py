@@ -8,7 +8,7 @@ from typing import Any
 
 from .driver import PHASES
 from .regimes import HEADLINE
-from .stats import common_epochs, epoch_ratios, later_epochs, peak_ratios, seeds_with, spread
+from .stats import common_epochs, compared_sum, epoch_ratios, later_epochs, peak_ratios, seeds_with, spread
 
 
 def _met(value: float, target: float, at_most: bool = False) -> bool:
@@ -28,7 +28,7 @@ def targets(seeds: dict[int, dict[str, Any]], epochs: int, share: str = "ksm",
     bf = seeds_with(seeds, "Base", "Full")
     if bf:
         def tot(s: dict[str, Any], n: str, key: str) -> float:
-            return sum(s[n][key][e] for e in common_epochs(s, later, "Base", "Full"))
+            return compared_sum(s, n, key, later)
 
         def path(s: dict[str, Any], n: str, phases: tuple[str, ...]) -> float:
             per = s[n].get("phases_per_epoch") or []  # merged runs from before the phases have none
