@@ -212,7 +212,7 @@ def attackers(args: argparse.Namespace) -> int:
     cg = MemoryCgroup(f"bunshin-bench-serve-{os.getpid()}")
     print(f"regime: {platform.node()} kernel {platform.release()}, {os.cpu_count()} CPUs (load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}, shared with other work), cgroup {cg.version} memory "
-          f"cgroup {cg.path}; bunshin serve on loopback with its defaults (header timeout 10 s); {args.clients} "
+          f"cgroup {cg.path}; bunshin serve on loopback with its defaults (head 10 s, idle 30 s); {args.clients} "
           f"clients in {args.clients} sandboxes, each running commands.run('true') back to back (sync e2b SDK, one "
           f"process); {args.rounds} rounds of an idle and an attacked {args.window:g} s window, order by seed "
           f"{args.seed}: {order}; attackers in a process of their own: a flood of {attack.FLOOD_BYTES // MiB} MiB "

@@ -37,7 +37,9 @@ BODY_BYTES = 128 << 20
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[support.Served]:
-    with support.serving(tmp_path_factory.mktemp("serve"), ("--header-timeout", str(HEADER_TIMEOUT))) as s:
+    # Idle client connections are closed at the keep-alive (the baseline waits for that).
+    args = ("--header-timeout", str(HEADER_TIMEOUT), "--timeout-keep-alive", str(HEADER_TIMEOUT))
+    with support.serving(tmp_path_factory.mktemp("serve"), args) as s:
         yield s
 
 

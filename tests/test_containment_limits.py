@@ -11,12 +11,13 @@ real `e2b` SDK, httpx or raw sockets.
 - bodies: a control-plane body past 1 MiB, an upload past --max-upload-bytes are refused with
   413, the port proxy streams a body through instead of holding it;
 - a connection that does not send a request head in time is closed, and others are answered
-  meanwhile.
+  meanwhile; one idle between requests is kept for the keep-alive, not closed at the head deadline.
 """
 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import socket
 import time
@@ -38,6 +39,7 @@ pytestmark = pytest.mark.timeout(240)
 MAX_SANDBOXES = 3
 UPLOAD_CAP = 1 << 20
 HEADER_TIMEOUT = 1.0
+KEEP_ALIVE = 3.0
 COUNT_SERVER = r"""
 import http.server
 class H(http.server.BaseHTTPRequestHandler):
@@ -63,7 +65,7 @@ http.server.ThreadingHTTPServer(("0.0.0.0", 8000), H).serve_forever()
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[support.Served]:
     extra = ("--max-sandboxes", str(MAX_SANDBOXES), "--max-upload-bytes", str(UPLOAD_CAP),
-             "--header-timeout", str(HEADER_TIMEOUT), "--block-private",
+             "--header-timeout", str(HEADER_TIMEOUT), "--timeout-keep-alive", str(KEEP_ALIVE), "--block-private",
              "--template-limits", "debian", "cpu=1,memory-mb=256,disk-mb=1024,pids=512")
     with support.serving(tmp_path_factory.mktemp("serve"), extra) as s:
         yield s
@@ -283,6 +285,44 @@ def test_slow_request_heads_are_closed(served: support.Served) -> None:
     finally:
         for s in conns:
             s.close()
+
+
+def test_idle_connections_are_kept_for_the_keep_alive(served: support.Served) -> None:
+    """Idle between requests, a connection is the keep-alive's: not closed at the head deadline
+    (timed from the response, it closed a connection idle past it, which a client reusing it
+    just then met as "connection closed before message completed"); a head begun after idling
+    gets the head deadline from its first byte."""
+    conn = http.client.HTTPConnection(*_addr(served), timeout=KEEP_ALIVE + 10)
+
+    def get() -> int:
+        conn.request("GET", "/sandboxes", headers={"X-API-KEY": served.key})
+        r = conn.getresponse()
+        r.read()
+        return r.status
+
+    try:
+        assert get() == 200
+        sock = conn.sock
+        time.sleep(2 * HEADER_TIMEOUT)  # idle past the head deadline, within the keep-alive
+        assert get() == 200 and conn.sock is sock, "the idle connection was not kept"
+        time.sleep(2 * HEADER_TIMEOUT)
+        t0 = time.monotonic()
+        sock.sendall(b"GET /sandboxes HTTP/1.1\r\nHost: localhost\r\nX-Slow: ")
+        with contextlib.suppress(ConnectionResetError):
+            assert sock.recv(4096) == b""
+        took = time.monotonic() - t0
+        assert HEADER_TIMEOUT <= took < KEEP_ALIVE, f"a stalled head closed after {took:.2f} s"
+    finally:
+        conn.close()
+    conn = http.client.HTTPConnection(*_addr(served), timeout=KEEP_ALIVE + 10)
+    try:
+        assert get() == 200
+        t0 = time.monotonic()
+        assert conn.sock.recv(4096) == b""  # closed by the server, idle
+        took = time.monotonic() - t0
+        assert KEEP_ALIVE - 0.5 <= took < KEEP_ALIVE + 5, f"an idle connection closed after {took:.2f} s"
+    finally:
+        conn.close()
 
 
 def test_watchers_are_capped(pair: tuple[e2b.Sandbox, e2b.Sandbox]) -> None:

@@ -32,7 +32,12 @@ class DEFAULTS:
     max_upload_bytes = 256 << 20
     header_timeout = 10.0
 
-KEEP_ALIVE_S = 5
+# An idle connection between requests is closed after this long. Above the clients' own idle
+# expiry (httpx 5 s, Node's 4-5 s, aiohttp 15 s), so that they drop a connection before the server
+# does; at uvicorn's 5 s, a client that waited 5 s (E2B's tests sleep 5 s for a timeout to pass)
+# could send its request just as the server closed the connection: "connection closed before
+# message completed". A client that keeps connections longer (hyper: 90 s) meets that only at 30 s.
+KEEP_ALIVE_S = 30.0
 MAX_HEAD_BYTES = 64 * 1024  # a request's head (line and headers) at most: h11 answers 431 past it
 
 
@@ -40,6 +45,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
     return value
 
 
@@ -92,6 +104,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--header-timeout", type=float, default=limits.header_timeout, metavar="SECONDS",
                    help=f"close a connection that has not sent a request's headers within this time "
                         f"(default {limits.header_timeout:g})")
+    p.add_argument("--timeout-keep-alive", type=_seconds, default=KEEP_ALIVE_S, metavar="SECONDS",
+                   help=f"close a connection idle between requests after this time (default {KEEP_ALIVE_S:g})")
     p.add_argument("--max-connections", type=_positive, default=MAX_CONNECTIONS, metavar="N",
                    help=f"connections served at once; past it, 503 (default {MAX_CONNECTIONS})")
     p.add_argument("--state-dir", type=Path, default=DEFAULT_ROOT,
@@ -178,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     # with a deadline on each request's head, which uvicorn lacks.
     config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=10,
                             http=header_timeout_protocol(limits.header_timeout),
-                            timeout_keep_alive=KEEP_ALIVE_S, limit_concurrency=args.max_connections,
+                            timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.max_connections,
                             h11_max_incomplete_event_size=MAX_HEAD_BYTES,
                             ssl_certfile=tls[0] if tls else None, ssl_keyfile=tls[1] if tls else None)
     _server(config).run(sockets=[sock])

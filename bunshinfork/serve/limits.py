@@ -131,9 +131,11 @@ class SandboxCap:
 
 def header_timeout_protocol(timeout: float) -> type:
     """uvicorn's h11 protocol, closing a connection that has not sent a whole request head
-    within `timeout` seconds of connecting or of its previous response (uvicorn's keep-alive
-    timer stops at the first byte, so a client sending its headers a byte at a time, or
-    nothing after connecting, held a connection slot for ever: slowloris)."""
+    within `timeout` seconds of connecting, or of the first byte of a head after a response
+    (uvicorn's keep-alive timer stops at the first byte, so a client sending its headers a byte
+    at a time, or nothing after connecting, held a connection slot for ever: slowloris). An idle
+    connection between requests is uvicorn's keep-alive timer's alone: timing it here too closed
+    it at `timeout` whatever the keep-alive, at a moment a client may be reusing it."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -154,8 +156,9 @@ def header_timeout_protocol(timeout: float) -> type:
                 self._head_timer = None
 
         def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._arm()  # the next request's head (keep-alive's own timer stops at its first byte)
+            super().on_response_complete()  # arms the keep-alive timer, runs a pipelined request
+            if self.conn.their_state == h11.IDLE and self.conn.trailing_data[0]:
+                self._arm()  # a pipelined head begun before the response ended: its bytes are in
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._head_timer is not None:
