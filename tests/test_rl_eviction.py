@@ -173,6 +173,35 @@ def test_touch_protects_ancestors_and_evicts_lru_leaf() -> None:
     cache.close()
 
 
+def test_states_below_one_on_disk_only_are_held_when_the_budget_has_room() -> None:
+    """A state captured when the budget had no room is kept on disk only; the states captured or
+    restored below it later are held in memory once there is room (before: on disk only for
+    good, their ancestor being neither resident nor sparse, so every hit below it restored from
+    disk or replayed from the root)."""
+    backend = FakeBackend(persists=True)
+    cache = ToolPrefixCache(backend, 20, background=False)
+    root = cache.add_root("t", "d", backend.new((), 10))
+    a = captured(cache, backend, root, "a", 30)  # 40 > 20: on disk only
+    assert not a.resident and a.disk_ref is not None
+    cache.set_capacity(1000)
+    ab = captured(cache, backend, a, "b", 30)
+    assert ab.resident and ab.disk_ref is not None
+    backend.release(cache.lru.drop(ab))  # as if evicted
+    a.exec_seconds = ab.exec_seconds = 50.0  # a restore of ab beats replaying from root or a
+    abc = captured(cache, backend, ab, "c", 30)  # below two states on disk only
+    assert abc.resident
+    backend.release(cache.lru.drop(abc))
+    plan = cache.plan(ab)
+    assert plan.source is ab and plan.load
+    ws = asyncio.run(cache.materialize(ab, TOOLS))
+    assert ws.calls == ["a{}", "b{}"] and backend.loads == 1
+    assert ab.resident, "the restored state was not promoted back to memory"
+    assert asyncio.run(cache.materialize(ab, TOOLS)).calls == ["a{}", "b{}"] and backend.loads == 1
+    assert cache.check() == []
+    cache.close()
+    assert backend.live == set()
+
+
 def test_replay_is_preferred_when_faster_than_disk() -> None:
     backend = FakeBackend(persists=True)
     cache = ToolPrefixCache(backend, 10**6, background=False)

@@ -274,7 +274,8 @@ class ToolPrefixCache(Reconstruction, Persistence):
                     node.pins += 1
                     self._queue_persist(node, payload, False)
             elif self.backend.persists and node.disk_ref is None:
-                # Its ancestors are not resident (or it alone exceeds the budget): keep it on disk only.
+                # An ancestor is neither resident nor on disk yet (or it alone exceeds the budget):
+                # keep it on disk only.
                 persist_only = True
             else:
                 victims.append((node, payload))

@@ -1,10 +1,15 @@
 """Ancestor-aware LRU over the resident nodes of a prefix tree.
 
-The resident set is kept ancestor-closed: a resident node's captured ancestors are resident too
-(sparse nodes, which never had a snapshot, are the only gaps). Reconstruction then always finds
-a resident ancestor on the path, and a lookup walking down from the root meets resident states
-first. Touching a node refreshes its ancestors as well, so an ancestor is never older than its
-descendants, and eviction only takes nodes with no resident descendant.
+The resident set is kept ancestor-closed: a resident node's captured ancestors are resident too,
+or have a copy on disk (sparse nodes, which never had a snapshot, are the other gaps).
+Reconstruction then always finds a retained ancestor on the path, and a lookup walking down from
+the root meets retained states first. Touching a node refreshes its ancestors as well, so an
+ancestor is never older than its descendants, and eviction only takes nodes with no resident
+descendant. A copy on disk closes the gap because without it the closure was a trap: a state
+captured while the budget had no room went to disk only, and so did every state captured below
+it afterwards and every restore below it, however much room came later, so each hit there
+restored from disk or replayed from the root (issue 38's seed 2: 20-50 s of `materialize` per
+epoch with the cache at a third of its budget).
 """
 
 from __future__ import annotations
@@ -31,15 +36,21 @@ class AncestorLRU:
         for a in node.ancestors():
             a.last_used = self._clock
 
+    @staticmethod
+    def held(node: Node) -> bool:
+        """Whether `node` closes the set above a resident descendant: resident, on disk, or
+        never captured."""
+        return node.resident or node.sparse or node.disk_ref is not None
+
     def may_hold(self, node: Node) -> bool:
         """Whether making `node` resident keeps the set ancestor-closed."""
-        return all(a.resident or a.sparse for a in node.ancestors())
+        return all(self.held(a) for a in node.ancestors())
 
     def add(self, node: Node, payload: Any, size: int) -> None:
         if node.resident:
             raise ValueError(f"{node} is already resident")
         if not self.may_hold(node):
-            raise ValueError(f"{node} has a captured ancestor that is not resident")
+            raise ValueError(f"{node} has a captured ancestor neither resident nor on disk")
         node.payload, node.payload_bytes = payload, size
         self.resident.add(node)
         self.resident_bytes += size
@@ -91,8 +102,8 @@ class AncestorLRU:
         bad = []
         for n in self.resident:
             for a in n.ancestors():
-                if not (a.resident or a.sparse):
-                    bad.append(f"{n} is resident but its ancestor {a} is not")
+                if not self.held(a):
+                    bad.append(f"{n} is resident but its ancestor {a} is neither resident nor on disk")
                 if a.last_used < n.last_used:
                     bad.append(f"{a} was used less recently than its descendant {n}")
         for n in list(self.resident) + [a for r in self.resident for a in r.ancestors()]:
