@@ -32,6 +32,7 @@ gui_candidates = agent_policy.gui_candidates
 shop_candidates = agent_policy.shop_candidates
 oracle = load_by_path("rollouts_oracle", "benchmarks/rollouts/oracle.py")
 contention = load_by_path("rollouts_contention", "benchmarks/rollouts/contention.py")
+trajectories = load_by_path("rollouts_trajectories", "benchmarks/rollouts/trajectories.py")
 # tpot(n) = n ms from 1 to 128 in flight, nothing else priced: hand-computable steps.
 LINEAR = LatencyModel(tpot_table=((1, 1e-3), (128, 128e-3)), first_token_s=0.0, prefill_s_per_token=0.0)
 
@@ -258,6 +259,20 @@ def test_one_real_epoch_of_base_on_the_coding_task() -> None:
     calls = [st for s in r.samples for st in s.steps if st.call.name == "run_tests"]
     assert calls and all("passed" in st.observation for st in calls)
     assert engine.core.kept_snapshots() == []
+    # Trajectories: each sample's calls and observation digests, parted where a step differs.
+    d = trajectories.digests(r)
+    assert {k: len(v) for k, v in d.items()} == {f"{s.task_id}/{s.sample}": len(s.steps) for s in r.samples}
+    assert all(how == "executed" for v in d.values() for _, how, _ in v)
+    assert trajectories.compare([d], [d])["samples_parted"] == 0
+    k = next(iter(d))
+    seen = {**d, k: [list(x) for x in d[k]]}
+    seen[k][1][2] = "0" * 12
+    other = {**d, k: [*d[k][:1], ["no_such_call{}", "cache", d[k][1][2]], *d[k][2:]]}
+    got = trajectories.compare([d, d, d], [seen, other, {k: d[k][:-1]}])
+    assert got["by_kind"] == {"observation": 1, "call": 1, "length": 1}
+    assert got["per_epoch"][0] == {k: {"step": 1, "kind": "observation", "call": d[k][1][0],
+                                       "served": ["executed", "executed"]}}
+    assert got["per_epoch"][1][k]["calls"] == [d[k][1][0], "no_such_call{}"]
 
 
 def _seed_result(seed: int, spec_s: float, fork_s: float, base_s: float = 20.0, full_s: float | None = None) -> dict:

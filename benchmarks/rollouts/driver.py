@@ -25,6 +25,7 @@ from .oracle import replay
 from .sampler import HostSampler
 from .stats import gate_profile
 from .tasks import build_tasks, check_tools
+from .trajectories import compare, digests, report
 
 PHASES = ("setup", "reason", "tool", "cache_hit", "sibling_wait", "audit", "materialize", "post_wait", "spec_hit",
           "spec_miss")
@@ -130,6 +131,8 @@ async def run_epoch(run: ConfigRun, group: int, epoch: int) -> dict[str, Any]:
         "reasoning_busy_share": reasoning_busy_share(r),
         "distinct_prefixes": distinct_prefixes(r),
         "contention": None,
+        # Each sample's calls, what served them and its observations' digests (trajectories.py).
+        "trajectories": digests(r),
     }
     run.epochs.append(row)
     print(f"  {run.name:4s} epoch {epoch}: {r.seconds:6.1f} s (oracle {row['oracle_seconds']:5.1f} s, median "
@@ -208,6 +211,7 @@ def summarize(run: ConfigRun) -> dict[str, Any]:
         "audit_per_epoch": [e["audit"] for e in ep],
         "cache": run.results[-1].cache if run.results else None,
         "speculation": run.results[-1].speculation if run.results else None,
+        "trajectories_per_epoch": [e["trajectories"] for e in ep],
     }
 
 
@@ -265,6 +269,11 @@ async def run_seed(seed: int, args: argparse.Namespace, agent_cfg: AgentConfig, 
     trio = [n for n in runs if n.partition("@")[0] in ENGINE_CONFIGS]
     out["rewards_identical"] = all(runs[trio[0]].epochs[e]["rewards"] == runs[n].epochs[e]["rewards"]
                                    for n in trio for e in range(min(len(runs[n].epochs), len(runs[trio[0]].epochs))))
+    if trio:  # where each configuration's samples part from the first's (trajectories.py)
+        ref = [e["trajectories"] for e in runs[trio[0]].epochs]
+        out["trajectories_parted"] = {"reference": trio[0], **{
+            n: compare(ref, [e["trajectories"] for e in runs[n].epochs]) for n in trio[1:]}}
+        report(out["trajectories_parted"])
     audits = [e["audit"] for r in runs.values() for e in r.epochs if e["audit"] is not None]
     out["audit"] = {"mode": args.audit, **{k: sum(a[k] for a in audits)
                                            for k in ("audited", "mismatches", "not_auditable", "errors")},
