@@ -305,7 +305,7 @@ def server_use(served: support.Served) -> ServerUse:
 
 def settle(served: support.Served, within: ServerUse | None = None, timeout: float = 60) -> ServerUse:
     """The server's use once its client connections are gone (closed by the server: by the
-    header timeout after their last response, or keep-alive's) and, if `within` is given, its
+    keep-alive after their last response, or the header timeout) and, if `within` is given, its
     fds and threads are back within it; polled, as nothing reports when they are closed."""
     deadline = time.monotonic() + timeout
     while True:
