@@ -86,20 +86,23 @@ def test_a_hits_warm_workspace_is_adopted_by_a_later_miss_without_a_fork_on_the_
     prefix = [C("bump", {"n": 1}), C("slow", {"s": 0.8}), C("touch", {"name": "a"})]
     script = {0: {0: [*prefix, C("state")]}, 1: {0: [*prefix, C("bump", {"n": 5}), C("state")]}}
 
-    async def miss_wait(prefetch: bool) -> float:
+    async def miss_wait(prefetch: bool) -> tuple[float, list[str]]:
         # Long reasoning before the miss: time enough for the warm workspace to be ready.
         policy = Scripted(script, think=0.3, long=3.0, long_at=[3])
         r = await _epochs(_engine(policy, predicted=5.0, prefetch=prefetch), 2)
         tl = r[1].samples[0]
         assert not tl.errors, tl.errors
         assert tl.count("cache_hit") == 3 and tl.count("tool") >= 1
-        return tl.seconds("materialize")
+        return tl.seconds("materialize"), [e.detail for e in tl.events if e.kind == "materialize"]
 
     async def main() -> None:
-        warm = await miss_wait(True)
-        cold = await miss_wait(False)
+        warm, warm_how = await miss_wait(True)
+        cold, cold_how = await miss_wait(False)
         assert warm < 0.05, warm  # adopted: nothing rebuilt on the path
         assert cold > 0.05 and cold > 3 * warm, (warm, cold)
+        # The event says what the path waited for: the warm workspace, or the rebuild's plan.
+        assert warm_how == ["warm"], warm_how
+        assert len(cold_how) == 1 and cold_how[0].startswith("rebuilt from memory at depth "), cold_how
 
     asyncio.run(main())
 

@@ -31,8 +31,10 @@ PHASES = ("setup", "reason", "tool", "cache_hit", "sibling_wait", "audit", "mate
           "spec_miss")
 
 
-def _short(detail: str) -> str:
-    """A timeline event's detail, its calls' arguments cut short."""
+def _short(kind: str, detail: str) -> str:
+    """A timeline event's detail, its calls' arguments cut short (a rebuild's plan whole)."""
+    if kind == "materialize":
+        return detail
     call, _, predicted = detail.partition(" (predicted ")
     return call[:48] + (f" / predicted {predicted.rstrip(')')[:48]}" if predicted else "")
 
@@ -50,7 +52,7 @@ def phases(r: EpochResult, epoch_seconds: float) -> dict[str, Any]:
                                 "spec_hits": last.count("spec_hit")},
         # Who it was and what its path held, event by event (kind, seconds, the call's name).
         "critical_path_sample": f"{last.task_id}/{last.sample}",
-        "critical_path_events": [(e.kind, round(e.seconds, 3), _short(e.detail))
+        "critical_path_events": [(e.kind, round(e.seconds, 3), _short(e.kind, e.detail))
                                  for e in last.events if e.kind != "reason"],
         "all_rollouts": {k: round(sum(t.seconds(k) for t in r.samples), 3) for k in PHASES},
         "after_last_rollout": round(epoch_seconds - r.seconds, 3),

@@ -87,6 +87,7 @@ class WarmWorkspaces:
         assert self.core.cache is not None and self.node is not None
         ws: Workspace | None = None
         diverged = False
+        detail = "warm"  # what the path waited for: the warm workspace, or the rebuild's plan
         if st.shadow is not None:
             try:
                 ws = await st.shadow
@@ -95,6 +96,7 @@ class WarmWorkspaces:
             except Exception as e:
                 tl.errors.append(f"prefetch failed: {e!r}")
         if ws is None:
+            detail = self._plan_detail(self.node)
             ws = await self._verified_rebuild(t if diverged else None)
         # The sample's state is verified: a warm workspace destroyed on the way is accounted for.
         self.timeline.settle_divergences("destroyed_reproduced")
@@ -102,7 +104,19 @@ class WarmWorkspaces:
             self.node = None  # verified, but nothing is recorded under a dropped subtree
         self._enter(Live(self.core.workspaces.add(ws)))
         await self.note_fork(ws)
-        tl.add("materialize", t, self.now())
+        tl.add("materialize", t, self.now(), detail)
+
+    def _plan_detail(self, node: Node) -> str:
+        """A rebuild's plan as the cache sees it now: its source (in memory or on disk, at which
+        depth) and the calls it replays."""
+        assert self.core.cache is not None
+        try:
+            plan = self.core.cache.plan(node)
+        except LookupError:
+            return "rebuilt: no plan"
+        where = "disk" if plan.load else "memory"
+        return (f"rebuilt from {where} at depth {plan.source.depth} of {node.depth}, replaying "
+                + (",".join(n.call.name for n in plan.replay if n.call is not None) or "nothing"))
 
     async def _verify_served(self) -> None:
         """Before the sample finishes: the replays behind the cache hits it was served (its warm
