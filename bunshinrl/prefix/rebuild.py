@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,11 @@ class Plan:
     load: bool
     replay: tuple[Node, ...]
     seconds: float  # estimated
+
+    def describe(self) -> str:
+        """Where it forks from (memory or disk, at which depth) and the calls it replays."""
+        calls = ",".join(n.call.name for n in self.replay if n.call is not None) or "nothing"
+        return f"rebuilt from {'disk' if self.load else 'memory'} at depth {self.source.depth}, replaying {calls}"
 
 
 def ewma(old: float, new: float, weight: float = 0.3) -> float:
@@ -96,11 +101,12 @@ class Reconstruction:
                 raise LookupError(f"{node} has no retained ancestor to rebuild it from")
             return best
 
-    async def materialize(self, node: Node, tools: Mapping[str, Tool], warm: Workspace | None = None) -> Workspace:
+    async def materialize(self, node: Node, tools: Mapping[str, Tool], warm: Workspace | None = None,
+                          on_plan: Callable[[Plan], None] | None = None) -> Workspace:
         """A new running workspace in `node`'s state (the caller destroys it): forked by the
         cheapest plan, every replayed call compared with what it recorded (ReplayDiverged).
         warm: a workspace in the parent's state instead, brought to `node`'s by replaying its call
-        (replay()); it is returned."""
+        (replay()); it is returned. on_plan: told the plan taken, before it runs."""
         if warm is not None:
             await self._replay(warm, node, tools)
             return warm
@@ -119,6 +125,8 @@ class Reconstruction:
                     plan.source.pins += 1
             if ok:
                 break
+        if on_plan is not None:
+            on_plan(plan)
         ws = await self._fork_source(plan)
         try:
             for i, step in enumerate(plan.replay):

@@ -3,26 +3,28 @@ did not reproduce (Rewound)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NoReturn
 
 from bunshinfork import Workspace
 
 from ..calls.policy import Step
-from ..prefix.cache import ReplayDiverged
+from ..prefix.cache import Plan, ReplayDiverged
 from .sample_state import Live, Rewound
 
 
 class Rewinding:
     """A verified rebuild and the rewind after it (a Rollout mixin)."""
 
-    async def _verified_rebuild(self, since: float | None) -> Workspace:
+    async def _verified_rebuild(self, since: float | None, on_plan: Callable[[Plan], None] | None = None) -> Workspace:
         """The sample's state, forked from the deepest captured state on its path with the calls
-        below it replayed and compared (since: when a divergence sent us here, for its cost)."""
+        below it replayed and compared (since: when a divergence sent us here, for its cost;
+        on_plan: told the cache's plan)."""
         cache = self.core.cache
         assert cache is not None and self.node is not None
         removed = self.node.removed  # a sample standing on a dropped subtree, revalidated
         try:
-            ws = await cache.materialize(self.node, self.tools)
+            ws = await cache.materialize(self.node, self.tools, on_plan=on_plan)
         except ReplayDiverged as e:
             self.timeline.diverged(mid_plan=e.index > 0, removed_node=removed,
                                    outcome="rewound" if self.rewinds else "refused")

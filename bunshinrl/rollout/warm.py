@@ -12,7 +12,7 @@ from typing import NoReturn
 from bunshinfork import Workspace
 
 from ..calls.signature import ToolCall
-from ..prefix.cache import ReplayDiverged
+from ..prefix.cache import Plan, ReplayDiverged
 from ..prefix.tree import Node
 from ..speculation.speculator import SpeculativeBranch
 from .sample_state import Diverged, Idle, Live, Settling, Speculating
@@ -96,8 +96,9 @@ class WarmWorkspaces:
             except Exception as e:
                 tl.errors.append(f"prefetch failed: {e!r}")
         if ws is None:
-            detail = self._plan_detail(self.node)
-            ws = await self._verified_rebuild(t if diverged else None)
+            plans: list[Plan] = []
+            ws = await self._verified_rebuild(t if diverged else None, on_plan=plans.append)
+            detail = plans[-1].describe() if plans else "rebuilt"
         # The sample's state is verified: a warm workspace destroyed on the way is accounted for.
         self.timeline.settle_divergences("destroyed_reproduced")
         if self.node is not None and self.node.removed:
@@ -106,17 +107,6 @@ class WarmWorkspaces:
         await self.note_fork(ws)
         tl.add("materialize", t, self.now(), detail)
 
-    def _plan_detail(self, node: Node) -> str:
-        """A rebuild's plan as the cache sees it now: its source (in memory or on disk, at which
-        depth) and the calls it replays."""
-        assert self.core.cache is not None
-        try:
-            plan = self.core.cache.plan(node)
-        except LookupError:
-            return "rebuilt: no plan"
-        where = "disk" if plan.load else "memory"
-        return (f"rebuilt from {where} at depth {plan.source.depth} of {node.depth}, replaying "
-                + (",".join(n.call.name for n in plan.replay if n.call is not None) or "nothing"))
 
     async def _verify_served(self) -> None:
         """Before the sample finishes: the replays behind the cache hits it was served (its warm
