@@ -322,6 +322,20 @@ def test_merge_of_per_seed_runs_reports_mean_and_spread(tmp_path: Path) -> None:
                            capture_output=True, text=True, timeout=120)
     assert again.returncode != 0 and "twice" in again.stderr
     assert r["settle"]["seconds"] == 0.0  # runs from before --settle paused nothing
+    # A seed run naming only the configurations every seed runs (--configs Base,Full where Spec
+    # runs at seed 0 only) merges with the full runs; one that drops another configuration does not.
+    for i, configs in enumerate((["Base", "Spec", "Full"], ["Base", "Spec", "Full"], ["Base", "Full"])):
+        part = json.loads(Path(dirs[i], "agent_rollouts.json").read_text())
+        part["size"] |= {"configs": configs, "short_configs": ["Spec"], "short_seeds": [0]}
+        Path(dirs[i], "agent_rollouts.json").write_text(json.dumps(part))
+    subprocess.run([sys.executable, str(bench), "--merge", *dirs, "--out", str(out)], check=True,
+                   capture_output=True, timeout=120)
+    assert json.loads((out / "agent_rollouts.json").read_text())["size"]["configs"] == ["Base", "Spec", "Full"]
+    part["size"]["configs"] = ["Base"]
+    Path(dirs[2], "agent_rollouts.json").write_text(json.dumps(part))
+    other = subprocess.run([sys.executable, str(bench), "--merge", *dirs, "--out", str(out)],
+                           capture_output=True, text=True, timeout=120)
+    assert other.returncode != 0 and "differ in size" in other.stderr
 
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "agent_rollouts.py"

@@ -78,13 +78,23 @@ def merge(dirs: list[Path], out: Path) -> int:
     return 0
 
 
+def _size(part: dict[str, Any]) -> dict[str, Any]:
+    """A run's size as merging compares it: without its seeds, and its configurations those that
+    every seed runs (a short configuration runs at its short seeds only, so a run at another seed
+    that names only the others, --configs Base,Full at seed 2, ran the same)."""
+    size = {k: v for k, v in part["size"].items() if k != "seeds"}
+    short = set(size.get("short_configs") or ())
+    if "configs" in size:
+        size["configs"] = [c for c in size["configs"] if c not in short]
+    return size
+
+
 def _merge_point(runs: list[tuple[Path, dict[str, Any]]], out: Path) -> dict[str, Any]:
     dirs, parts = [d for d, _ in runs], [p for _, p in runs]
     keys = ("latency_model", "agent", "share_engine")
-    size = {k: v for k, v in parts[0]["size"].items() if k != "seeds"}
+    size = _size(parts[0])
     for p in parts[1:]:
-        if {k: p[k] for k in keys} != {k: parts[0][k] for k in keys} or \
-                {k: v for k, v in p["size"].items() if k != "seeds"} != size:
+        if {k: p[k] for k in keys} != {k: parts[0][k] for k in keys} or _size(p) != size:
             raise SystemExit("--merge: the runs differ in size, model, agent or engine")
     seeds: dict[int, dict[str, Any]] = {}
     for p in parts:
@@ -94,7 +104,8 @@ def _merge_point(runs: list[tuple[Path, dict[str, Any]]], out: Path) -> dict[str
             seeds[int(k)] = {**s, "_series": p["series"][k]}
     out.mkdir(parents=True, exist_ok=True)
     meta = {**{k: parts[0][k] for k in keys}, "settle": settle_record(_settle_seconds(parts[0])),
-            "size": {**size, "seeds": sorted(seeds)},
+            "size": {**size, "configs": list(dict.fromkeys(c for p in parts for c in p["size"].get("configs", ()))),
+                     "seeds": sorted(seeds)},
             "runs": [{"dir": str(d), "host": p["host"], "wall_seconds": p["wall_seconds"]}
                      for d, p in zip(dirs, parts, strict=True)]}
     result = finish(out, seeds, meta)
