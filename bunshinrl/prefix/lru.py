@@ -8,8 +8,7 @@ ancestor is never older than its descendants, and eviction only takes nodes with
 descendant. A copy on disk closes the gap because without it the closure was a trap: a state
 captured while the budget had no room went to disk only, and so did every state captured below
 it afterwards and every restore below it, however much room came later, so each hit there
-restored from disk or replayed from the root (issue 38's seed 2: 20-50 s of `materialize` per
-epoch with the cache at a third of its budget).
+restored from disk or replayed from the root, with the cache at a third of its budget (issue 38).
 """
 
 from __future__ import annotations
