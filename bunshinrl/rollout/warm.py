@@ -107,7 +107,6 @@ class WarmWorkspaces:
         await self.note_fork(ws)
         tl.add("materialize", t, self.now(), detail)
 
-
     async def _verify_served(self) -> None:
         """Before the sample finishes: the replays behind the cache hits it was served (its warm
         workspace, still being brought to the last hit's state) are awaited and the workspace
